@@ -1,0 +1,305 @@
+"""Typed experiment settings: one pydantic model per concern, grouped like the YAML files.
+
+Why pydantic with ``extra="forbid"`` everywhere: a typo in a 200-line YAML file (``filter_ration``)
+must stop the run before a vLLM server is started, not silently fall back to a default. Cross-field
+rules that no single field can express (LoRA specialization needs a positive rank, agents must name
+a defined policy, ...) live in ``ExperimentConfig._check_combinations`` so there is one place to read
+them.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Strict(BaseModel):
+    """Base for every section: unknown keys are errors, values are re-validated on assignment."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# run
+# --------------------------------------------------------------------------------------------------
+class RunSettings(_Strict):
+    """Where a run lives and how long it lasts."""
+
+    name: str = Field("code-env", min_length=1, description="Human name; the run id is derived from it.")
+    storage_root: str = Field(
+        "./outputs",
+        description="fsspec URI under which runs/<run_id>/... is written: a local path or s3://bucket/prefix.",
+    )
+    storage_options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Keyword arguments for the fsspec filesystem (e.g. client_kwargs.endpoint_url for S3).",
+    )
+    iterations: int = Field(2, ge=1, description="Training iterations (one Prefect subflow each).")
+    seed: int = Field(0, description="Seeds task sampling, env resets and sampling seeds.")
+
+
+# --------------------------------------------------------------------------------------------------
+# policies and agents (seed 000: L0-L3 specialization)
+# --------------------------------------------------------------------------------------------------
+class Specialization(StrEnum):
+    """How agents map onto trainable weights (seed 000).
+
+    ``prompt`` (L0/L1): every agent uses one shared model; only the prompt differs.
+    ``lora`` (L2): one base model, one LoRA adapter per agent, each trained on its own samples.
+    ``full`` (L3): one full model per policy, each with its own server and update job.
+    """
+
+    prompt = "prompt"
+    lora = "lora"
+    full = "full"
+
+
+class LoraSettings(_Strict):
+    """LoRA adapter shape, used when ``specialization: lora``."""
+
+    rank: int = Field(16, ge=0, description="Adapter rank r; must be > 0 for LoRA specialization.")
+    alpha: int = Field(32, ge=1, description="Scaling numerator: the update is scaled by alpha / rank.")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+        description="Module names that receive adapters.",
+    )
+
+
+class PolicySettings(_Strict):
+    """One trainable set of weights and the server that samples from it."""
+
+    name: str = Field(min_length=1)
+    model: str = Field(
+        "smollm2-135m-instruct",
+        description="A prepared model name under $PETTINGFLOW_HOME/models, or a path to a local HF folder.",
+    )
+    lora: LoraSettings = Field(default_factory=LoraSettings)
+
+
+class SamplingSettings(_Strict):
+    """Per-agent sampling parameters sent with every request of that agent."""
+
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1, description="-1 disables top-k.")
+    max_tokens: int = Field(256, ge=1, description="New tokens per call (the episode budget may cap it lower).")
+    stop: list[str] = Field(default_factory=list)
+
+
+class AgentSettings(_Strict):
+    """One agent: its class, the policy that drives it and how it samples."""
+
+    name: str = Field(min_length=1)
+    class_path: str = Field(description="Short registered name or 'package.module:Class'.")
+    policy: str = Field(description="Name of an entry in `policies`.")
+    sampling: SamplingSettings = Field(default_factory=SamplingSettings)
+
+
+# --------------------------------------------------------------------------------------------------
+# env and rollout
+# --------------------------------------------------------------------------------------------------
+class DatasetSettings(_Strict):
+    """Which tasks the env draws from."""
+
+    source: Literal["humaneval", "file"] = "humaneval"
+    path: str | None = Field(None, description="JSONL or Parquet of HumanEval-shaped rows when source=file.")
+    validation_fraction: float = Field(0.2, gt=0.0, lt=1.0, description="Held-out share, split deterministically.")
+    split_seed: int = 0
+
+
+class SandboxSettings(_Strict):
+    """Limits for running model-written code (never unsandboxed)."""
+
+    backend: Literal["bubblewrap", "docker"] = "bubblewrap"
+    timeout_s: float = Field(10.0, gt=0.0, description="Wall-clock deadline; the whole process tree is killed.")
+    cpu_time_s: int = Field(10, ge=1)
+    memory_mb: int = Field(512, ge=64)
+    max_processes: int = Field(64, ge=1)
+    max_file_mb: int = Field(16, ge=1)
+    max_output_bytes: int = Field(65536, ge=1024)
+    max_concurrency: int = Field(2, ge=1)
+    docker_image: str = "python:3.11-slim"
+
+
+class EnvSettings(_Strict):
+    """The shared environment agents act in."""
+
+    class_path: str = Field("code-env", description="Short registered name or 'package.module:Class'.")
+    dataset: DatasetSettings = Field(default_factory=DatasetSettings)
+    max_turns: int = Field(4, ge=1, description="Agent calls per episode, counted over all agents.")
+    group_size: int = Field(2, ge=1, description="G: samples per task from the same initial state and seed.")
+    tasks_per_iteration: int = Field(4, ge=1)
+    token_budget: int = Field(1024, ge=1, description="Generated tokens allowed per episode (seed 003).")
+    sample_layout: Literal["per_turn", "per_episode"] = Field(
+        "per_turn",
+        description="per_turn: one row per agent call (seed 000). per_episode: one masked sequence per agent.",
+    )
+    sandbox: SandboxSettings = Field(default_factory=SandboxSettings)
+
+
+class RolloutSettings(_Strict):
+    """How rollouts are executed."""
+
+    max_concurrent_requests: int = Field(32, ge=1)
+    ray_address: str | None = Field(None, description="Attach to a Ray cluster; None starts a local runtime.")
+    ray_num_cpus: int | None = Field(None, ge=1)
+
+
+# --------------------------------------------------------------------------------------------------
+# algorithm and training
+# --------------------------------------------------------------------------------------------------
+class AlgorithmSettings(_Strict):
+    """RL objective: advantages, filters and the clipped surrogate."""
+
+    advantage_estimator: Literal["grpo", "grpo_no_std", "rloo", "reinforce_pp"] = "grpo"
+    filter_method: Literal["none", "mean", "std", "dapo", "uid"] = "none"
+    filter_ratio: float = Field(0.0, ge=0.0, lt=1.0, description="Share of UID groups (or samples for 'uid') removed.")
+    clip_ratio_low: float = Field(0.2, ge=0.0, lt=1.0)
+    clip_ratio_high: float = Field(0.28, ge=0.0)
+    clip_ratio_c: float | None = Field(
+        None, gt=1.0, description="Dual-clip bound for negative advantages; None disables."
+    )
+    kl_coef: float = Field(0.0, ge=0.0)
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    entropy_coef: float = Field(0.0, ge=0.0)
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
+    use_sampler_logprobs: bool = Field(
+        False, description="Use vLLM's log-probs as old log-probs instead of recomputing them."
+    )
+
+
+class TrainingSettings(_Strict):
+    """DeepSpeed update job, one per policy."""
+
+    num_processes: int = Field(1, ge=1, description="Ranks per update job (gloo on CPU).")
+    zero_stage: Literal[0, 1, 2, 3] = 2
+    dtype: Literal["bf16", "fp32"] = "bf16"
+    micro_batch_size: int = Field(2, ge=1)
+    gradient_accumulation_steps: int = Field(1, ge=1)
+    lr: float = Field(1e-5, gt=0.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    epochs: int = Field(1, ge=1, description="PPO epochs over each iteration's batch.")
+    max_grad_norm: float = Field(1.0, gt=0.0)
+    max_seq_len: int = Field(2048, ge=16)
+
+
+class InferenceSettings(_Strict):
+    """vLLM server: managed here, or attached by URL."""
+
+    url: str | None = Field(None, description="Attach to this OpenAI-compatible server instead of starting one.")
+    max_model_len: int = Field(2048, ge=128)
+    kv_cache_gib: int = Field(4, ge=1)
+    startup_timeout_s: float = Field(600.0, gt=0.0)
+    request_timeout_s: float = Field(300.0, gt=0.0)
+    max_retries: int = Field(3, ge=0)
+
+
+class ValidationSettings(_Strict):
+    """Held-out evaluation cadence."""
+
+    frequency: int = Field(1, ge=0, description="Validate at iteration 0 and every N iterations; 0 disables.")
+    num_tasks: int = Field(4, ge=1)
+    temperature: float = Field(0.0, ge=0.0)
+
+
+# --------------------------------------------------------------------------------------------------
+# the whole experiment
+# --------------------------------------------------------------------------------------------------
+class ExperimentConfig(_Strict):
+    """A full experiment, as loaded from ``configs/<name>.yaml`` plus overrides."""
+
+    run: RunSettings = Field(default_factory=RunSettings)
+    specialization: Specialization = Specialization.prompt
+    policies: Annotated[list[PolicySettings], Field(min_length=1)]
+    agents: Annotated[list[AgentSettings], Field(min_length=1)]
+    env: EnvSettings = Field(default_factory=EnvSettings)
+    rollout: RolloutSettings = Field(default_factory=RolloutSettings)
+    algorithm: AlgorithmSettings = Field(default_factory=AlgorithmSettings)
+    training: TrainingSettings = Field(default_factory=TrainingSettings)
+    inference: InferenceSettings = Field(default_factory=InferenceSettings)
+    validation: ValidationSettings = Field(default_factory=ValidationSettings)
+
+    @model_validator(mode="after")
+    def _check_combinations(self) -> ExperimentConfig:
+        """Rules that span fields. Each error names the key path a user has to change."""
+        problems: list[tuple[str, str]] = []
+        policy_names = [p.name for p in self.policies]
+        for i, name in enumerate(policy_names):
+            if policy_names.index(name) != i:
+                problems.append((f"policies.{i}.name", f"duplicate policy name {name!r}"))
+        agent_names = [a.name for a in self.agents]
+        for i, name in enumerate(agent_names):
+            if agent_names.index(name) != i:
+                problems.append((f"agents.{i}.name", f"duplicate agent name {name!r}"))
+        for i, agent in enumerate(self.agents):
+            if agent.policy not in policy_names:
+                problems.append(
+                    (f"agents.{i}.policy", f"unknown policy {agent.policy!r}; defined policies: {policy_names}")
+                )
+        used = {a.policy for a in self.agents}
+        if self.specialization is Specialization.prompt and len(used) > 1:
+            problems.append(
+                (
+                    "specialization",
+                    "prompt specialization shares one model, but agents use policies "
+                    f"{sorted(used)}; set specialization: full for one model per policy",
+                )
+            )
+        if self.specialization is Specialization.lora:
+            if len(used) != 1:
+                problems.append(
+                    (
+                        "specialization",
+                        f"lora specialization trains adapters on one base policy, but agents use {sorted(used)}",
+                    )
+                )
+            for i, policy in enumerate(self.policies):
+                if policy.name in used and policy.lora.rank <= 0:
+                    problems.append((f"policies.{i}.lora.rank", "must be > 0 when specialization is lora"))
+        if self.algorithm.filter_method == "dapo" and self.env.group_size < 2:
+            problems.append(
+                (
+                    "algorithm.filter_method",
+                    "dapo removes zero-variance groups; with env.group_size=1 every group is removed",
+                )
+            )
+        if self.algorithm.filter_method == "uid" and self.env.group_size < 2 and self.algorithm.filter_ratio > 0:
+            problems.append(
+                ("algorithm.filter_method", "uid filtering removes outliers within a group; needs env.group_size >= 2")
+            )
+        if self.algorithm.advantage_estimator == "rloo" and self.env.group_size < 2:
+            problems.append(
+                ("algorithm.advantage_estimator", "rloo needs env.group_size >= 2 (leave-one-out baseline)")
+            )
+        if self.training.max_seq_len > self.inference.max_model_len:
+            problems.append(
+                (
+                    "training.max_seq_len",
+                    f"{self.training.max_seq_len} exceeds inference.max_model_len={self.inference.max_model_len}",
+                )
+            )
+        if problems:
+            raise CombinationError(problems)
+        return self
+
+    def policy(self, name: str) -> PolicySettings:
+        """The policy called ``name`` (KeyError names the defined ones)."""
+        for p in self.policies:
+            if p.name == name:
+                return p
+        raise KeyError(f"no policy {name!r}; defined: {[p.name for p in self.policies]}")
+
+    def agents_of(self, policy: str) -> list[AgentSettings]:
+        """Agents driven by ``policy``, in turn order."""
+        return [a for a in self.agents if a.policy == policy]
+
+
+class CombinationError(ValueError):
+    """Cross-field rule violations, each as (key path, message)."""
+
+    def __init__(self, problems: list[tuple[str, str]]):
+        self.problems = problems
+        super().__init__("; ".join(f"{path}: {msg}" for path, msg in problems))

@@ -1,0 +1,103 @@
+"""Where a run's files live: ``<root>/runs/<run_id>/iter-<k>/<step>/...``.
+
+Re-runs of an iteration (``pettingflow rerun``) write into ``iter-<k>/attempt-<a>/<step>/`` so that
+the original attempt is never overwritten.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import re
+import secrets
+from typing import Any
+
+import fsspec
+
+from pettingflow.storage.fs import filesystem, join, uri_of, write_bytes_atomic
+from pettingflow.storage.steps import Step
+
+_ITER = re.compile(r"^iter-(\d+)$")
+_ATTEMPT = re.compile(r"^attempt-(\d+)$")
+_RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+def new_run_id(name: str, now: dt.datetime | None = None) -> str:
+    """``<name>-<UTC timestamp>-<4 hex>``: sortable by time, unique across machines."""
+    now = now or dt.datetime.now(dt.UTC)
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-") or "run"
+    return f"{slug}-{now:%Y%m%d-%H%M%S}-{secrets.token_hex(2)}"
+
+
+class RunLayout:
+    """Paths of one run under a storage root (any fsspec URI)."""
+
+    def __init__(self, root: str, run_id: str, storage_options: dict[str, Any] | None = None):
+        if not _RUN_ID.match(run_id):
+            raise ValueError(f"run id {run_id!r} must be letters, digits, '.', '_' or '-'")
+        self.root = root
+        self.run_id = run_id
+        self.storage_options = storage_options or {}
+        self.fs: fsspec.AbstractFileSystem
+        self.fs, root_path = filesystem(root, self.storage_options)
+        self.run_path = join(root_path, "runs", run_id)
+
+    @property
+    def run_uri(self) -> str:
+        return uri_of(self.fs, self.run_path)
+
+    def iteration_path(self, iteration: int, attempt: int | None = None) -> str:
+        if iteration < 0:
+            raise ValueError(f"iteration must be >= 0, got {iteration}")
+        path = join(self.run_path, f"iter-{iteration}")
+        return join(path, f"attempt-{attempt}") if attempt else path
+
+    def step(self, iteration: int, name: str, attempt: int | None = None) -> Step:
+        """The step folder ``name`` of ``iteration`` (attempt 0/None is the original)."""
+        return Step(self.fs, join(self.iteration_path(iteration, attempt), name), name=name)
+
+    def iterations(self) -> list[int]:
+        """Iterations that have a folder, in numeric order."""
+        if not self.fs.exists(self.run_path):
+            return []
+        found = []
+        for entry in self.fs.ls(self.run_path, detail=False):
+            m = _ITER.match(entry.rstrip("/").rsplit("/", 1)[-1])
+            if m:
+                found.append(int(m.group(1)))
+        return sorted(found)
+
+    def attempts(self, iteration: int) -> list[int]:
+        """Re-run attempts of ``iteration`` (the original, 0, is always listed)."""
+        path = self.iteration_path(iteration)
+        found = [0]
+        if self.fs.exists(path):
+            for entry in self.fs.ls(path, detail=False):
+                m = _ATTEMPT.match(entry.rstrip("/").rsplit("/", 1)[-1])
+                if m:
+                    found.append(int(m.group(1)))
+        return sorted(found)
+
+    def next_attempt(self, iteration: int) -> int:
+        return max(self.attempts(iteration)) + 1
+
+    # ------------------------------------------------------------ run-level metadata
+    def write_run_info(self, info: dict[str, Any]) -> None:
+        """``run.json``: the resolved config and how the run was started (written at run start)."""
+        write_bytes_atomic(self.fs, join(self.run_path, "run.json"), json.dumps(info, indent=2, default=str).encode())
+
+    def read_run_info(self) -> dict[str, Any]:
+        path = join(self.run_path, "run.json")
+        if not self.fs.exists(path):
+            raise FileNotFoundError(f"no run {self.run_id!r} under {self.root} (missing {uri_of(self.fs, path)})")
+        with self.fs.open(path, "rb") as f:
+            return json.loads(f.read())
+
+
+def list_runs(root: str, storage_options: dict[str, Any] | None = None) -> list[str]:
+    """Run ids under ``root``, oldest first (ids start with a sortable timestamp after the name)."""
+    fs, root_path = filesystem(root, storage_options)
+    runs_path = join(root_path, "runs")
+    if not fs.exists(runs_path):
+        return []
+    return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(runs_path, detail=False) if fs.isdir(p))

@@ -1,0 +1,214 @@
+"""Steps and their commit markers: how an iteration's outputs become visible, exactly once.
+
+A *step* is a folder (``.../iter-<k>/<step>/``) of immutable files. It becomes visible when its
+marker ``_COMMITTED.json`` exists; the marker is written last and lists every file with its row
+count, byte size and sha256. Consequences:
+
+- a crash before the marker leaves the step invisible; the next attempt clears the leftovers and
+  writes again, so rows are never duplicated;
+- readers read only files named in the marker, and check size (and sha256 when asked) so a
+  truncated or swapped file is an error naming its path, never silently fewer rows;
+- committing a committed step is a no-op that returns the existing manifest (idempotent).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import fsspec
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from pettingflow.storage.fs import join, uri_of, write_bytes_atomic
+from pettingflow.storage.schema import SCHEMA_VERSION, schema_version_of
+
+MARKER = "_COMMITTED.json"
+DEFAULT_ROW_GROUP_SIZE = 1024  # trajectory rows are KBs each: ~MB-sized row groups
+
+
+class StepNotCommittedError(FileNotFoundError):
+    """The step has no commit marker: it is in flight, crashed, or was never written."""
+
+
+class StepAlreadyCommittedError(RuntimeError):
+    """Writing into a committed step would change data readers already rely on."""
+
+
+class CorruptFileError(OSError):
+    """A committed file is missing, truncated or does not match its recorded checksum."""
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """One file of a committed step."""
+
+    name: str
+    bytes: int
+    sha256: str
+    rows: int | None = None
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """What a commit marker holds."""
+
+    step: str
+    files: list[FileEntry]
+    committed_at: float
+    schema_version: str = SCHEMA_VERSION
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def rows(self) -> int:
+        return sum(f.rows or 0 for f in self.files)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> Manifest:
+        raw = json.loads(text)
+        raw["files"] = [FileEntry(**f) for f in raw["files"]]
+        return cls(**raw)
+
+
+class Step:
+    """A step folder on any fsspec filesystem; see the module docstring for the protocol."""
+
+    def __init__(self, fs: fsspec.AbstractFileSystem, path: str, name: str | None = None):
+        self.fs = fs
+        self.path = path.rstrip("/")
+        self.name = name or self.path.rsplit("/", 1)[-1]
+        self._pending: list[FileEntry] = []
+
+    @property
+    def uri(self) -> str:
+        return uri_of(self.fs, self.path)
+
+    @property
+    def marker_path(self) -> str:
+        return join(self.path, MARKER)
+
+    def __repr__(self) -> str:
+        return f"Step({self.uri!r})"
+
+    # ---------------------------------------------------------------- state
+    def is_committed(self) -> bool:
+        return self.fs.exists(self.marker_path)
+
+    def manifest(self) -> Manifest:
+        """The commit manifest; ``StepNotCommittedError`` if the step is not committed."""
+        try:
+            with self.fs.open(self.marker_path, "rb") as f:
+                text = f.read().decode()
+        except FileNotFoundError as exc:
+            raise StepNotCommittedError(
+                f"step {self.uri} is not committed (no {MARKER}); it is in flight, crashed, or was never run"
+            ) from exc
+        try:
+            return Manifest.from_json(text)
+        except (ValueError, TypeError, KeyError) as exc:
+            raise CorruptFileError(f"commit marker {uri_of(self.fs, self.marker_path)} is unreadable: {exc}") from exc
+
+    # ---------------------------------------------------------------- writing
+    def begin(self) -> Step:
+        """Start (or restart) writing: clear files a crashed attempt left behind.
+
+        Raises ``StepAlreadyCommittedError`` for a committed step: callers check ``is_committed()``
+        first and skip the work, which is what makes re-running an iteration cheap.
+        """
+        if self.is_committed():
+            raise StepAlreadyCommittedError(f"step {self.uri} is already committed; read it instead of rewriting it")
+        if self.fs.exists(self.path):
+            for leftover in self.fs.ls(self.path, detail=False):
+                self.fs.rm(leftover, recursive=True)
+        else:
+            self.fs.makedirs(self.path, exist_ok=True)
+        self._pending = []
+        return self
+
+    def write_bytes(self, name: str, data: bytes, rows: int | None = None) -> FileEntry:
+        """Write one file of this step (atomic); it stays invisible until ``commit``."""
+        if name == MARKER or "/" in name:
+            raise ValueError(f"invalid file name {name!r} in step {self.uri}")
+        if self.is_committed():
+            raise StepAlreadyCommittedError(f"step {self.uri} is committed; cannot add {name}")
+        write_bytes_atomic(self.fs, join(self.path, name), data)
+        entry = FileEntry(name=name, bytes=len(data), sha256=hashlib.sha256(data).hexdigest(), rows=rows)
+        self._pending = [e for e in self._pending if e.name != name] + [entry]
+        return entry
+
+    def write_json(self, name: str, obj: Any) -> FileEntry:
+        return self.write_bytes(name, json.dumps(obj, indent=2, sort_keys=True, default=str).encode())
+
+    def write_table(self, name: str, table: pa.Table, row_group_size: int = DEFAULT_ROW_GROUP_SIZE) -> FileEntry:
+        """Write a Parquet file (zstd); the schema's metadata (version) travels with it."""
+        buf = io.BytesIO()
+        pq.write_table(table, buf, compression="zstd", row_group_size=row_group_size)
+        return self.write_bytes(name, buf.getvalue(), rows=table.num_rows)
+
+    def commit(self, metadata: dict[str, Any] | None = None) -> Manifest:
+        """Write the marker last. Idempotent: a committed step returns its existing manifest."""
+        if self.is_committed():
+            return self.manifest()
+        manifest = Manifest(
+            step=self.name,
+            files=sorted(self._pending, key=lambda e: e.name),
+            committed_at=time.time(),
+            metadata=metadata or {},
+        )
+        write_bytes_atomic(self.fs, self.marker_path, manifest.to_json().encode())
+        self._pending = []
+        return manifest
+
+    # ---------------------------------------------------------------- reading
+    def read_bytes(self, name: str, verify: bool = True) -> bytes:
+        """Read a committed file, checking its size and (by default) its sha256."""
+        entry = self._entry(name)
+        path = join(self.path, name)
+        try:
+            with self.fs.open(path, "rb") as f:
+                data = f.read()
+        except FileNotFoundError as exc:
+            raise CorruptFileError(f"{uri_of(self.fs, path)} is listed in the commit marker but missing") from exc
+        if len(data) != entry.bytes:
+            raise CorruptFileError(f"{uri_of(self.fs, path)} has {len(data)} bytes, the marker recorded {entry.bytes}")
+        if verify and hashlib.sha256(data).hexdigest() != entry.sha256:
+            raise CorruptFileError(f"{uri_of(self.fs, path)} does not match the sha256 in its commit marker")
+        return data
+
+    def read_json(self, name: str) -> Any:
+        return json.loads(self.read_bytes(name))
+
+    def read_table(
+        self, name: str, columns: list[str] | None = None, filters: Any = None, verify: bool = True
+    ) -> pa.Table:
+        """Read a committed Parquet file; corrupt content raises ``CorruptFileError`` naming the path."""
+        data = self.read_bytes(name, verify=verify)
+        uri = uri_of(self.fs, join(self.path, name))
+        try:
+            pf = pq.ParquetFile(io.BytesIO(data))
+            version = schema_version_of(pf.schema_arrow)
+            if version is not None and version != SCHEMA_VERSION:
+                raise CorruptFileError(
+                    f"{uri} has trajectory schema version {version}; this pettingflow reads {SCHEMA_VERSION}"
+                )
+            return pq.read_table(io.BytesIO(data), columns=columns, filters=filters)
+        except (pa.ArrowInvalid, pa.ArrowIOError, OSError) as exc:
+            if isinstance(exc, CorruptFileError):
+                raise
+            raise CorruptFileError(f"{uri} is not a readable Parquet file: {exc}") from exc
+
+    def files(self) -> list[str]:
+        return [e.name for e in self.manifest().files]
+
+    def _entry(self, name: str) -> FileEntry:
+        for entry in self.manifest().files:
+            if entry.name == name:
+                return entry
+        raise FileNotFoundError(f"{name} is not part of committed step {self.uri}")

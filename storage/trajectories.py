@@ -1,0 +1,102 @@
+"""Write and read trajectory Parquet through committed steps.
+
+Readers filter by iteration, policy and agent; only committed steps are ever read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import pyarrow as pa
+
+from pettingflow.storage.layout import RunLayout
+from pettingflow.storage.schema import TRAJECTORY_SCHEMA, trajectories_to_table, validate_trajectories
+from pettingflow.storage.steps import DEFAULT_ROW_GROUP_SIZE, Manifest, Step
+
+ROLLOUT_STEP = "rollouts"
+
+
+def write_trajectories(
+    step: Step,
+    rows: pa.Table | Iterable[Mapping[str, Any]],
+    rows_per_file: int = 4096,
+    row_group_size: int = DEFAULT_ROW_GROUP_SIZE,
+    metadata: dict[str, Any] | None = None,
+) -> Manifest:
+    """Validate ``rows`` and write them as ``part-NNNNN.parquet`` files, then commit the step.
+
+    Returns the existing manifest, writing nothing, when the step is already committed, so a
+    retried task never duplicates rows.
+    """
+    if step.is_committed():
+        return step.manifest()
+    table = rows if isinstance(rows, pa.Table) else trajectories_to_table(rows)
+    validate_trajectories(table)
+    table = table.replace_schema_metadata(TRAJECTORY_SCHEMA.metadata)
+    step.begin()
+    n_files = max(1, -(-table.num_rows // rows_per_file))
+    for i in range(n_files):
+        chunk = table.slice(i * rows_per_file, rows_per_file)
+        step.write_table(f"part-{i:05d}.parquet", chunk, row_group_size=row_group_size)
+    return step.commit(metadata)
+
+
+def read_step_trajectories(
+    step: Step,
+    policy: str | Sequence[str] | None = None,
+    agent: str | Sequence[str] | None = None,
+    columns: list[str] | None = None,
+    verify: bool = True,
+) -> pa.Table:
+    """All Parquet files of a committed step, optionally filtered by policy and agent."""
+    filters = _filters(policy=policy, agent=agent)
+    tables = [
+        step.read_table(name, columns=columns, filters=filters, verify=verify)
+        for name in step.files()
+        if name.endswith(".parquet")
+    ]
+    if not tables:
+        schema = TRAJECTORY_SCHEMA if columns is None else pa.schema([TRAJECTORY_SCHEMA.field(c) for c in columns])
+        return schema.empty_table()
+    return pa.concat_tables(tables)
+
+
+def read_trajectories(
+    layout: RunLayout,
+    iterations: int | Sequence[int] | None = None,
+    policy: str | Sequence[str] | None = None,
+    agent: str | Sequence[str] | None = None,
+    step_name: str = ROLLOUT_STEP,
+    columns: list[str] | None = None,
+) -> pa.Table:
+    """Trajectories of a run's committed ``step_name`` steps; uncommitted iterations are skipped."""
+    if iterations is None:
+        wanted = layout.iterations()
+    elif isinstance(iterations, int):
+        wanted = [iterations]
+    else:
+        wanted = list(iterations)
+    tables = []
+    for k in wanted:
+        step = layout.step(k, step_name)
+        if step.is_committed():
+            tables.append(read_step_trajectories(step, policy=policy, agent=agent, columns=columns))
+    if not tables:
+        schema = TRAJECTORY_SCHEMA if columns is None else pa.schema([TRAJECTORY_SCHEMA.field(c) for c in columns])
+        return schema.empty_table()
+    return pa.concat_tables(tables)
+
+
+def _filters(**by_column: str | Sequence[str] | None) -> list[tuple[str, str, Any]] | None:
+    names = {"policy": "policy_name", "agent": "agent_name"}
+    filters: list[tuple[str, str, Any]] = []
+    for key, value in by_column.items():
+        if value is None:
+            continue
+        column = names[key]
+        if isinstance(value, str):
+            filters.append((column, "=", value))
+        else:
+            filters.append((column, "in", list(value)))
+    return filters or None

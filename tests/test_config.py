@@ -1,0 +1,144 @@
+"""Config loading: shipped configs validate; errors name the file and the key path."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pettingflow.configs import ConfigError, ExperimentConfig, available_configs, load_config
+from pettingflow.configs.loader import CONFIG_DIR, apply_override, dump_config, validate_config
+
+
+def _base() -> dict:
+    return yaml.safe_load((CONFIG_DIR / "code-env.yaml").read_text())
+
+
+@pytest.mark.parametrize("name", available_configs())
+def test_shipped_configs_validate(name: str) -> None:
+    config = load_config(name)
+    assert isinstance(config, ExperimentConfig)
+    # dump -> load round trip keeps every value
+    again = validate_config(yaml.safe_load(dump_config(config)))
+    assert again == config
+
+
+def test_code_env_defaults() -> None:
+    config = load_config("code-env")
+    assert [a.name for a in config.agents] == ["code_generator", "test_generator"]
+    assert config.env.group_size == 2
+    assert config.agents_of("shared") == config.agents
+
+
+def test_override_sets_nested_value_and_list_item_by_name_or_index() -> None:
+    config = load_config(
+        "code-env",
+        ["algorithm.filter_ratio=0.25", "agents.test_generator.sampling.temperature=0.5", "agents.0.sampling.top_k=5"],
+    )
+    assert config.algorithm.filter_ratio == 0.25
+    assert config.agents[1].sampling.temperature == 0.5
+    assert config.agents[0].sampling.top_k == 5
+
+
+def test_wrong_type_names_key_path_and_source() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config("code-env", ["algorithm.filter_ratio=abc"])
+    text = str(info.value)
+    assert "algorithm.filter_ratio" in text
+    assert "code-env.yaml" in text
+    assert "'abc'" in text
+
+
+def test_unknown_key_in_file_names_file_and_path(tmp_path: Path) -> None:
+    raw = _base()
+    raw["algorithm"]["filter_ration"] = 0.1
+    path = tmp_path / "typo.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ConfigError) as info:
+        load_config(str(path))
+    assert str(path) in str(info.value)
+    assert ("algorithm.filter_ration", info.value.problems[0][1]) == info.value.problems[0]
+    assert "unknown key" in info.value.problems[0][1]
+
+
+def test_unknown_key_via_override() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config("code-env", ["training.no_such_knob=1"])
+    assert info.value.problems[0][0] == "training.no_such_knob"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "path"),
+    [
+        (["specialization=lora", "policies.0.lora.rank=0"], "policies.0.lora.rank"),
+        (["agents.0.policy=missing"], "agents.0.policy"),
+        (["env.group_size=1", "algorithm.filter_method=dapo"], "algorithm.filter_method"),
+        (["env.group_size=1", "algorithm.advantage_estimator=rloo"], "algorithm.advantage_estimator"),
+        (["training.max_seq_len=4096"], "training.max_seq_len"),
+    ],
+)
+def test_impossible_combinations(overrides: list[str], path: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config("code-env", overrides)
+    assert path in [p for p, _ in info.value.problems], info.value.problems
+
+
+def test_prompt_specialization_with_two_policies_is_rejected() -> None:
+    raw = _base()
+    raw["policies"].append({"name": "other"})
+    raw["agents"][1]["policy"] = "other"
+    with pytest.raises(ConfigError) as info:
+        validate_config(raw)
+    assert "specialization" in [p for p, _ in info.value.problems]
+    raw["specialization"] = "full"
+    assert validate_config(raw).specialization.value == "full"
+
+
+@pytest.mark.parametrize(
+    ("override", "needle"),
+    [
+        ("no_equals_sign", "key.path=value"),
+        ("agents.7.policy=x", "out of range"),
+        ("agents.nobody.policy=x", "no list item"),
+    ],
+)
+def test_bad_override_syntax(override: str, needle: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config("code-env", [override])
+    assert needle in str(info.value)
+
+
+def test_unknown_config_name_lists_shipped_ones() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config("no-such-config")
+    assert "code-env" in str(info.value)
+
+
+def test_apply_override_creates_missing_maps() -> None:
+    data: dict = {}
+    apply_override(data, ["a", "b", "c"], 1)
+    assert data == {"a": {"b": {"c": 1}}}
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "pettingflow.cli", *args], capture_output=True, text=True, timeout=120, check=False
+    )
+
+
+def test_cli_config_show_prints_resolved_yaml() -> None:
+    out = _cli("config", "show", "code-env", "env.group_size=4")
+    assert out.returncode == 0, out.stderr
+    shown = yaml.safe_load(out.stdout)
+    assert shown["env"]["group_size"] == 4
+    assert shown["algorithm"]["filter_method"] == "none"
+
+
+def test_cli_config_show_invalid_exits_nonzero_naming_key() -> None:
+    out = _cli("config", "show", "code-env", "algorithm.filter_ratio=abc")
+    assert out.returncode != 0
+    assert "algorithm.filter_ratio" in out.stderr
+    assert "Traceback" not in out.stderr
