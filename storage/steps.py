@@ -16,15 +16,20 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
+import posixpath
+import shutil
 import time
+import uuid
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pettingflow.storage.fs import join, uri_of, write_bytes_atomic
+from pettingflow.storage.fs import is_local, join, uri_of, write_bytes_atomic
 from pettingflow.storage.schema import SCHEMA_VERSION, schema_version_of
 
 MARKER = "_COMMITTED.json"
@@ -134,14 +139,58 @@ class Step:
 
     def write_bytes(self, name: str, data: bytes, rows: int | None = None) -> FileEntry:
         """Write one file of this step (atomic); it stays invisible until ``commit``."""
-        if name == MARKER or "/" in name:
-            raise ValueError(f"invalid file name {name!r} in step {self.uri}")
+        _check_name(name, self.uri)
         if self.is_committed():
             raise StepAlreadyCommittedError(f"step {self.uri} is committed; cannot add {name}")
         write_bytes_atomic(self.fs, join(self.path, name), data)
         entry = FileEntry(name=name, bytes=len(data), sha256=hashlib.sha256(data).hexdigest(), rows=rows)
         self._pending = [e for e in self._pending if e.name != name] + [entry]
         return entry
+
+    def write_file(self, name: str, local_path: str | os.PathLike[str]) -> FileEntry:
+        """Upload a local file (streamed, hashed on the way) into this step."""
+        _check_name(name, self.uri)
+        if self.is_committed():
+            raise StepAlreadyCommittedError(f"step {self.uri} is committed; cannot add {name}")
+        target = join(self.path, name)
+        digest, size = _sha256_file(local_path)
+        if is_local(self.fs):
+            self.fs.makedirs(posixpath.dirname(target), exist_ok=True)
+            tmp = join(posixpath.dirname(target), f".tmp-{uuid.uuid4().hex}")
+            shutil.copyfile(local_path, tmp)
+            os.replace(tmp, target)
+        else:
+            self.fs.put_file(str(local_path), target)
+        entry = FileEntry(name=name, bytes=size, sha256=digest)
+        self._pending = [e for e in self._pending if e.name != name] + [entry]
+        return entry
+
+    def add_tree(self, local_dir: str | os.PathLike[str], prefix: str = "") -> list[FileEntry]:
+        """Add every file under ``local_dir`` as ``prefix/<relative path>``.
+
+        When ``local_dir`` already *is* this step's folder on a local filesystem (a worker process
+        wrote its checkpoint straight into the step), files are registered in place, not copied.
+        """
+        root = Path(local_dir)
+        if not root.is_dir():
+            raise FileNotFoundError(f"{root} is not a directory")
+        in_place = is_local(self.fs) and root.resolve() == Path(self.path).resolve() / prefix
+        entries = []
+        for path in sorted(p for p in root.rglob("*") if p.is_file()):
+            name = "/".join(filter(None, [prefix, path.relative_to(root).as_posix()]))
+            if in_place:
+                digest, size = _sha256_file(path)
+                entry = FileEntry(name=name, bytes=size, sha256=digest)
+                self._pending = [e for e in self._pending if e.name != name] + [entry]
+            else:
+                entry = self.write_file(name, path)
+            entries.append(entry)
+        return entries
+
+    @property
+    def local_path(self) -> Path | None:
+        """The folder on this machine, for tools that need a local path (vLLM, transformers)."""
+        return Path(self.path) if is_local(self.fs) else None
 
     def write_json(self, name: str, obj: Any) -> FileEntry:
         return self.write_bytes(name, json.dumps(obj, indent=2, sort_keys=True, default=str).encode())
@@ -212,3 +261,20 @@ class Step:
             if entry.name == name:
                 return entry
         raise FileNotFoundError(f"{name} is not part of committed step {self.uri}")
+
+
+def _check_name(name: str, step_uri: str) -> None:
+    """File names are relative paths inside the step: no marker clash, no escaping the folder."""
+    parts = name.split("/")
+    if name == MARKER or not name or name.startswith("/") or any(p in ("", ".", "..") for p in parts):
+        raise ValueError(f"invalid file name {name!r} in step {step_uri}")
+
+
+def _sha256_file(path: str | os.PathLike[str]) -> tuple[str, int]:
+    digest = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+            size += len(chunk)
+    return digest.hexdigest(), size

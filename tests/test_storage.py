@@ -239,3 +239,28 @@ def test_table_schema_mismatch_is_rejected(layout: RunLayout) -> None:
     bad = bad.set_column(bad.schema.get_field_index("reward"), "reward", pa.array([1.0, 2.0], pa.float64()))
     with pytest.raises(SchemaError, match="reward"):
         write_trajectories(layout.step(0, "rollouts"), bad)
+
+
+def test_add_tree_uploads_or_registers_in_place(tmp_path: Path) -> None:
+    src = tmp_path / "ckpt"
+    (src / "model").mkdir(parents=True)
+    (src / "model" / "weights.bin").write_bytes(b"w" * 1000)
+    (src / "metrics.json").write_text("{}")
+    # a different place: files are copied and hashed
+    remote = RunLayout("memory://pf-tree", "run-t").step(0, "update-shared").begin()
+    entries = remote.add_tree(src)
+    remote.commit()
+    assert sorted(e.name for e in entries) == ["metrics.json", "model/weights.bin"]
+    assert remote.read_bytes("model/weights.bin") == b"w" * 1000
+    # the step folder itself (a worker wrote into it): registered in place, nothing copied
+    layout = RunLayout(str(tmp_path / "store"), "run-t")
+    step = layout.step(0, "update-shared").begin()
+    assert step.local_path is not None
+    (step.local_path / "model").mkdir(parents=True)
+    (step.local_path / "model" / "weights.bin").write_bytes(b"v" * 10)
+    step.add_tree(step.local_path)
+    manifest = step.commit()
+    assert [f.name for f in manifest.files] == ["model/weights.bin"]
+    assert step.read_bytes("model/weights.bin") == b"v" * 10
+    with pytest.raises(ValueError, match="invalid file name"):
+        layout.step(1, "x").begin().write_bytes("../escape", b"")

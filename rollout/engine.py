@@ -1,0 +1,352 @@
+"""The multi-agent execution engine: G samples per task, agents taking turns, every call recorded.
+
+One episode (seed 002 cycle, seed 003 budget):
+
+    env.reset(seed)                        # the same seed for all G samples of a group
+    for turn in range(max_turns):
+        agent = agents[turn % n_agents]    # turn order = config order: code -> test -> code ...
+        prompt = agent.update_from_env(turn, env)
+        completion = await llm(prompt)     # exact token ids + sampler log-probs
+        agent.update_from_model(turn, env, completion.text)
+        await agent.step(env)              # results land in env.state: the only channel between agents
+        if env.done or budget spent: stop
+
+The engine never looks inside env state; it only records what each agent saw and produced.
+Episodes of all groups run concurrently on one event loop; the inference client bounds concurrent
+requests and the sandbox (local or a Ray pool) bounds concurrent code executions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from pettingflow.rollout.chat import env_tokens_between
+from pettingflow.rollout.records import EpisodeRecord, TurnRecord
+
+log = logging.getLogger(__name__)
+
+
+class Completion(Protocol):
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    text: str
+
+
+class CompletionClient(Protocol):
+    """What the engine needs from inference (``pettingflow.inference.client.InferenceClient``)."""
+
+    async def complete_one(self, prompt_ids: list[int], *, model: str, **sampling: Any) -> Completion: ...
+
+
+@dataclass(frozen=True)
+class AgentBinding:
+    """How one agent is served: its client, the model (or LoRA adapter) name, its tokenizer."""
+
+    client: CompletionClient
+    served_model: str
+    tokenizer: Any
+    policy_name: str
+    lora_name: str | None = None
+
+
+@dataclass(frozen=True)
+class EpisodeSpec:
+    """One sample of one group: which task, which env, which seed."""
+
+    task: Any
+    env_name: str
+    env_idx: int
+    group_id: str
+    sample_idx: int
+    rollout_idx: int
+    seed: int
+    make_env: Callable[[EpisodeSpec], Any]
+
+
+def group_specs(
+    tasks: Sequence[Any],
+    group_size: int,
+    base_seed: int,
+    env_name: str,
+    make_env: Callable[[EpisodeSpec], Any],
+    namespace: str = "",
+) -> list[EpisodeSpec]:
+    """G episode specs per task, all of a group sharing the task and the env seed (seed 003).
+
+    ``rollout_idx = env_idx * group_size + sample_idx`` so that ``rollout_idx // group_size`` is the
+    group, as the UID rule of seed 000 expects.
+    """
+    if group_size < 1:
+        raise ValueError(f"group_size must be >= 1, got {group_size}")
+    specs = []
+    for env_idx, task in enumerate(tasks):
+        seed = _derive_seed(base_seed, namespace, env_idx)
+        group_id = f"{namespace}g{env_idx}" if namespace else f"g{env_idx}"
+        for sample_idx in range(group_size):
+            specs.append(
+                EpisodeSpec(
+                    task=task,
+                    env_name=env_name,
+                    env_idx=env_idx,
+                    group_id=group_id,
+                    sample_idx=sample_idx,
+                    rollout_idx=env_idx * group_size + sample_idx,
+                    seed=seed,
+                    make_env=make_env,
+                )
+            )
+    return specs
+
+
+def _derive_seed(*parts: Any) -> int:
+    digest = hashlib.sha256("/".join(map(str, parts)).encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+
+
+@dataclass
+class EngineStats:
+    """Per-round totals the iteration report shows."""
+
+    episodes: int = 0
+    turns: int = 0
+    tokens_generated: int = 0
+    wall_s: float = 0.0
+    llm_s: float = 0.0
+    env_s: float = 0.0
+    per_agent: dict[str, dict[str, float]] = field(default_factory=dict)
+
+
+class ExecutionEngine:
+    """Runs episodes for a fixed team of agents."""
+
+    def __init__(
+        self,
+        make_agents: Callable[[], list[Any]],
+        bindings: dict[str, AgentBinding],
+        *,
+        max_turns: int,
+        token_budget: int,
+        layout: str = "per_turn",
+        max_model_len: int | None = None,
+        sampling_overrides: dict[str, Any] | None = None,
+        show_progress: bool = True,
+    ):
+        if layout not in ("per_turn", "per_episode"):
+            raise ValueError(f"unknown sample layout {layout!r}; use per_turn or per_episode")
+        self.make_agents = make_agents
+        self.bindings = bindings
+        self.max_turns = max_turns
+        self.token_budget = token_budget
+        self.layout = layout
+        self.max_model_len = max_model_len
+        self.sampling_overrides = sampling_overrides or {}
+        self.show_progress = show_progress
+        self._llm_s = 0.0
+        self._env_s = 0.0
+
+    # ------------------------------------------------------------------ one episode
+    async def run_episode(self, spec: EpisodeSpec) -> EpisodeRecord:
+        env = spec.make_env(spec)
+        env.reset(spec.seed)
+        agents = self.make_agents()
+        for agent in agents:
+            agent.reset()
+        missing = [a.name for a in agents if a.name not in self.bindings]
+        if missing:
+            raise KeyError(f"no inference binding for agents {missing}; bound: {sorted(self.bindings)}")
+        record = EpisodeRecord(
+            env_name=spec.env_name,
+            env_idx=spec.env_idx,
+            group_id=spec.group_id,
+            sample_idx=spec.sample_idx,
+            rollout_idx=spec.rollout_idx,
+            seed=spec.seed,
+        )
+        # per_episode: each agent's growing sequence and the messages behind it
+        seq: dict[str, list[int]] = {}
+        last_messages: dict[str, list[dict[str, str]]] = {}
+        last_turn: dict[str, TurnRecord] = {}
+
+        for turn in range(self.max_turns):
+            agent = agents[turn % len(agents)]
+            binding = self.bindings[agent.name]
+            env.current_turn = turn
+            prompt = agent.update_from_env(turn, env)
+            prompt_ids = list(prompt.token_ids)
+            if self.layout == "per_episode" and agent.name in last_turn:
+                prompt_ids = self._extend_sequence(agent.name, binding, prompt.messages, seq, last_messages, last_turn)
+            max_tokens = min(agent.sampling.max_tokens, self.token_budget - record.tokens_generated)
+            if self.max_model_len is not None:
+                max_tokens = min(max_tokens, self.max_model_len - len(prompt_ids))
+            if max_tokens <= 0:  # token budget (seed 003) or context exhausted
+                record.truncated = True
+                break
+            started = time.perf_counter()
+            completion = await binding.client.complete_one(
+                prompt_ids, model=binding.served_model, **self._sampling(agent, max_tokens, spec, turn)
+            )
+            self._llm_s += time.perf_counter() - started
+            record.tokens_generated += len(completion.token_ids)
+            agent.update_from_model(turn, env, completion.text)
+            started = time.perf_counter()
+            await agent.step(env)
+            self._env_s += time.perf_counter() - started
+            turn_record = TurnRecord(
+                turn_idx=turn,
+                agent_idx=agents.index(agent),
+                agent_name=agent.name,
+                policy_name=binding.policy_name,
+                lora_name=binding.lora_name,
+                prompt_ids=prompt_ids,
+                response_ids=list(completion.token_ids),
+                logprobs=[float(x) for x in completion.logprobs],
+                prompt_text=prompt.messages[-1]["content"] if prompt.messages else "",
+                response_text=completion.text,
+                finish_reason=completion.finish_reason,
+                reward=float(agent.agent_reward or 0.0),
+                success=bool(agent.success),
+            )
+            record.turns.append(turn_record)
+            if self.layout == "per_episode":
+                seq[agent.name] = prompt_ids + list(completion.token_ids)
+                last_messages[agent.name] = list(prompt.messages)
+                last_turn[agent.name] = turn_record
+            if env.done:
+                break
+        record.done = bool(env.done)
+        if not record.done:
+            record.truncated = True
+        return record
+
+    def _extend_sequence(
+        self,
+        name: str,
+        binding: AgentBinding,
+        messages: list[dict[str, str]],
+        seq: dict[str, list[int]],
+        last_messages: dict[str, list[dict[str, str]]],
+        last_turn: dict[str, TurnRecord],
+    ) -> list[int]:
+        """The next prompt of a per-episode agent: its sequence so far + the env tokens in between."""
+        previous = last_messages[name]
+        answered = len(previous) + 1
+        if (
+            messages[: len(previous)] != previous
+            or len(messages) <= answered
+            or messages[len(previous)]["role"] != "assistant"
+        ):
+            raise ValueError(
+                f"agent {name!r} must return an append-only conversation in the per_episode layout "
+                "(previous messages + its assistant answer + new observation messages)"
+            )
+        prev = last_turn[name]
+        eos_id = getattr(binding.tokenizer, "eos_token_id", None)
+        ended_eos = bool(prev.response_ids) and prev.response_ids[-1] == eos_id
+        env_ids = env_tokens_between(binding.tokenizer, previous, prev.response_text, messages[answered:], ended_eos)
+        prev.env_ids_after = env_ids
+        return seq[name] + env_ids
+
+    def _sampling(self, agent: Any, max_tokens: int, spec: EpisodeSpec, turn: int) -> dict[str, Any]:
+        s = agent.sampling
+        params = {
+            "temperature": s.temperature,
+            "top_p": s.top_p,
+            "top_k": s.top_k,
+            "max_tokens": max_tokens,
+            "stop": list(s.stop) or None,
+            # different for each sample of a group, reproducible across re-runs
+            "seed": _derive_seed(spec.seed, spec.sample_idx, turn),
+        }
+        params.update(self.sampling_overrides)
+        return params
+
+    # ------------------------------------------------------------------ many episodes
+    async def run(self, specs: Sequence[EpisodeSpec]) -> tuple[list[EpisodeRecord], EngineStats]:
+        """All episodes concurrently; results in the order of ``specs``."""
+        self._llm_s = self._env_s = 0.0
+        started = time.perf_counter()
+        progress = _Progress(len(specs), enabled=self.show_progress)
+
+        async def one(spec: EpisodeSpec) -> EpisodeRecord:
+            rec = await self.run_episode(spec)
+            progress.advance(rec.tokens_generated)
+            return rec
+
+        try:
+            records = await asyncio.gather(*(one(s) for s in specs))
+        finally:
+            progress.close()
+        stats = summarize(records)
+        stats.wall_s = time.perf_counter() - started
+        stats.llm_s, stats.env_s = self._llm_s, self._env_s
+        return list(records), stats
+
+
+def summarize(records: Sequence[EpisodeRecord]) -> EngineStats:
+    """Reward mean/std and success rate per agent (over its final turns), tokens, turns."""
+    stats = EngineStats(episodes=len(records))
+    finals: dict[str, list[tuple[float, bool]]] = {}
+    for rec in records:
+        stats.turns += len(rec.turns)
+        stats.tokens_generated += rec.tokens_generated
+        for name in dict.fromkeys(t.agent_name for t in rec.turns):
+            finals.setdefault(name, []).append((rec.final_reward(name), rec.final_success(name)))
+    for name, values in finals.items():
+        rewards = [r for r, _ in values]
+        mean = sum(rewards) / len(rewards)
+        std = (sum((r - mean) ** 2 for r in rewards) / len(rewards)) ** 0.5
+        stats.per_agent[name] = {
+            "reward_mean": mean,
+            "reward_std": std,
+            "success_rate": sum(ok for _, ok in values) / len(values),
+            "episodes": float(len(values)),
+        }
+    return stats
+
+
+class _Progress:
+    """A rich progress bar on a terminal; periodic log lines elsewhere (Prefect logs, CI)."""
+
+    def __init__(self, total: int, enabled: bool):
+        self.total, self.done, self.tokens = total, 0, 0
+        self.started = time.perf_counter()
+        self._bar = None
+        self._next_log = 0.0
+        if enabled and total and sys.stderr.isatty():
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self._bar = Progress(
+                TextColumn("rollouts"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[tok]} tok"),
+                TimeElapsedColumn(),
+                transient=False,
+            )
+            self._task = self._bar.add_task("rollouts", total=total, tok=0)
+            self._bar.start()
+        self.enabled = enabled
+
+    def advance(self, tokens: int) -> None:
+        self.done += 1
+        self.tokens += tokens
+        if self._bar is not None:
+            self._bar.update(self._task, advance=1, tok=self.tokens)
+        elif self.enabled:
+            now = time.perf_counter()
+            if now >= self._next_log or self.done == self.total:
+                elapsed = now - self.started
+                log.info("rollouts %d/%d episodes, %d tokens, %.0f s", self.done, self.total, self.tokens, elapsed)
+                self._next_log = now + 10.0
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()

@@ -1,0 +1,193 @@
+"""What an episode leaves behind, and how it becomes training rows in either sample layout.
+
+Two layouts (ARCHITECTURE §3):
+
+- ``per_turn`` (PettingLLMs, seed 000): every agent call is one sample. ``prompt_ids`` is the prompt
+  the sampler saw, ``response_ids`` the tokens it generated, all masked 1. The UID groups the G
+  samples of one task at the same turn for the same agent.
+- ``per_episode`` (verl/MLGym, seed 003): one sample per agent per episode. ``prompt_ids`` is the
+  agent's first prompt; ``response_ids`` concatenates its actions (mask 1) with the environment tokens
+  that came between them (mask 0), exactly as the sampler saw the sequence. The UID groups the G
+  samples of one task for the same agent (turn_idx is 0 for these rows).
+
+Token ids are never re-derived from decoded text: rows carry the exact ids the sampler returned.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from pettingflow.rl.uids import assign_uids
+
+
+@dataclass
+class TurnRecord:
+    """One agent call inside an episode."""
+
+    turn_idx: int
+    agent_idx: int
+    agent_name: str
+    policy_name: str
+    lora_name: str | None
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logprobs: list[float]
+    prompt_text: str
+    response_text: str
+    finish_reason: str
+    reward: float = 0.0
+    success: bool = False
+    # per_episode layout: env tokens between this action and the same agent's next prompt
+    env_ids_after: list[int] = field(default_factory=list)
+
+
+@dataclass
+class EpisodeRecord:
+    """One multi-turn episode: a sample of a GRPO group."""
+
+    env_name: str
+    env_idx: int
+    group_id: str
+    sample_idx: int
+    rollout_idx: int
+    seed: int
+    turns: list[TurnRecord] = field(default_factory=list)
+    done: bool = False
+    truncated: bool = False
+    tokens_generated: int = 0
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def final_reward(self, agent_name: str) -> float:
+        """The agent's reward at its last turn: its outcome for the episode."""
+        for turn in reversed(self.turns):
+            if turn.agent_name == agent_name:
+                return turn.reward
+        return 0.0
+
+    def final_success(self, agent_name: str) -> bool:
+        for turn in reversed(self.turns):
+            if turn.agent_name == agent_name:
+                return turn.success
+        return False
+
+
+def _base_row(run_id: str, iteration: int, ep: EpisodeRecord) -> dict[str, Any]:
+    return {
+        "run_id": run_id,
+        "iteration": iteration,
+        "env_name": ep.env_name,
+        "env_idx": ep.env_idx,
+        "group_id": ep.group_id,
+        "sample_idx": ep.sample_idx,
+        "rollout_idx": ep.rollout_idx,
+        "done": ep.done,
+        "truncated": ep.truncated,
+    }
+
+
+def per_turn_rows(episodes: list[EpisodeRecord], run_id: str, iteration: int, group_size: int) -> list[dict[str, Any]]:
+    """One row per agent call; UID from (rollout_idx // group_size, turn_idx, agent_idx) (seed 000)."""
+    rows: list[dict[str, Any]] = []
+    for ep in episodes:
+        for turn in ep.turns:
+            row = _base_row(run_id, iteration, ep)
+            row.update(
+                turn_idx=turn.turn_idx,
+                agent_idx=turn.agent_idx,
+                agent_name=turn.agent_name,
+                policy_name=turn.policy_name,
+                lora_name=turn.lora_name,
+                prompt_ids=list(turn.prompt_ids),
+                response_ids=list(turn.response_ids),
+                response_mask=[1] * len(turn.response_ids),
+                sampler_logprobs=list(turn.logprobs),
+                reward=float(turn.reward),
+                final_reward=float(ep.final_reward(turn.agent_name)),
+                success=bool(turn.success),
+                prompt_text=turn.prompt_text,
+                response_text=turn.response_text,
+                info_json=json.dumps({"finish_reason": turn.finish_reason, "seed": ep.seed, **ep.info}, default=str),
+            )
+            rows.append(row)
+    _attach_uids(rows, group_size, namespace=f"{run_id}/{iteration}")
+    return rows
+
+
+def per_episode_rows(
+    episodes: list[EpisodeRecord], run_id: str, iteration: int, group_size: int
+) -> list[dict[str, Any]]:
+    """One row per agent per episode: actions masked 1, env tokens between them masked 0 (seed 003)."""
+    rows: list[dict[str, Any]] = []
+    for ep in episodes:
+        agents: dict[str, list[TurnRecord]] = {}
+        for turn in ep.turns:
+            agents.setdefault(turn.agent_name, []).append(turn)
+        for name, turns in agents.items():
+            response_ids: list[int] = []
+            mask: list[int] = []
+            logprobs: list[float] = []
+            texts: list[str] = []
+            for i, turn in enumerate(turns):
+                response_ids += turn.response_ids
+                mask += [1] * len(turn.response_ids)
+                logprobs += turn.logprobs
+                texts.append(turn.response_text)
+                if i < len(turns) - 1:  # env tokens only *between* actions: nothing trails the last one
+                    response_ids += turn.env_ids_after
+                    mask += [0] * len(turn.env_ids_after)
+                    logprobs += [0.0] * len(turn.env_ids_after)
+            first, last = turns[0], turns[-1]
+            row = _base_row(run_id, iteration, ep)
+            row.update(
+                turn_idx=0,
+                agent_idx=first.agent_idx,
+                agent_name=name,
+                policy_name=first.policy_name,
+                lora_name=first.lora_name,
+                prompt_ids=list(first.prompt_ids),
+                response_ids=response_ids,
+                response_mask=mask,
+                sampler_logprobs=logprobs,
+                reward=float(last.reward),
+                final_reward=float(last.reward),
+                success=bool(last.success),
+                prompt_text=first.prompt_text,
+                response_text="\n<<turn>>\n".join(texts),
+                info_json=json.dumps(
+                    {
+                        "turns": [t.turn_idx for t in turns],
+                        "finish_reasons": [t.finish_reason for t in turns],
+                        "seed": ep.seed,
+                        **ep.info,
+                    },
+                    default=str,
+                ),
+            )
+            rows.append(row)
+    _attach_uids(rows, group_size, namespace=f"{run_id}/{iteration}")
+    return rows
+
+
+def build_rows(
+    episodes: list[EpisodeRecord], layout: str, run_id: str, iteration: int, group_size: int
+) -> list[dict[str, Any]]:
+    """Rows in the configured sample layout (``per_turn`` or ``per_episode``)."""
+    if layout == "per_turn":
+        return per_turn_rows(episodes, run_id, iteration, group_size)
+    if layout == "per_episode":
+        return per_episode_rows(episodes, run_id, iteration, group_size)
+    raise ValueError(f"unknown sample layout {layout!r}; use per_turn or per_episode")
+
+
+def _attach_uids(rows: list[dict[str, Any]], group_size: int, namespace: str) -> None:
+    uids = assign_uids(
+        [r["rollout_idx"] for r in rows],
+        [r["turn_idx"] for r in rows],
+        [r["agent_idx"] for r in rows],
+        sample_num=group_size,
+        namespace=namespace,
+    )
+    for row, uid in zip(rows, uids, strict=True):
+        row["uid"] = uid

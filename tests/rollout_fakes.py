@@ -1,0 +1,127 @@
+"""Test doubles for the execution engine: a scripted LLM, a char-level ChatML tokenizer, a toy env.
+
+The tokenizer maps each character to its code point, so token ids can be checked by eye and the
+per-episode env-token arithmetic is exact.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+from pettingflow.configs.settings import SamplingSettings
+
+EOS = "\x03"  # one character = one token
+
+
+class CharChatTokenizer:
+    """ChatML-shaped template over single characters; eos is one character."""
+
+    eos_token = EOS
+    eos_token_id = ord(EOS)
+
+    def apply_chat_template(self, messages, tokenize=True, add_generation_prompt=False):
+        text = "".join(f"<{m['role']}>{m['content']}{EOS}\n" for m in messages)
+        if add_generation_prompt:
+            text += "<assistant>"
+        return self.encode(text) if tokenize else text
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [ord(c) for c in text]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(chr(i) for i in ids)
+
+
+@dataclass(frozen=True)
+class FakeCompletion:
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    text: str
+
+
+class ScriptedLLM:
+    """Answers from a function of (model, prompt text, call params); records every call."""
+
+    def __init__(self, tokenizer: CharChatTokenizer, reply=None, end_with_eos: bool = True):
+        self.tok = tokenizer
+        self.reply = reply or (lambda model, prompt, params: f"{model}-answer")
+        self.end_with_eos = end_with_eos
+        self.calls: list[dict[str, Any]] = []
+
+    async def complete_one(self, prompt_ids: list[int], *, model: str, **params: Any) -> FakeCompletion:
+        await asyncio.sleep(0)
+        prompt = self.tok.decode(prompt_ids)
+        self.calls.append({"model": model, "prompt": prompt, "prompt_ids": list(prompt_ids), **params})
+        text = self.reply(model, prompt, params)[: params["max_tokens"]]
+        ids = self.tok.encode(text)
+        finish = "length"
+        if self.end_with_eos and len(ids) < params["max_tokens"]:
+            ids = [*ids, self.tok.eos_token_id]
+            finish = "stop"
+        return FakeCompletion(ids, [-0.1 * (i + 1) for i in range(len(ids))], finish, text)
+
+
+@dataclass(frozen=True)
+class Prompt:
+    messages: list[dict[str, str]]
+    token_ids: list[int]
+
+
+@dataclass
+class ToyState:
+    board: list[str] = field(default_factory=list)
+
+
+class ToyEnv:
+    """Agents append their answers to a shared board; done when an answer contains 'DONE'."""
+
+    def __init__(self, task: Any, max_turns: int = 4):
+        self.task, self.max_turns = task, max_turns
+        self.current_turn, self.done, self.state, self.history = 0, False, ToyState(), []
+        self.reset_seeds: list[int] = []
+
+    def reset(self, seed: int) -> None:
+        self.reset_seeds.append(seed)
+        self.state, self.done, self.current_turn, self.history = ToyState(), False, 0, []
+
+
+class ToyAgent:
+    """Reads the board from env.state (its only input) and writes its answer back."""
+
+    def __init__(self, name: str, tokenizer: CharChatTokenizer, layout: str, max_tokens: int = 64):
+        self.name, self.tok, self.layout = name, tokenizer, layout
+        self.sampling = SamplingSettings(temperature=0.7, max_tokens=max_tokens)
+        self.reset()
+
+    def reset(self) -> None:
+        self.messages: list[dict[str, str]] = []
+        self.action: str | None = None
+        self.agent_reward, self.success = 0.0, False
+        self.seen_boards: list[list[str]] = []
+
+    def update_from_env(self, turn: int, env: ToyEnv) -> Prompt:
+        self.seen_boards.append(list(env.state.board))
+        observation = f"{env.task}|{'/'.join(env.state.board)}"
+        if self.layout == "per_episode" and self.messages:
+            self.messages = [
+                *self.messages,
+                {"role": "assistant", "content": self.action or ""},
+                {"role": "user", "content": observation},
+            ]
+        else:
+            self.messages = [{"role": "user", "content": observation}]
+        return Prompt(list(self.messages), self.tok.apply_chat_template(self.messages, add_generation_prompt=True))
+
+    def update_from_model(self, turn: int, env: ToyEnv, response: str) -> str:
+        self.action = response
+        return response
+
+    async def step(self, env: ToyEnv) -> None:
+        env.state.board.append(f"{self.name}:{self.action}")
+        self.agent_reward = float(len(env.state.board))
+        self.success = "DONE" in (self.action or "")
+        if self.success:
+            env.done = True
