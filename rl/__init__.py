@@ -1,0 +1,43 @@
+"""Pure RL math: group UIDs, sample filters, advantages and PPO/GRPO losses (numpy/torch, no I/O).
+
+See docs/rl.md for every formula, its source and the deviations from the seeds.
+"""
+
+from pettingflow.rl.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    broadcast_advantages,
+    compute_advantages,
+    place_token_rewards,
+)
+from pettingflow.rl.filters import FILTER_METHODS, FilterResult, filter_samples, range_normalized_variance
+from pettingflow.rl.losses import (
+    KL_ESTIMATORS,
+    LOSS_AGG_MODES,
+    entropy_from_logits,
+    kl_penalty,
+    masked_aggregate,
+    policy_loss,
+    total_loss,
+)
+from pettingflow.rl.uids import PETTINGFLOW_UID_NAMESPACE, assign_uids, group_indices
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "FILTER_METHODS",
+    "KL_ESTIMATORS",
+    "LOSS_AGG_MODES",
+    "PETTINGFLOW_UID_NAMESPACE",
+    "FilterResult",
+    "assign_uids",
+    "broadcast_advantages",
+    "compute_advantages",
+    "entropy_from_logits",
+    "filter_samples",
+    "group_indices",
+    "kl_penalty",
+    "masked_aggregate",
+    "place_token_rewards",
+    "policy_loss",
+    "range_normalized_variance",
+    "total_loss",
+]

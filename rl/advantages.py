@@ -1,0 +1,96 @@
+"""Outcome advantages per UID group, and their placement on response tokens.
+
+Each sample ``i`` has one scalar reward ``r_i`` and belongs to one UID group ``g`` (see ``uids.py``).
+Estimators (``algorithm.advantage_estimator``):
+
+- ``grpo``:         ``(r_i - mean_g) / (std_g + eps)``, ``std_g`` with ddof=1 (Shao et al. 2024,
+                    DeepSeekMath; ddof=1 matches verl's ``torch.std``, which PettingLLMs trains with).
+- ``grpo_no_std``:  ``r_i - mean_g`` (Liu et al. 2025, "Understanding R1-Zero-Like Training", Dr. GRPO).
+- ``rloo``:         ``r_i - mean(r_j, j in g, j != i) = n/(n-1) * (r_i - mean_g)`` (Ahmadian et al. 2024).
+- ``reinforce_pp``: ``(r_i - mean_g) / (std_batch + eps)`` where ``std_batch`` (ddof=1) is taken over
+                    the group-centered values of the whole batch (Hu 2025, REINFORCE++-baseline).
+
+Every estimator gives exactly 0.0 to a group whose rewards are all equal (including groups of one
+sample): such a group carries no learning signal, and ``r - mean`` would otherwise leave float dust.
+
+Deviations from verl: a single-sample group gets 0 (verl's GRPO returns the raw reward); the
+REINFORCE++ batch normalization is per sample, not per token, and does not re-center (the centered
+values already have mean 0 up to rounding), so zero-variance groups stay exactly 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from pettingflow.rl.uids import group_indices
+
+ADVANTAGE_ESTIMATORS = ("grpo", "grpo_no_std", "rloo", "reinforce_pp")
+
+
+def compute_advantages(
+    rewards: Sequence[float] | np.ndarray, uids: Sequence[str], estimator: str, eps: float = 1e-6
+) -> np.ndarray:
+    """Per-sample advantages (float64, same order as ``rewards``); formulas in the module docstring."""
+    if estimator not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(f"unknown advantage estimator {estimator!r}; expected one of {ADVANTAGE_ESTIMATORS}")
+    if not eps > 0:
+        raise ValueError(f"eps must be > 0, got {eps!r}")
+    r = np.asarray(rewards, dtype=np.float64)
+    if r.ndim != 1:
+        raise ValueError(f"rewards must be 1-D, got shape {r.shape}")
+    if len(r) != len(uids):
+        raise ValueError(f"rewards has {len(r)} entries but uids has {len(uids)}")
+    if not np.isfinite(r).all():
+        bad = int(np.flatnonzero(~np.isfinite(r))[0])
+        raise ValueError(f"rewards must be finite; rewards[{bad}] = {r[bad]}")
+
+    adv = np.zeros_like(r)
+    for idx in group_indices(uids).values():
+        g = r[idx]
+        if g.max() == g.min():
+            continue  # zero variance (or one sample): exactly 0
+        centered = g - g.mean()
+        if estimator == "grpo":
+            adv[idx] = centered / (g.std(ddof=1) + eps)
+        elif estimator == "rloo":
+            adv[idx] = centered * len(g) / (len(g) - 1)
+        else:  # grpo_no_std, reinforce_pp (normalized below)
+            adv[idx] = centered
+    if estimator == "reinforce_pp" and len(adv) > 1:
+        adv = adv / (adv.std(ddof=1) + eps)
+    return adv
+
+
+def _check_pair(values: torch.Tensor, mask: torch.Tensor, name: str) -> None:
+    if values.dim() != 1:
+        raise ValueError(f"{name} must be 1-D [B], got shape {tuple(values.shape)}")
+    if mask.dim() != 2 or mask.shape[0] != values.shape[0]:
+        raise ValueError(f"mask must be [B, T] with B={values.shape[0]}, got shape {tuple(mask.shape)}")
+    if ((mask != 0) & (mask != 1)).any():
+        raise ValueError("mask must contain only 0 and 1")
+
+
+def place_token_rewards(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``[B] -> [B, T]``: ``scores[b]`` at the LAST position where ``mask[b] == 1``, 0 elsewhere.
+
+    Rows whose mask is all zero stay all zero. This is how verl stores outcome rewards per token.
+    """
+    _check_pair(scores, mask, "scores")
+    B, T = mask.shape
+    out = torch.zeros(B, T, dtype=scores.dtype, device=scores.device)
+    if T == 0:
+        return out
+    valid = mask != 0
+    has_token = valid.any(dim=1)
+    last = T - 1 - valid.flip(dims=[1]).int().argmax(dim=1)  # first valid from the right
+    values = torch.where(has_token, scores, torch.zeros_like(scores))
+    return out.scatter(1, last.unsqueeze(1), values.unsqueeze(1))
+
+
+def broadcast_advantages(adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``[B] -> [B, T]``: ``adv[b] * mask[b, t]`` (every model token of a sample shares its advantage)."""
+    _check_pair(adv, mask, "adv")
+    return torch.where(mask != 0, adv.unsqueeze(1), torch.zeros((), dtype=adv.dtype, device=adv.device))

@@ -1,0 +1,125 @@
+"""Sample filters applied to a batch before advantages: ``none | mean | std | dapo | uid``.
+
+Source: PettingLLMs ``_assign_consistent_uids`` (seed 000); ``dapo`` is DAPO's dynamic sampling
+(Yu et al. 2025, "DAPO", drop prompts whose samples all got the same reward). With ``n`` UID groups
+and ``ratio`` in [0, 1):
+
+- ``mean``: drop the ``int(n * ratio)`` groups with the lowest mean reward.
+- ``std``:  drop the ``int(n * ratio)`` groups with the lowest range-normalized variance
+  ``var(r, ddof=0) / (max(r) - min(r))**2``; a zero-range group (incl. a single sample) has value 0.
+- ``dapo``: drop every group whose range-normalized variance is 0 (``ratio`` unused).
+- ``uid``:  inside each group of size ``g`` drop the ``int(g * ratio)`` samples with the largest
+  ``|r - mean(group)|``; whole groups are never dropped because ``ratio < 1``.
+
+Ties (exactly equal floats) are broken by first appearance: among groups with the same score the
+one seen first in ``uids`` is dropped first; inside a group the sample with the lower index is
+dropped first. Nothing is random, so a re-run on stored data removes the same samples.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from pettingflow.rl.uids import group_indices
+
+FILTER_METHODS = ("none", "mean", "std", "dapo", "uid")
+
+
+@dataclass(frozen=True, eq=False)
+class FilterResult:
+    """Outcome of a filter. ``keep[i]`` says whether sample ``i`` stays (read-only bool array).
+
+    ``removed_uids`` lists groups whose samples were all removed, in first-seen order. A filter may
+    remove everything (e.g. ``dapo`` on a batch where every group is uniform): check ``empty``.
+    """
+
+    keep: np.ndarray
+    removed_uids: list[str]
+    removed_samples: int
+    reason: str
+
+    @property
+    def empty(self) -> bool:
+        """True when no sample is kept; the caller decides whether to skip the update or fail."""
+        return not bool(self.keep.any())
+
+    @property
+    def kept_samples(self) -> int:
+        return int(self.keep.sum())
+
+
+def range_normalized_variance(rewards: np.ndarray) -> float:
+    """``var(r, ddof=0) / (max(r) - min(r))**2``, defined as 0.0 when the range is 0 (seed 000)."""
+    r = np.asarray(rewards, dtype=np.float64)
+    if r.size == 0:
+        raise ValueError("range_normalized_variance needs at least one reward, got an empty array")
+    spread = float(r.max() - r.min())
+    if spread == 0.0:
+        return 0.0
+    return float(np.var(r, ddof=0) / spread**2)
+
+
+def _check(uids: Sequence[str], rewards: Sequence[float] | np.ndarray, method: str, ratio: float) -> np.ndarray:
+    if method not in FILTER_METHODS:
+        raise ValueError(f"unknown filter method {method!r}; expected one of {FILTER_METHODS}")
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float, np.floating)) or not 0.0 <= ratio < 1.0:
+        raise ValueError(f"filter ratio must be a number in [0, 1), got {ratio!r}")
+    r = np.asarray(rewards, dtype=np.float64)
+    if r.ndim != 1:
+        raise ValueError(f"rewards must be 1-D, got shape {r.shape}")
+    if len(r) != len(uids):
+        raise ValueError(f"rewards has {len(r)} entries but uids has {len(uids)}")
+    if not np.isfinite(r).all():
+        bad = int(np.flatnonzero(~np.isfinite(r))[0])
+        raise ValueError(f"rewards must be finite; rewards[{bad}] = {r[bad]}")
+    return r
+
+
+def _lowest_groups(groups: dict[str, list[int]], scores: dict[str, float], n_drop: int) -> list[str]:
+    """UIDs to drop: the ``n_drop`` lowest scores (stable, so ties go to the first-seen group)."""
+    order = sorted(groups, key=lambda uid: scores[uid])  # sorted() is stable; dict order = first seen
+    chosen = set(order[:n_drop])
+    return [uid for uid in groups if uid in chosen]
+
+
+def filter_samples(
+    uids: Sequence[str], rewards: Sequence[float] | np.ndarray, method: str, ratio: float
+) -> FilterResult:
+    """Apply one filter (see module docstring for the exact rules) and say what it removed."""
+    r = _check(uids, rewards, method, ratio)
+    groups = group_indices(uids)
+    keep = np.ones(len(r), dtype=bool)
+    removed_uids: list[str] = []
+
+    if method in ("mean", "std"):
+        score_fn = np.mean if method == "mean" else range_normalized_variance
+        scores = {uid: float(score_fn(r[idx])) for uid, idx in groups.items()}
+        n_drop = int(len(groups) * ratio)
+        removed_uids = _lowest_groups(groups, scores, n_drop)
+        what = "lowest mean reward" if method == "mean" else "lowest range-normalized variance"
+        reason = f"{method}: removed {n_drop} of {len(groups)} UID groups ({what}, ratio={ratio})"
+    elif method == "dapo":
+        removed_uids = [uid for uid, idx in groups.items() if range_normalized_variance(r[idx]) == 0.0]
+        reason = f"dapo: removed {len(removed_uids)} of {len(groups)} UID groups with zero reward variance"
+    elif method == "uid":
+        for idx in groups.values():
+            n_drop = int(len(idx) * ratio)
+            if n_drop == 0:
+                continue
+            deviation = np.abs(r[idx] - r[idx].mean())
+            by_deviation = sorted(range(len(idx)), key=lambda j: -deviation[j])  # stable: lower index first
+            keep[[idx[j] for j in by_deviation[:n_drop]]] = False
+        reason = f"uid: removed {int((~keep).sum())} samples farthest from their group mean (ratio={ratio})"
+    else:
+        reason = "none: kept every sample"
+
+    for uid in removed_uids:
+        keep[groups[uid]] = False
+    keep.setflags(write=False)
+    removed = int(len(r) - keep.sum())
+    if removed == len(r) and len(r) > 0:
+        reason += "; EVERY sample was removed"
+    return FilterResult(keep=keep, removed_uids=removed_uids, removed_samples=removed, reason=reason)

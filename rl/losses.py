@@ -1,0 +1,206 @@
+"""PPO/GRPO token losses with response masks: clipped surrogate, KL penalty, entropy bonus.
+
+All tensors are ``[B, T]`` (B samples, T response positions) unless stated; ``mask[b, t] = 1`` marks a
+model token that gets gradient, 0 an observation/padding token (seed 001, R3). Masked positions are
+replaced by 0 with ``torch.where`` *before* any arithmetic, so (a) garbage there (even inf/NaN) cannot
+leak into the loss and (b) their gradient is exactly 0, not merely small.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+LOG_RATIO_CLAMP = 20.0  # |log p - log q| is clamped before exp, as in verl, so exp() never overflows
+K3_MAX = 10.0  # verl's low_var_kl clamps each token's k3 value to at most 10
+
+
+def _valid(mask: torch.Tensor, **tensors: torch.Tensor) -> torch.Tensor:
+    """Check that ``mask`` is a 0/1 ``[B, T]`` tensor shaped like every tensor given; return ``mask != 0``."""
+    if mask.dim() != 2:
+        raise ValueError(f"mask must be 2-D [B, T], got shape {tuple(mask.shape)}")
+    for name, t in tensors.items():
+        if t.shape != mask.shape:
+            raise ValueError(f"{name} has shape {tuple(t.shape)} but mask has shape {tuple(mask.shape)}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
+    if ((mask != 0) & (mask != 1)).any():
+        raise ValueError("mask must contain only 0 and 1")
+    return mask != 0
+
+
+def _zero_masked(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    return torch.where(valid, values, torch.zeros((), dtype=values.dtype, device=values.device))
+
+
+def _token_mean(values: torch.Tensor, valid: torch.Tensor) -> float:
+    """Metric helper: mean over valid tokens as a python float (0.0 when there are none)."""
+    values = _zero_masked(values.detach().float(), valid)
+    return float(values.sum() / valid.sum().clamp(min=1))
+
+
+def masked_aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:
+    """Reduce per-token ``values`` to a scalar over tokens with ``mask == 1`` (``loss_agg_mode``).
+
+    - ``token-mean``:          ``sum(v*m) / sum(m)`` (DAPO, Yu et al. 2025; verl default).
+    - ``seq-mean-token-sum``:  mean over sequences with >= 1 token of ``sum_t v*m`` (Dr. GRPO).
+    - ``seq-mean-token-mean``: mean over sequences with >= 1 token of ``sum_t v*m / sum_t m`` (GRPO paper).
+
+    Denominators are clamped to >= 1, so an all-zero mask gives 0 (still attached to the graph,
+    gradient 0), never NaN. Unlike verl, sequences without any token do not count in the seq means.
+    """
+    if mode not in LOSS_AGG_MODES:
+        raise ValueError(f"unknown loss_agg_mode {mode!r}; expected one of {LOSS_AGG_MODES}")
+    valid = _valid(mask, values=values)
+    v = _zero_masked(values, valid)
+    if mode == "token-mean":
+        return v.sum() / valid.sum().clamp(min=1)
+    tokens = valid.sum(dim=-1)
+    per_seq = v.sum(dim=-1)
+    if mode == "seq-mean-token-mean":
+        per_seq = per_seq / tokens.clamp(min=1)
+    return per_seq.sum() / (tokens > 0).sum().clamp(min=1)
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+    clip_ratio_c: float | None = None,
+    loss_agg_mode: str = "token-mean",
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """PPO clipped surrogate (Schulman et al. 2017) with asymmetric clip and optional dual clip.
+
+    Per token, with ``ratio = exp(clamp(logp - old_logp, ±20))``:
+    ``L = max(-A * ratio, -A * clamp(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high))``
+    (asymmetric "clip-higher": DAPO, Yu et al. 2025). Dual clip (Ye et al. 2020, as in verl): where
+    ``A < 0``, ``L = min(L, -A * clip_ratio_c)``, bounding the loss of very large ratios.
+    ``old_logprobs`` and ``advantages`` are treated as constants (detached).
+
+    Metrics (means over valid tokens): ``clip_fraction`` (tokens where the clip is active, i.e. their
+    gradient is cut), ``dual_clip_fraction``, ``approx_kl`` (k3 estimate of KL(old || new):
+    ``(ratio - 1) - log ratio``), ``ratio_mean``, plus ``pg_loss``.
+    """
+    if not 0.0 <= clip_ratio_low < 1.0:
+        raise ValueError(f"clip_ratio_low must be in [0, 1), got {clip_ratio_low}")
+    if not clip_ratio_high >= 0.0:
+        raise ValueError(f"clip_ratio_high must be >= 0, got {clip_ratio_high}")
+    if clip_ratio_c is not None and not clip_ratio_c > 1.0:
+        raise ValueError(f"clip_ratio_c (dual clip) must be > 1 or None, got {clip_ratio_c}")
+    valid = _valid(mask, logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages)
+
+    logp = _zero_masked(logprobs, valid)
+    old = _zero_masked(old_logprobs.detach(), valid)
+    adv = _zero_masked(advantages.detach(), valid)
+    log_ratio = (logp - old).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    ratio = torch.exp(log_ratio)
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    per_token = torch.maximum(unclipped, clipped)
+    clip_active = clipped > unclipped
+    dual_active = torch.zeros_like(valid)
+    if clip_ratio_c is not None:
+        bound = -adv * clip_ratio_c
+        dual_active = (adv < 0) & (per_token > bound)
+        per_token = torch.where(dual_active, bound, per_token)
+
+    loss = masked_aggregate(per_token, mask, loss_agg_mode)
+    metrics = {
+        "pg_loss": float(loss.detach()),
+        "clip_fraction": _token_mean(clip_active & valid, valid),
+        "dual_clip_fraction": _token_mean(dual_active & valid, valid),
+        "approx_kl": _token_mean((ratio - 1.0) - log_ratio, valid),
+        "ratio_mean": _token_mean(ratio, valid),
+    }
+    return loss, metrics
+
+
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman 2020, "Approximating KL").
+
+    With ``d = logp - ref_logp``: ``k1 = d``; ``k2 = d**2 / 2``; ``k3 = exp(-d) + d - 1`` (unbiased,
+    low variance, >= 0). For k3, ``d`` is clamped to ±20 and the result to <= 10 (verl's ``low_var_kl``).
+    ``ref_logprobs`` is treated as a constant (detached). No masking here: see ``total_loss``.
+    """
+    if estimator not in KL_ESTIMATORS:
+        raise ValueError(f"unknown kl_estimator {estimator!r}; expected one of {KL_ESTIMATORS}")
+    if logprobs.shape != ref_logprobs.shape:
+        raise ValueError(f"logprobs {tuple(logprobs.shape)} and ref_logprobs {tuple(ref_logprobs.shape)} differ")
+    d = logprobs - ref_logprobs.detach()
+    if estimator == "k1":
+        return d
+    if estimator == "k2":
+        return 0.5 * d.square()
+    d = d.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return (torch.exp(-d) + d - 1.0).clamp(max=K3_MAX)
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """``[..., V] -> [...]``: ``H = -sum_v p_v log p_v`` with ``p = softmax(logits)``.
+
+    Vocabulary entries with ``p == 0`` (e.g. logits of -inf) contribute 0, with finite gradient.
+    Computed in the logits' dtype: pass float32 logits for an accurate value.
+    """
+    if logits.dim() < 1 or logits.shape[-1] == 0:
+        raise ValueError(f"logits must have a non-empty last (vocabulary) dimension, got {tuple(logits.shape)}")
+    logp = torch.log_softmax(logits, dim=-1)
+    p = logp.exp()
+    return -(p * torch.where(p > 0, logp, torch.zeros_like(logp))).sum(dim=-1)
+
+
+def total_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    ref_logprobs: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.28,
+    clip_ratio_c: float | None = None,
+    kl_coef: float = 0.0,
+    kl_estimator: str = "k3",
+    entropy_coef: float = 0.0,
+    loss_agg_mode: str = "token-mean",
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """``loss = pg + kl_coef * agg(KL) - entropy_coef * agg(entropy)``, every term aggregated with
+    ``loss_agg_mode`` over ``mask`` (as verl's actor does with ``use_kl_loss``).
+
+    ``entropy`` is the per-token entropy ``[B, T]`` (``entropy_from_logits``). ``ref_logprobs`` is
+    required when ``kl_coef > 0`` and ``entropy`` when ``entropy_coef > 0``; when given with a zero
+    coefficient they are only reported. Defaults equal ``AlgorithmSettings``' defaults.
+    Metrics: ``policy_loss``'s, plus ``kl`` / ``entropy`` when computed, plus ``loss``.
+    """
+    for name, coef in (("kl_coef", kl_coef), ("entropy_coef", entropy_coef)):
+        if not (math.isfinite(coef) and coef >= 0.0):
+            raise ValueError(f"{name} must be a finite number >= 0, got {coef}")
+    if kl_coef > 0 and ref_logprobs is None:
+        raise ValueError("kl_coef > 0 needs ref_logprobs")
+    if entropy_coef > 0 and entropy is None:
+        raise ValueError("entropy_coef > 0 needs entropy (per-token, see entropy_from_logits)")
+
+    loss, metrics = policy_loss(
+        logprobs, old_logprobs, advantages, mask, clip_ratio_low, clip_ratio_high, clip_ratio_c, loss_agg_mode
+    )
+    valid = mask != 0
+    if ref_logprobs is not None:
+        _valid(mask, ref_logprobs=ref_logprobs)
+        per_token_kl = kl_penalty(_zero_masked(logprobs, valid), _zero_masked(ref_logprobs, valid), kl_estimator)
+        kl = masked_aggregate(per_token_kl, mask, loss_agg_mode)
+        metrics["kl"] = float(kl.detach())
+        if kl_coef > 0:
+            loss = loss + kl_coef * kl
+    if entropy is not None:
+        ent = masked_aggregate(entropy, mask, loss_agg_mode)
+        metrics["entropy"] = float(ent.detach())
+        if entropy_coef > 0:
+            loss = loss - entropy_coef * ent
+    metrics["loss"] = float(loss.detach())
+    return loss, metrics
