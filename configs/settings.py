@@ -270,9 +270,13 @@ class ExperimentConfig(_Strict):
             problems.append(
                 ("algorithm.filter_method", "uid filtering removes outliers within a group; needs env.group_size >= 2")
             )
-        if self.algorithm.advantage_estimator == "rloo" and self.env.group_size < 2:
+        if self.env.group_size < 2:
             problems.append(
-                ("algorithm.advantage_estimator", "rloo needs env.group_size >= 2 (leave-one-out baseline)")
+                (
+                    "env.group_size",
+                    f"{self.algorithm.advantage_estimator} advantages are relative to the other samples of a group; "
+                    "with group_size=1 every advantage is 0 and nothing is learned (use >= 2)",
+                )
             )
         if self.training.max_seq_len > self.inference.max_model_len:
             problems.append(

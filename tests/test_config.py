@@ -76,7 +76,7 @@ def test_unknown_key_via_override() -> None:
         (["specialization=lora", "policies.0.lora.rank=0"], "policies.0.lora.rank"),
         (["agents.0.policy=missing"], "agents.0.policy"),
         (["env.group_size=1", "algorithm.filter_method=dapo"], "algorithm.filter_method"),
-        (["env.group_size=1", "algorithm.advantage_estimator=rloo"], "algorithm.advantage_estimator"),
+        (["env.group_size=1", "algorithm.advantage_estimator=rloo"], "env.group_size"),
         (["training.max_seq_len=4096"], "training.max_seq_len"),
     ],
 )
