@@ -38,6 +38,9 @@ class RunSettings(_Strict):
     )
     iterations: int = Field(2, ge=1, description="Training iterations (one Prefect subflow each).")
     seed: int = Field(0, description="Seeds task sampling, env resets and sampling seeds.")
+    mlflow_tracking_uri: str | None = Field(
+        None, description="Also log metrics to MLflow at this URI (needs the mlflow extra); TensorBoard is always on."
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -138,14 +141,21 @@ class EnvSettings(_Strict):
         description="per_turn: one row per agent call (seed 000). per_episode: one masked sequence per agent.",
     )
     sandbox: SandboxSettings = Field(default_factory=SandboxSettings)
+    options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Env-specific settings passed to the env class's own Config (validated there), "
+        "e.g. case_timeout_s or catch_bonus_weight for code-env.",
+    )
 
 
 class RolloutSettings(_Strict):
     """How rollouts are executed."""
 
-    max_concurrent_requests: int = Field(32, ge=1)
+    max_concurrent_requests: int = Field(32, ge=1, description="In-flight LLM requests per inference server.")
+    use_ray: bool = Field(True, description="Run env code execution in Ray actors (False: in-process sandbox).")
     ray_address: str | None = Field(None, description="Attach to a Ray cluster; None starts a local runtime.")
-    ray_num_cpus: int | None = Field(None, ge=1)
+    ray_num_cpus: int | None = Field(None, ge=1, description="CPUs of the local Ray runtime (default: all).")
+    ray_sandbox_workers: int = Field(1, ge=1, description="Ray actors that run sandboxed code.")
 
 
 # --------------------------------------------------------------------------------------------------

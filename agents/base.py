@@ -1,0 +1,243 @@
+"""The agent base class (seed 002) and the agent registry.
+
+An agent turns env state into a prompt, a model response into an action, and an action into
+results written back into the env. It never holds a reference to another agent: everything one
+agent needs from another comes through ``env.state``.
+
+One turn, as the execution engine drives it::
+
+    prompt = agent.update_from_env(turn, env)          # reads env.state -> messages + prompt token ids
+    text = <sample from the agent's policy with prompt.token_ids>
+    agent.update_from_model(turn, env, text)           # parses text -> agent.current_action
+    await agent.step(env)                              # runs the action, writes env.state, sets reward,
+                                                       # closes the turn (env.finish_turn)
+    if env.done: stop
+
+Sample layouts (``EnvSettings.sample_layout``, seed 003):
+
+* ``per_turn``: every call gets a fresh prompt built from the full current state
+  (``system`` + ``user(turn_prompt(env))``); each call is its own training sample.
+* ``per_episode``: the agent's conversation is append-only. Its first call is the same as per_turn;
+  each later call returns the previous messages + ``assistant(previous response text)`` +
+  ``user(observation(env))``. ``AgentPrompt.token_ids`` is always the full templated conversation;
+  the engine builds the episode sequence from it (previous sequence + sampled response tokens +
+  the new observation tokens, which get mask 0). Because messages are only appended, templates like
+  ChatML render each prompt as an extension of the previous one; the engine must still check that
+  the previous prompt + response tokens are a prefix of the new ``token_ids`` (a template may render
+  the assistant turn differently from what was sampled) and handle a mismatch.
+
+One agent object serves one episode; ``reset()`` clears it for the next.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
+
+from pettingflow.configs.settings import SamplingSettings
+from pettingflow.envs.base import Env
+from pettingflow.envs.registry import Registry
+
+if TYPE_CHECKING:
+    from pettingflow.configs.settings import AgentSettings
+
+Layout = Literal["per_turn", "per_episode"]
+LAYOUTS: tuple[str, ...] = ("per_turn", "per_episode")
+
+
+@dataclass(frozen=True)
+class AgentPrompt:
+    """What the sampler gets: chat messages and their templated token ids (generation prompt included)."""
+
+    messages: list[dict[str, str]]
+    token_ids: list[int]
+
+
+class ChatTokenizer(Protocol):
+    """The part of a Hugging Face tokenizer that agents use."""
+
+    def apply_chat_template(self, conversation: Any, **kwargs: Any) -> Any: ...
+
+
+def chat_token_ids(tokenizer: ChatTokenizer, messages: Sequence[Mapping[str, str]]) -> list[int]:
+    """Prompt token ids of ``messages`` with the generation prompt appended.
+
+    transformers 5 may return a plain list, a batched ``[[...]]`` list, or a ``BatchEncoding``/dict
+    holding ``input_ids`` (possibly a tensor); all become one flat ``list[int]``.
+    """
+    out = tokenizer.apply_chat_template([dict(m) for m in messages], add_generation_prompt=True, tokenize=True)
+    if isinstance(out, Mapping) or hasattr(out, "input_ids"):
+        out = out["input_ids"] if isinstance(out, Mapping) else out.input_ids
+    if hasattr(out, "tolist"):
+        out = out.tolist()
+    if isinstance(out, (list, tuple)) and out and isinstance(out[0], (list, tuple)):
+        if len(out) != 1:
+            raise ValueError(f"apply_chat_template returned a batch of {len(out)} sequences for one conversation")
+        out = out[0]
+    if not isinstance(out, (list, tuple)) or not all(isinstance(t, int) for t in out):
+        raise TypeError(f"apply_chat_template(tokenize=True) returned {type(out).__name__}, expected token ids")
+    return list(out)
+
+
+class Agent(ABC):
+    """Base agent. Subclasses implement ``turn_prompt``, ``parse_response`` and ``apply_action``.
+
+    Per-episode data (seed 002's AgentData): ``current_prompt``, ``current_action``,
+    ``agent_reward`` (of the last step), ``success`` (of the last step; the engine reads it at episode
+    end), ``answer_history`` (raw responses), ``action_history`` (parsed actions), ``reward_history``.
+    """
+
+    default_name: ClassVar[str] = "agent"
+    system_prompt: ClassVar[str] = ""
+
+    def __init__(
+        self,
+        name: str | None = None,
+        *,
+        agent_idx: int = 0,
+        policy_name: str = "",
+        sampling: SamplingSettings | None = None,
+        tokenizer: ChatTokenizer | None = None,
+        layout: Layout = "per_turn",
+    ) -> None:
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        self.name = name or self.default_name
+        self.agent_idx = agent_idx
+        self.policy_name = policy_name
+        self.sampling = sampling or SamplingSettings()
+        self.tokenizer = tokenizer
+        self.layout: Layout = layout
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the episode: prompts, actions, rewards and the conversation."""
+        self.current_prompt: AgentPrompt | None = None
+        self.current_action: Any = None
+        self.agent_reward: float | None = None
+        self.success = False
+        self.answer_history: list[str] = []
+        self.action_history: list[Any] = []
+        self.reward_history: list[float] = []
+        self._conversation: list[dict[str, str]] = []
+        self._awaiting: Literal["prompt", "response", "step"] = "prompt"
+
+    # ----------------------------------------------------------------------------------------------
+    # what subclasses provide
+    # ----------------------------------------------------------------------------------------------
+    @abstractmethod
+    def turn_prompt(self, env: Env) -> str:
+        """The user message built from the full current state (per_turn, and the first per_episode call)."""
+
+    def observation(self, env: Env) -> str:
+        """The user message appended in per_episode mode after this agent's previous response:
+        what changed since then. Defaults to the full ``turn_prompt``."""
+        return self.turn_prompt(env)
+
+    @abstractmethod
+    def parse_response(self, response_text: str, env: Env) -> Any:
+        """The action in ``response_text``; must not raise on malformed text (bad text = bad action)."""
+
+    @abstractmethod
+    async def apply_action(self, env: Env) -> tuple[float, bool]:
+        """Carry out ``current_action``: write results into ``env.state``; return (reward, success)."""
+
+    # ----------------------------------------------------------------------------------------------
+    # the turn cycle
+    # ----------------------------------------------------------------------------------------------
+    def update_from_env(self, turn: int, env: Env) -> AgentPrompt:
+        """Read the env and return (and keep as ``current_prompt``) the prompt for this turn."""
+        self._check_turn(turn, env)
+        if self._awaiting == "response":
+            raise RuntimeError(f"agent {self.name!r}: update_from_model was not called for the previous prompt")
+        if self.tokenizer is None:
+            raise RuntimeError(f"agent {self.name!r} has no tokenizer; pass tokenizer= when building it")
+        if self.layout == "per_episode" and self._conversation:
+            messages = [
+                *self._conversation,
+                {"role": "assistant", "content": self.answer_history[-1]},
+                {"role": "user", "content": self.observation(env)},
+            ]
+        else:
+            messages = [{"role": "user", "content": self.turn_prompt(env)}]
+            if self.system_prompt:
+                messages.insert(0, {"role": "system", "content": self.system_prompt})
+        self._conversation = [dict(m) for m in messages]
+        self.current_prompt = AgentPrompt(messages=messages, token_ids=chat_token_ids(self.tokenizer, messages))
+        self._awaiting = "response"
+        return self.current_prompt
+
+    def update_from_model(self, turn: int, env: Env, response_text: str) -> Any:
+        """Parse the model's reply into ``current_action`` (also returned)."""
+        self._check_turn(turn, env)
+        if self._awaiting != "response":
+            raise RuntimeError(f"agent {self.name!r}: update_from_env must come before update_from_model")
+        action = self.parse_response(response_text, env)
+        self.answer_history.append(response_text)
+        self.action_history.append(action)
+        self.current_action = action
+        self._awaiting = "step"
+        return action
+
+    async def step(self, env: Env) -> None:
+        """Execute ``current_action`` in ``env``, record reward/success, close the env turn."""
+        if self._awaiting != "step":
+            raise RuntimeError(f"agent {self.name!r}: step() needs an action from update_from_model first")
+        if env.done:
+            raise RuntimeError(f"agent {self.name!r}: the episode is already over ({env!r})")
+        reward, success = await self.apply_action(env)
+        self.agent_reward = float(reward)
+        self.success = bool(success)
+        self.reward_history.append(self.agent_reward)
+        self._awaiting = "prompt"
+        env.finish_turn(
+            {"agent_name": self.name, "agent_idx": self.agent_idx, "reward": self.agent_reward, "success": self.success}
+        )
+
+    def _check_turn(self, turn: int, env: Env) -> None:
+        if turn != env.current_turn:
+            raise ValueError(f"agent {self.name!r} was called for turn {turn}, but the env is at {env.current_turn}")
+        if env.done:
+            raise RuntimeError(f"agent {self.name!r}: the episode is already over ({env!r})")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r}, agent_idx={self.agent_idx}, policy={self.policy_name!r})"
+
+
+# --------------------------------------------------------------------------------------------------
+# registry
+# --------------------------------------------------------------------------------------------------
+AGENT_REGISTRY: Registry[Agent] = Registry("agent", Agent)
+AGENT_REGISTRY.register("code-generator", "pettingflow.agents.code_agents:CodeGeneratorAgent")
+AGENT_REGISTRY.register("unit-test-generator", "pettingflow.agents.code_agents:UnitTestGeneratorAgent")
+
+
+def register_agent(name: str, target: type[Agent] | str | None = None, *, replace: bool = False) -> Any:
+    """Register an agent class (or a lazy ``module:Class`` path) under a short name; usable as decorator."""
+    return AGENT_REGISTRY.register(name, target, replace=replace)
+
+
+def resolve_agent_class(name_or_path: str) -> type[Agent]:
+    """The ``Agent`` subclass for a short name or ``package.module:Class``."""
+    return AGENT_REGISTRY.resolve(name_or_path)
+
+
+def registered_agents() -> list[str]:
+    return AGENT_REGISTRY.names()
+
+
+def build_agent(
+    settings: AgentSettings, *, agent_idx: int, tokenizer: ChatTokenizer | None, layout: Layout = "per_turn"
+) -> Agent:
+    """An agent from its config entry; ``agent_idx`` is its position in the turn order."""
+    cls = resolve_agent_class(settings.class_path)
+    return cls(
+        settings.name,
+        agent_idx=agent_idx,
+        policy_name=settings.policy,
+        sampling=settings.sampling,
+        tokenizer=tokenizer,
+        layout=layout,
+    )

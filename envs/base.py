@@ -1,0 +1,145 @@
+"""The environment base class: one episode's shared state (seed 002).
+
+An ``Env`` is the single place where agents leave information for each other: an agent reads
+``env.state`` to build its prompt and writes the results of its action back into ``env.state``.
+Agents never talk to each other directly, so agents can be added, removed or reordered by config.
+
+The env does not decide who acts next: the execution engine takes the turn order from the config's
+``agents`` list. The env only counts turns (one turn = one agent call, over all agents), records a
+history and decides when the episode is over (``solved()`` or ``max_turns`` reached).
+
+One ``Env`` object holds one episode. Expensive things that every episode of the same
+(class, config) can share -- a sandbox, a tokenizer -- are built once by ``shared_resources`` and
+handed to each new env by ``pettingflow.envs.registry.EnvFactory``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class EnvConfig(BaseModel):
+    """Settings every env understands. Subclasses extend it; unknown keys are errors (typos fail fast)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_turns: int = Field(4, ge=1, description="Agent calls per episode, counted over all agents.")
+
+
+class EnvConfigError(ValueError):
+    """An env config that does not validate against the env class's ``Config`` model."""
+
+
+class Env:
+    """One episode: task, shared state, turn counter, history.
+
+    Attributes (seed 002): ``env_idx`` (position in the batch), ``rollout_idx`` (sample within the
+    GRPO group), ``max_turns``, ``current_turn``, ``state`` (env-specific shared state), ``done``,
+    ``truncated`` (ended by ``max_turns`` without being solved), ``task`` (the task dict),
+    ``history`` (one record per finished turn), ``config`` (the validated ``Config`` model) and
+    ``seed`` (of the last ``reset``).
+
+    Subclasses implement ``initial_state`` and usually ``solved``.
+    """
+
+    Config: ClassVar[type[EnvConfig]] = EnvConfig
+
+    def __init__(
+        self,
+        task: Mapping[str, Any],
+        config: EnvConfig | Mapping[str, Any] | None = None,
+        *,
+        env_idx: int = 0,
+        rollout_idx: int = 0,
+        seed: int | None = None,
+    ) -> None:
+        self.config = self.validate_config(config)
+        self.task: dict[str, Any] = dict(task)
+        self.env_idx = env_idx
+        self.rollout_idx = rollout_idx
+        self.max_turns = self.config.max_turns
+        self.current_turn = 0
+        self.state: Any = None
+        self.done = False
+        self.truncated = False
+        self.history: list[dict[str, Any]] = []
+        self.seed: int | None = None
+        self.reset(seed)
+
+    # ----------------------------------------------------------------------------------------------
+    # hooks for subclasses
+    # ----------------------------------------------------------------------------------------------
+    def initial_state(self) -> Any:
+        """The state at turn 0 for ``self.task`` (and ``self.seed``)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement initial_state()")
+
+    def solved(self) -> bool:
+        """Whether the task is solved; a solved episode ends before ``max_turns``."""
+        return False
+
+    @classmethod
+    def shared_resources(cls, config: EnvConfig) -> dict[str, Any]:
+        """Keyword arguments shared by every env of this (class, config), built once per cache entry.
+
+        Why: building a sandbox (or loading a tokenizer) per episode would dominate rollout time.
+        The returned mapping is passed to ``__init__`` of each env the factory creates.
+        """
+        return {}
+
+    # ----------------------------------------------------------------------------------------------
+    # lifecycle
+    # ----------------------------------------------------------------------------------------------
+    @classmethod
+    def validate_config(cls, config: EnvConfig | Mapping[str, Any] | None) -> EnvConfig:
+        """``config`` as this class's ``Config`` model; a clear error names the bad keys."""
+        if isinstance(config, cls.Config):
+            return config
+        data = config.model_dump() if isinstance(config, BaseModel) else dict(config or {})
+        try:
+            return cls.Config.model_validate(data)
+        except ValidationError as exc:
+            problems = "; ".join(
+                f"{'.'.join(str(p) for p in err['loc']) or '<root>'}: {err['msg']}" for err in exc.errors()
+            )
+            known = ", ".join(cls.Config.model_fields)
+            raise EnvConfigError(f"invalid config for {cls.__name__}: {problems} (known keys: {known})") from exc
+
+    def reset(self, seed: int | None = None) -> None:
+        """Start the episode again from turn 0 with the same task.
+
+        The same seed gives the same initial state, which GRPO group sampling relies on (seed 003).
+        """
+        self.seed = seed
+        self.current_turn = 0
+        self.done = False
+        self.truncated = False
+        self.history = []
+        self.state = self.initial_state()
+
+    def finish_turn(self, record: Mapping[str, Any] | None = None) -> None:
+        """Close the current turn: record it, advance the counter, decide ``done``/``truncated``.
+
+        Called once per agent call (by ``Agent.step``), after the agent wrote its results into
+        ``state``.
+        """
+        if self.done:
+            raise RuntimeError(
+                f"env {self.env_idx}/{self.rollout_idx} is already done at turn {self.current_turn}; "
+                "call reset() before taking more turns"
+            )
+        self.history.append({"turn": self.current_turn, **(record or {})})
+        self.current_turn += 1
+        solved = self.solved()
+        out_of_turns = self.current_turn >= self.max_turns
+        self.done = solved or out_of_turns
+        self.truncated = out_of_turns and not solved
+
+    def __repr__(self) -> str:
+        task_id = self.task.get("task_id", "?")
+        return (
+            f"{type(self).__name__}(task_id={task_id!r}, env_idx={self.env_idx}, rollout_idx={self.rollout_idx}, "
+            f"turn={self.current_turn}/{self.max_turns}, done={self.done})"
+        )

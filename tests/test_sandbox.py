@@ -1,0 +1,572 @@
+"""The code sandbox: every isolation property and limit is tested from the inside, with a positive
+control where a pass could otherwise be vacuous (e.g. the concurrency test also shows overlap when
+two slots are allowed, the fork bomb must actually hit the process limit)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import socket
+import stat
+import tempfile
+import textwrap
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+
+from pettingflow.configs.settings import SandboxSettings
+from pettingflow.envs.sandbox import ExecResult, Sandbox, SandboxUnavailableError, make_sandbox
+from pettingflow.envs.sandbox.bubblewrap import BubblewrapSandbox
+from pettingflow.envs.sandbox.docker_backend import docker_run_argv
+
+needs_bwrap = pytest.mark.skipif(
+    shutil.which("bwrap") is None, reason="bubblewrap not installed (`make test` installs it)"
+)
+
+
+def _settings(**overrides) -> SandboxSettings:
+    base = {"timeout_s": 5.0, "cpu_time_s": 5, "max_concurrency": 2}
+    base.update(overrides)
+    return SandboxSettings(**base)
+
+
+@pytest.fixture(scope="module")
+def sandbox() -> BubblewrapSandbox:
+    if shutil.which("bwrap") is None:
+        pytest.skip("bubblewrap not installed")
+    sb = make_sandbox(_settings())
+    assert isinstance(sb, BubblewrapSandbox)
+    return sb
+
+
+def _run_json(sb: Sandbox, code: str, **kwargs) -> dict:
+    """Run a program that prints one JSON object; fail with its stderr if it did not."""
+    result = sb.run(textwrap.dedent(code), **kwargs)
+    assert result.exit_code == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def _live_processes_with(marker: str) -> list[psutil.Process]:
+    found = []
+    for proc in psutil.process_iter(["cmdline", "status"]):
+        try:
+            if proc.info["status"] != psutil.STATUS_ZOMBIE and any(marker in a for a in proc.info["cmdline"] or []):
+                found.append(proc)
+        except psutil.Error:
+            continue
+    return found
+
+
+# --------------------------------------------------------------------------------------------------
+# results
+# --------------------------------------------------------------------------------------------------
+def test_exec_result_passed_needs_clean_timely_exit():
+    ok = ExecResult(0, False, "", "", False, False, 0.1)
+    assert ok.passed
+    assert not ExecResult(1, False, "", "", False, False, 0.1).passed
+    assert not ExecResult(None, True, "", "", False, False, 0.1, "timeout").passed
+    assert not ExecResult(0, True, "", "", False, False, 0.1).passed
+
+
+@needs_bwrap
+def test_correct_solution_passes(sandbox):
+    assert isinstance(sandbox, Sandbox)
+    code = "def add(a, b):\n    return a + b\n\nassert add(2, 3) == 5\nprint('ok')\n"
+    result = sandbox.run(code)
+    assert result.passed, result.stderr
+    assert result.exit_code == 0 and result.stdout == "ok\n" and result.killed_reason is None
+
+
+@needs_bwrap
+def test_wrong_solution_fails_with_assertion_in_stderr(sandbox):
+    code = "def add(a, b):\n    return a - b\n\nassert add(2, 3) == 5, 'add(2, 3) is wrong'\n"
+    result = sandbox.run(code)
+    assert not result.passed
+    assert result.exit_code == 1 and not result.timed_out
+    assert "AssertionError: add(2, 3) is wrong" in result.stderr
+
+
+@needs_bwrap
+def test_runs_isolated_python_in_fresh_workdir(sandbox):
+    info = _run_json(
+        sandbox,
+        """
+        import json, os, sys
+        open("left_behind", "w").write("x")
+        print(json.dumps({"isolated": sys.flags.isolated, "cwd": os.getcwd(), "exe": sys.executable,
+                          "files": sorted(os.listdir("."))}))
+        """,
+    )
+    assert info["isolated"] == 1 and info["exe"].startswith("/usr/")
+    assert info["files"] == ["left_behind"]
+    again = _run_json(sandbox, "import json, os; print(json.dumps(sorted(os.listdir('.'))))")
+    assert again == []  # nothing survives between runs
+
+
+# --------------------------------------------------------------------------------------------------
+# deadline and process tree
+# --------------------------------------------------------------------------------------------------
+@needs_bwrap
+def test_infinite_loop_times_out_and_whole_tree_is_killed(sandbox):
+    marker = f"pf-timeout-{uuid.uuid4().hex}"
+    code = f"""
+import os, subprocess, sys
+subprocess.Popen([sys.executable, "-c", "import time\\nwhile True: time.sleep(0.1)", "{marker}"])
+if os.fork() == 0:
+    os.setsid()  # escapes the process group, not the pid namespace
+    os.execv(sys.executable, [sys.executable, "-c", "while True: pass", "{marker}"])
+print("children started", flush=True)
+while True:
+    pass
+"""
+    seen: dict[int, int] = {}
+    done = threading.Event()
+
+    def watch():
+        while not done.is_set():
+            for p in _live_processes_with(marker):
+                with contextlib.suppress(psutil.Error):
+                    seen[p.pid] = p.uids().real
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        result = sandbox.run(code, timeout_s=2)
+    finally:
+        done.set()
+        watcher.join()
+    assert result.timed_out and result.killed_reason == "timeout" and result.exit_code is None
+    assert not result.passed
+    assert result.duration_s < 2 + 2
+    assert "children started" in result.stdout  # output written before the kill is kept
+    assert len(seen) >= 2, "the test did not observe the sandboxed children; it would prove nothing"
+    if os.geteuid() == 0:
+        assert all(uid != 0 for uid in seen.values()), f"sandboxed processes ran as host root: {seen}"
+    assert _live_processes_with(marker) == []
+
+
+@needs_bwrap
+def test_background_children_die_with_the_program(sandbox):
+    marker = f"pf-bg-{uuid.uuid4().hex}"
+    code = f"""
+import subprocess, sys
+subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "{marker}"], start_new_session=True)
+print("spawned")
+"""
+    result = sandbox.run(code)
+    assert result.passed and result.stdout == "spawned\n"
+    assert _live_processes_with(marker) == []
+
+
+@needs_bwrap
+def test_cpu_time_limit_kills_a_busy_program():
+    sb = make_sandbox(_settings(cpu_time_s=1, timeout_s=10))
+    result = sb.run("while True:\n    pass\n")
+    assert not result.timed_out and result.exit_code is None
+    assert result.killed_reason == "cpu"
+    assert result.duration_s < 5
+
+
+# --------------------------------------------------------------------------------------------------
+# isolation
+# --------------------------------------------------------------------------------------------------
+@needs_bwrap
+def test_network_is_unreachable(sandbox):
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        port = listener.getsockname()[1]
+        with socket.create_connection(("127.0.0.1", port), timeout=2):
+            pass  # positive control: the host can reach its own listener
+        host_ips = sorted(
+            a.address for addrs in psutil.net_if_addrs().values() for a in addrs if a.family == socket.AF_INET
+        )
+        info = _run_json(
+            sandbox,
+            f"""
+            import json, socket
+            out = {{}}
+            def attempt(name, fn):
+                try:
+                    fn()
+                    out[name] = "REACHED"
+                except OSError as e:
+                    out[name] = type(e).__name__
+            def tcp(host, port):
+                with socket.create_connection((host, port), timeout=2):
+                    pass
+            attempt("host_loopback", lambda: tcp("127.0.0.1", {port}))
+            for ip in {host_ips!r}:
+                attempt("host_ip_" + ip, lambda ip=ip: tcp(ip, {port}))
+            attempt("public_ip", lambda: tcp("1.1.1.1", 53))
+            attempt("dns", lambda: socket.getaddrinfo("pypi.org", 443))
+            out["interfaces"] = [n for _, n in socket.if_nameindex()]
+            print(json.dumps(out))
+            """,
+        )
+    assert info.pop("interfaces") == ["lo"]
+    assert "REACHED" not in info.values(), info
+    assert info["dns"] == "gaierror"
+
+
+@needs_bwrap
+def test_writes_outside_workdir_fail_and_host_tmp_is_invisible(sandbox, tmp_path):
+    marker = f"pf-write-{uuid.uuid4().hex}"
+    host_file = tmp_path / "host-only.txt"
+    host_file.write_text("host data")
+    info = _run_json(
+        sandbox,
+        f"""
+        import json, os
+        out = {{}}
+        for path in ["/usr/{marker}", "/{marker}", "/program/main.py", "/dev/{marker}", "/proc/{marker}",
+                     "/tmp/{marker}", "/workdir/{marker}", "/dev/shm/{marker}"]:
+            try:
+                with open(path, "a") as f:
+                    f.write("x")
+                out[path] = "written"
+            except OSError as e:
+                out[path] = type(e).__name__
+        out["host_file_visible"] = os.path.exists({str(host_file)!r})
+        out["tmp_listing"] = sorted(os.listdir("/tmp"))
+        print(json.dumps(out))
+        """,
+    )
+    for path in (f"/usr/{marker}", f"/{marker}", "/program/main.py", f"/dev/{marker}", f"/proc/{marker}"):
+        assert info[path] != "written", path
+    for path in (f"/tmp/{marker}", f"/workdir/{marker}", f"/dev/shm/{marker}"):
+        assert info[path] == "written", path  # the sandbox's own scratch space works
+    assert info["host_file_visible"] is False
+    assert info["tmp_listing"] == [marker]  # a private /tmp, not the host's
+    assert not Path(f"/tmp/{marker}").exists() and not Path(f"/dev/shm/{marker}").exists()
+    assert not Path(f"/usr/{marker}").exists()
+
+
+@needs_bwrap
+def test_host_secrets_and_environment_are_invisible(sandbox, monkeypatch, tmp_path):
+    token = f"secret-{uuid.uuid4().hex}"
+    monkeypatch.setenv("SECRET_TOKEN", token)
+    secret = tmp_path / "credentials"
+    secret.write_text(token)
+    with tempfile.NamedTemporaryFile("w", dir=Path.home(), prefix=".pf-secret-", delete=True) as home_secret:
+        home_secret.write(token)
+        home_secret.flush()
+        probes = [str(secret), home_secret.name, str(Path.home()), "/root", "/etc/passwd", "/etc/shadow",
+                  str(Path(__file__).resolve()), "/work", "/var", "/run"]  # fmt: skip
+        # A fresh sandbox, so that it is built while SECRET_TOKEN is set in our environment.
+        info = _run_json(
+            make_sandbox(_settings()),
+            f"""
+            import json, os
+            leaked = []
+            for pid in os.listdir("/proc"):
+                if pid.isdigit():
+                    try:
+                        if {token!r}.encode() in open(f"/proc/{{pid}}/environ", "rb").read():
+                            leaked.append(pid)
+                    except OSError:
+                        pass
+            print(json.dumps({{"env": dict(os.environ), "visible": [p for p in {probes!r} if os.path.exists(p)],
+                              "environ_leaks": leaked}}))
+            """,
+        )
+    assert "SECRET_TOKEN" not in info["env"] and token not in json.dumps(info["env"])
+    assert set(info["env"]) <= {"PATH", "LANG", "HOME", "TMPDIR", "PWD"}, info["env"]
+    assert info["visible"] == []
+    assert info["environ_leaks"] == []
+
+
+@needs_bwrap
+def test_unprivileged_uid_and_no_capabilities_inside(sandbox):
+    info = _run_json(
+        sandbox,
+        """
+        import ctypes, json, os
+        status = dict(l.split(":", 1) for l in open("/proc/self/status").read().splitlines() if ":" in l)
+        caps = {k: int(status[k].strip(), 16) for k in ("CapEff", "CapPrm", "CapInh", "CapAmb", "CapBnd")}
+        try:
+            os.setuid(0)
+            setuid = "succeeded"
+        except OSError:  # EINVAL: uid 0 is not even mapped in the sandbox's user namespace
+            setuid = "denied"
+        libc = ctypes.CDLL(None, use_errno=True)
+        userns = libc.unshare(0x10000000)  # CLONE_NEWUSER; -1 when --disable-userns works
+        print(json.dumps({"ids": [os.getuid(), os.geteuid(), os.getgid(), os.getegid()], "groups": os.getgroups(),
+                          "caps": caps, "no_new_privs": status["NoNewPrivs"].strip(), "setuid": setuid,
+                          "nested_userns_rc": userns, "errno": ctypes.get_errno(), "pid": os.getpid()}))
+        """,
+    )
+    assert info["ids"] == [65534, 65534, 65534, 65534] and 0 not in info["groups"]
+    assert info["caps"] == {"CapEff": 0, "CapPrm": 0, "CapInh": 0, "CapAmb": 0, "CapBnd": 0}
+    assert info["no_new_privs"] == "1"
+    assert info["setuid"] == "denied"
+    assert info["nested_userns_rc"] == -1, info  # --disable-userns: no way back to a full capability set
+    assert info["pid"] < 10  # own pid namespace: host processes are invisible
+
+
+# --------------------------------------------------------------------------------------------------
+# resource limits
+# --------------------------------------------------------------------------------------------------
+@needs_bwrap
+def test_memory_hog_is_stopped_and_reported(sandbox):
+    fits = sandbox.run("b = bytearray(100 * 1024 * 1024)\nprint(len(b))\n")
+    assert fits.passed, fits.stderr  # positive control: 100 MiB is allowed under memory_mb=512
+    result = sandbox.run("b = bytearray(2 * 1024 ** 3)\nprint('allocated')\n")
+    assert not result.passed and result.stdout == ""
+    assert result.killed_reason == "memory"
+    assert "MemoryError" in result.stderr
+    assert result.duration_s < 5
+
+
+@needs_bwrap
+def test_fork_bomb_is_contained_and_does_not_starve_a_concurrent_run():
+    marker = f"pf-bomb-{uuid.uuid4().hex}"
+    sb = make_sandbox(_settings(max_processes=32, timeout_s=3, max_concurrency=2))
+    bomb = f"""
+import os, sys
+said = False
+while True:
+    try:
+        if os.fork() == 0:
+            os.execv(sys.executable, [sys.executable, "-I", sys.argv[0], "{marker}"])
+    except OSError:
+        if not said:
+            print("EAGAIN", flush=True)
+            said = True
+"""
+    # Runs while the bomb sits at its limit: RLIMIT_NPROC is per user namespace, i.e. per sandbox,
+    # although both run as uid 65534 on the host.
+    victim = (
+        "import os, time\ntime.sleep(0.5)\npids = []\nfor _ in range(20):\n    pid = os.fork()\n"
+        "    if pid == 0:\n        time.sleep(0.3)\n        os._exit(0)\n    pids.append(pid)\n"
+        "for pid in pids:\n    os.waitpid(pid, 0)\nprint(len(pids))\n"
+    )
+    results: dict[str, ExecResult] = {}
+    started = time.monotonic()
+    bomber = threading.Thread(target=lambda: results.setdefault("bomb", sb.run(bomb)))
+    bomber.start()
+    time.sleep(0.3)
+    results["victim"] = sb.run(victim, timeout_s=10)
+    bomber.join()
+    result = results["bomb"]
+    assert time.monotonic() - started < 3 + 4
+    assert result.timed_out and not result.passed
+    assert "EAGAIN" in result.stdout  # the process limit was hit, not just the deadline
+    assert results["victim"].passed and results["victim"].stdout == "20\n", results["victim"]
+    assert _live_processes_with(marker) == []
+    after = sb.run("print('still fine')")
+    assert after.passed and after.stdout == "still fine\n"
+
+
+@needs_bwrap
+def test_file_size_and_workdir_caps():
+    sb = make_sandbox(_settings(max_file_mb=2))  # RLIMIT_FSIZE 2 MiB; each tmpfs 2 x 2 MiB
+    info = _run_json(
+        sb,
+        """
+        import json
+        out = {}
+        def write(path, mib):
+            try:
+                with open(path, "wb") as f:
+                    for _ in range(mib):
+                        f.write(b"x" * 1024 * 1024)
+                return "ok"
+            except OSError as e:
+                return e.strerror
+        out["one_mib"] = write("small", 1)
+        out["big_file"] = write("big", 3)
+        out["many_files"] = [write(f"part{i}", 1) for i in range(5)]
+        print(json.dumps(out))
+        """,
+    )
+    assert info["one_mib"] == "ok"
+    assert info["big_file"] == "File too large"  # RLIMIT_FSIZE
+    assert "No space left on device" in info["many_files"]  # tmpfs --size caps the total
+
+
+@pytest.mark.parametrize("stream", ["stdout", "stderr"])
+@needs_bwrap
+def test_output_flood_is_truncated_and_stopped(stream):
+    sb = make_sandbox(_settings(max_output_bytes=4096, timeout_s=10))
+    result = sb.run(f"import sys\nwhile True:\n    sys.{stream}.write('x' * 1000)\n")
+    text = getattr(result, stream)
+    assert getattr(result, f"{stream}_truncated") and len(text.encode()) == 4096
+    assert result.killed_reason == "output" and result.exit_code is None and not result.timed_out
+    assert result.duration_s < 5
+
+
+# --------------------------------------------------------------------------------------------------
+# I/O and concurrency
+# --------------------------------------------------------------------------------------------------
+@needs_bwrap
+def test_stdin_passes_through(sandbox):
+    code = "import sys\ndata = sys.stdin.read()\nprint(len(data.splitlines()), data.upper()[::-1])\n"
+    result = sandbox.run(code, stdin="héllo\nwörld")
+    assert result.passed and result.stdout == "2 DLRÖW\nOLLÉH\n"
+    empty = sandbox.run("try:\n    input()\nexcept EOFError:\n    print('eof')\n")
+    assert empty.stdout == "eof\n"
+    big = "x" * 300_000  # larger than a pipe buffer: must not deadlock
+    assert sandbox.run("import sys\nprint(len(sys.stdin.read()))", stdin=big).stdout == "300000\n"
+
+
+_SLEEPER = "import time\nstart = time.time()\ntime.sleep(1.5)\nprint(start, time.time())\n"
+
+
+def _intervals(results: list[ExecResult]) -> list[tuple[float, float]]:
+    for r in results:
+        assert r.passed, r.stderr
+    return sorted(tuple(map(float, r.stdout.split())) for r in results)
+
+
+@needs_bwrap
+def test_concurrency_bound_serializes_runs():
+    sb = make_sandbox(_settings(max_concurrency=1))
+    results: list[ExecResult] = []
+    threads = [threading.Thread(target=lambda: results.append(sb.run(_SLEEPER))) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    (_, end_first), (start_second, _) = _intervals(results)
+    assert start_second >= end_first, "two runs overlapped although max_concurrency=1"
+
+
+@needs_bwrap
+def test_two_slots_overlap_async():
+    sb = make_sandbox(_settings(max_concurrency=2))
+
+    async def both():
+        return await asyncio.gather(sb.run_async(_SLEEPER), sb.run_async(_SLEEPER))
+
+    (_, end_first), (start_second, _) = _intervals(list(asyncio.run(both())))
+    assert start_second < end_first, "max_concurrency=2 did not run two programs at once (positive control)"
+    sb.close()
+
+
+# --------------------------------------------------------------------------------------------------
+# availability: never fall back to running unsandboxed
+# --------------------------------------------------------------------------------------------------
+def test_missing_bwrap_raises_with_install_hint(monkeypatch):
+    monkeypatch.setattr(shutil, "which", lambda *a, **k: None)
+    with pytest.raises(SandboxUnavailableError, match=r"apt-get install -y bubblewrap"):
+        make_sandbox(SandboxSettings())
+
+
+@needs_bwrap
+@pytest.mark.parametrize(
+    ("weakening", "complaint"),
+    [(["--share-net"], "network interfaces visible"), (["--ro-bind", "/etc", "/etc"], "/etc is visible")],
+)
+def test_refuses_a_bwrap_that_does_not_isolate(weakening, complaint):
+    """A bwrap wrapper that weakens one flag must make construction fail, not run code less isolated."""
+    folder = Path(tempfile.mkdtemp(prefix="pf-fake-bwrap-"))
+    try:
+        folder.chmod(0o755)  # the sandbox drops to uid 65534 before exec'ing bwrap
+        fake = folder / "bwrap"
+        fake.write_text(
+            "#!/usr/bin/python3\nimport os, sys\nargs = sys.argv[1:]\n"
+            f"if '--unshare-all' in args:\n    i = args.index('--unshare-all') + 1\n    args[i:i] = {weakening!r}\n"
+            f"os.execv({shutil.which('bwrap')!r}, ['bwrap', *args])\n"
+        )
+        fake.chmod(fake.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH | stat.S_IROTH)
+        with pytest.raises(SandboxUnavailableError, match=complaint):
+            BubblewrapSandbox(_settings(), bwrap=str(fake))
+    finally:
+        shutil.rmtree(folder)
+
+
+def test_bwrap_without_namespaces_raises_with_sysctl_hint():
+    folder = Path(tempfile.mkdtemp(prefix="pf-fake-bwrap-"))
+    try:
+        folder.chmod(0o755)
+        fake = folder / "bwrap"
+        fake.write_text(
+            "#!/bin/sh\n"
+            'if [ "$1" = "--version" ]; then echo "bubblewrap 0.8.0"; exit 0; fi\n'
+            'echo "bwrap: No permissions to creating new namespace, likely because the kernel does not allow '
+            'non-privileged user namespaces." >&2\nexit 1\n'
+        )
+        fake.chmod(0o755)
+        with pytest.raises(SandboxUnavailableError, match=r"user\.max_user_namespaces"):
+            BubblewrapSandbox(_settings(), bwrap=str(fake))
+    finally:
+        shutil.rmtree(folder)
+
+
+def test_interpreter_outside_usr_is_refused(tmp_path):
+    if shutil.which("bwrap") is None:
+        pytest.skip("bubblewrap not installed")
+    venv_like = tmp_path / "python3"  # stands for a virtualenv/pyenv interpreter: not visible inside
+    venv_like.write_text("#!/bin/sh\n")
+    venv_like.chmod(0o755)
+    with pytest.raises(SandboxUnavailableError, match="outside /usr"):
+        BubblewrapSandbox(_settings(), python=str(venv_like), self_check=False)
+
+
+def test_docker_backend_without_engine_raises(monkeypatch):
+    monkeypatch.setenv("DOCKER_HOST", f"unix:///nonexistent/{uuid.uuid4().hex}/docker.sock")
+    with pytest.raises(SandboxUnavailableError, match="Docker") as info:
+        make_sandbox(SandboxSettings(backend="docker"))
+    assert "bubblewrap" in str(info.value)  # says how to get a working sandbox
+
+
+def test_docker_command_has_every_isolation_flag():
+    s = SandboxSettings(backend="docker", memory_mb=256, max_processes=16, max_file_mb=4)
+    argv = docker_run_argv(s, docker_cli="docker", name="c1", program_len=10)
+    joined = " ".join(argv)
+    for flag in ("--network none", "--read-only", "--cap-drop ALL", "--user 65534:65534", "--memory 256m",
+                 "--memory-swap 256m", "--pids-limit 16", "--pull never", "--log-driver none",
+                 "--security-opt no-new-privileges", "--rm"):  # fmt: skip
+        assert flag in joined, flag
+    assert "--tmpfs /workdir:rw,nosuid,nodev,size=4m,mode=1777" in joined
+    assert argv[argv.index(s.docker_image) + 1 : argv.index(s.docker_image) + 3] == ["python3", "-I"]
+    assert "--privileged" not in argv and "--network host" not in joined
+
+
+# --------------------------------------------------------------------------------------------------
+# Ray pool
+# --------------------------------------------------------------------------------------------------
+def test_ray_pool_requires_ray_or_explicit_init():
+    ray = pytest.importorskip("ray")
+    if ray.is_initialized():
+        pytest.skip("Ray already initialised in this process")
+    from pettingflow.envs.sandbox import RaySandboxPool
+
+    with pytest.raises(SandboxUnavailableError, match=r"ray\.init"):
+        RaySandboxPool(SandboxSettings(), num_workers=1)
+    assert not ray.is_initialized()
+
+
+@pytest.mark.slow
+@needs_bwrap
+def test_ray_pool_runs_programs_in_actors(monkeypatch):
+    ray = pytest.importorskip("ray")
+    if ray.is_initialized():
+        pytest.skip("Ray already initialised in this process")
+    from pettingflow.envs.sandbox import RaySandboxPool
+
+    monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    with RaySandboxPool(_settings(), num_workers=2, init_if_needed=True, num_cpus=1) as pool:
+        assert isinstance(pool, Sandbox)
+        good = pool.run("import sys\nprint(sys.stdin.read() * 2)", stdin="ab")
+        assert good.passed and good.stdout == "abab\n"
+        bad = pool.run("assert False, 'nope'")
+        assert bad.exit_code == 1 and "AssertionError: nope" in bad.stderr
+
+        async def both():
+            return await asyncio.gather(pool.run_async("print(1)"), pool.run_async("while True: pass", timeout_s=1))
+
+        fast, slow = asyncio.run(both())
+        assert fast.passed and fast.stdout == "1\n"
+        assert slow.timed_out and slow.killed_reason == "timeout"
+    assert not ray.is_initialized()
