@@ -37,6 +37,7 @@ from typing import Any, Literal
 
 import httpx
 
+from pettingflow import deathsig
 from pettingflow.inference.models import resolve_model
 from pettingflow.paths import home
 
@@ -338,7 +339,7 @@ class VLLMServer:
             fh.write(f"=== pettingflow: {datetime.now(UTC).isoformat()} starting: {' '.join(cmd)}\n".encode())
             fh.flush()
             self._proc = subprocess.Popen(
-                cmd,
+                deathsig.wrap(cmd, signal.SIGTERM),  # a crashed parent must not leave a 7 GB server behind
                 stdin=subprocess.DEVNULL,
                 stdout=fh,
                 stderr=subprocess.STDOUT,

@@ -1,0 +1,41 @@
+"""Run a command that dies with its parent: ``python -m pettingflow.deathsig SIGNAL -- CMD ...``.
+
+Why: the update worker and the vLLM server run in their own process groups (so they can be stopped
+as a whole), which also means they outlive a parent that is SIGKILLed — a crashed Prefect worker
+would leave a 7 GB vLLM server or a training job writing into a step folder that the resumed run
+is about to clear. Linux's PR_SET_PDEATHSIG delivers SIGNAL to this process when the thread that
+started it exits; it is kept across ``exec``, so we set it here and exec the real command.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+
+PR_SET_PDEATHSIG = 1
+
+
+def wrap(cmd: list[str], sig: signal.Signals = signal.SIGTERM) -> list[str]:
+    """``cmd`` prefixed so that it receives ``sig`` when the calling thread's process dies (Linux only)."""
+    if not sys.platform.startswith("linux"):
+        return list(cmd)
+    return [sys.executable, "-m", "pettingflow.deathsig", sig.name, "--", *cmd]
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) < 3 or argv[1] != "--":
+        raise SystemExit("usage: python -m pettingflow.deathsig SIGNAL -- CMD [ARGS...]")
+    sig = signal.Signals[argv[0]]
+    parent = os.getppid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os.kill(os.getpid(), sig)
+    os.execvp(argv[2], argv[2:])
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

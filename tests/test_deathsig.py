@@ -1,0 +1,43 @@
+"""Children started through pettingflow.deathsig die when their parent is SIGKILLed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+
+
+def test_child_dies_with_killed_parent(tmp_path) -> None:
+    marker = tmp_path / "child.pid"
+    child_code = f"import os, time; open({str(marker)!r}, 'w').write(str(os.getpid())); time.sleep(120)"
+    script = tmp_path / "parent.py"
+    script.write_text(
+        "import signal, subprocess, sys, time\n"
+        "from pettingflow import deathsig\n"
+        f"cmd = deathsig.wrap([sys.executable, '-c', {child_code!r}], signal.SIGKILL)\n"
+        "subprocess.Popen(cmd, start_new_session=True)\n"
+        "time.sleep(120)\n"
+    )
+    parent = subprocess.Popen([sys.executable, str(script)], start_new_session=True)
+    deadline = time.monotonic() + 30
+    while not marker.exists() or not marker.read_text():
+        assert time.monotonic() < deadline, "child never started"
+        time.sleep(0.1)
+    child = psutil.Process(int(marker.read_text()))
+    assert child.is_running()
+    os.kill(parent.pid, signal.SIGKILL)
+    parent.wait()
+    gone, _ = psutil.wait_procs([child], timeout=10)
+    assert gone, "the child outlived its SIGKILLed parent"
+
+
+def test_wrap_keeps_the_command() -> None:
+    from pettingflow import deathsig
+
+    wrapped = deathsig.wrap(["echo", "hi"])
+    assert wrapped[-2:] == ["echo", "hi"] and "pettingflow.deathsig" in wrapped
+    assert subprocess.run(wrapped, capture_output=True, text=True, check=True).stdout == "hi\n"
