@@ -1,0 +1,108 @@
+"""``pettingflow update``: run one policy's update job from a config and a batch file.
+
+The lead registers it on the main app with ``app.command("update")(update)`` (``update`` is a plain
+function); ``update_app`` is a one-command Typer app with the same behaviour, for tests or ``add_typer``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from pettingflow.configs.loader import ConfigError, load_config
+from pettingflow.training.launch import METRICS_FILE, UpdateError, run_update, spec_from_config
+
+update_app = typer.Typer(add_completion=False, help="Run one policy update job (DeepSpeed) on a batch file.")
+
+
+def _fail(message: str, code: int = 2) -> None:
+    typer.secho(message, fg=typer.colors.RED, err=True)
+    raise typer.Exit(code)
+
+
+def resolve_model_dir(name_or_path: str) -> str:
+    """A policy's ``model``: a prepared model name or a local HF folder -> the folder."""
+    try:
+        from pettingflow.inference.models import resolve_model
+    except ImportError:  # the inference package is optional for this command
+        from pettingflow.paths import models_dir
+
+        candidate = Path(name_or_path).expanduser()
+        folder = candidate if candidate.is_dir() else models_dir() / name_or_path
+        if not (folder / "config.json").is_file():
+            raise FileNotFoundError(f"no HF model folder for {name_or_path!r} (looked at {folder})") from None
+        return str(folder)
+    return str(resolve_model(name_or_path))
+
+
+def _parse_adapters(items: list[str] | None) -> dict[str, str | None] | None:
+    if not items:
+        return None
+    out: dict[str, str | None] = {}
+    for item in items:
+        agent, sep, folder = item.partition("=")
+        if not sep or not agent:
+            raise ValueError(f"--adapter takes AGENT=DIR, got {item!r}")
+        out[agent] = folder or None
+    return out
+
+
+@update_app.command("update")
+def update(
+    config: Annotated[str, typer.Argument(help="A shipped config name (e.g. code-env) or a path to a YAML file.")],
+    batch: Annotated[str, typer.Option("--batch", help="Batch Parquet (local path or fsspec URI) with 'advantage'.")],
+    policy: Annotated[str, typer.Option("--policy", help="Policy to update (a name under `policies`).")],
+    out: Annotated[str, typer.Option("--out", help="Output folder: local path or fsspec URI.")],
+    overrides: Annotated[list[str] | None, typer.Argument(help="Config overrides like training.lr=1e-6.")] = None,
+    init: Annotated[
+        str | None, typer.Option("--init", help="HF folder of the current weights; default: the policy's model.")
+    ] = None,
+    base: Annotated[
+        str | None, typer.Option("--base", help="HF folder of the KL reference (full weights); default: --init.")
+    ] = None,
+    adapter: Annotated[
+        list[str] | None, typer.Option("--adapter", help="LoRA: AGENT=DIR of the previous adapter (repeatable).")
+    ] = None,
+    resume: Annotated[
+        str | None, typer.Option("--resume", help="A previous job's deepspeed/ folder (weights + optimizer).")
+    ] = None,
+    timeout: Annotated[float | None, typer.Option("--timeout", help="Seconds before the job is killed.")] = None,
+) -> None:
+    """Update POLICY on BATCH with the training/algorithm settings of CONFIG; print where the results are."""
+    try:
+        cfg = load_config(config, overrides or [])
+        settings = cfg.policy(policy)
+        init_dir = init or resolve_model_dir(settings.model)
+        spec = spec_from_config(
+            cfg,
+            policy=policy,
+            batch_uri=batch,
+            out_dir=out,
+            init_model_dir=init_dir,
+            base_model_dir=base,
+            adapters_in=_parse_adapters(adapter),
+            resume_dir=resume,
+        )
+    except (ConfigError, KeyError, ValueError, FileNotFoundError) as exc:
+        _fail(str(exc).strip('"'))
+    try:
+        metrics = run_update(spec, timeout_s=timeout)
+    except UpdateError as exc:
+        _fail(str(exc), code=1)
+    out_dir = out.rstrip("/")
+    typer.echo(f"metrics:    {out_dir}/{METRICS_FILE}")
+    if metrics.get("skipped"):
+        typer.echo("skipped:    no trainable rows in the batch; keep the previous weights")
+        return
+    outputs = metrics.get("outputs") or {}
+    if outputs.get("model"):
+        typer.echo(f"model:      {outputs['model']}")
+    for agent, folder in (outputs.get("adapters") or {}).items():
+        typer.echo(f"adapter:    {agent} -> {folder}")
+    if outputs.get("deepspeed"):
+        typer.echo(f"resume:     {outputs['deepspeed']}")
+    summary = {k: metrics.get(k) for k in ("rows_used", "rows_dropped", "loss", "grad_norm", "duration_s")}
+    typer.echo(f"summary:    {json.dumps(summary)}")

@@ -1,0 +1,307 @@
+"""Launch one policy update as its own process: ``UpdateSpec`` (JSON) in, ``metrics.json`` (+ weights) out.
+
+``run_update(spec)`` writes ``spec.json`` into the output folder, starts
+``python -m pettingflow.training.worker --spec spec.json`` (one process) or the same module under
+``torch.distributed.run --nproc_per_node N`` (gloo), streams the worker's output line by line into
+``worker.log`` and this module's logger, and returns the worker's metrics. A failed worker raises
+``UpdateError`` with the log tail. This module imports no torch, so a Prefect flow can import it cheaply.
+
+Environment given to the worker: ``OMP_NUM_THREADS=1`` (two threads are 2-5x slower on this kind of
+machine, see NOTES), ``HF_HUB_OFFLINE=1`` (nothing may come from a hub), ``TOKENIZERS_PARALLELISM=false``
+and a free ``MASTER_PORT`` on 127.0.0.1. Values already set in ``env`` or the caller's environment for
+``OMP_NUM_THREADS`` win.
+
+Output folders: the worker writes to a local folder. When ``out_dir`` is a remote fsspec URI
+(``s3://...``), the job runs in a local staging folder and the finished folder is uploaded afterwards;
+model/adapter/resume inputs must be local folders.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from pettingflow import deathsig
+from pettingflow.configs.settings import AlgorithmSettings, LoraSettings, Specialization, TrainingSettings
+
+log = logging.getLogger(__name__)
+
+SPEC_FILE = "spec.json"
+LOG_FILE = "worker.log"
+METRICS_FILE = "metrics.json"
+WORKER_MODULE = "pettingflow.training.worker"
+
+
+class UpdateSpec(BaseModel):
+    """Everything one update job needs; serialised to ``spec.json`` for the worker process."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    batch_uri: str = Field(description="Batch Parquet (file or folder): trajectory columns + 'advantage'.")
+    policy: str = Field(min_length=1, description="Policy name; every row's policy_name must equal it.")
+    out_dir: str = Field(description="Output folder: local path or fsspec URI (uploaded after the job).")
+    init_model_dir: str = Field(description="Local HF folder of the current weights (LoRA: the base model).")
+    base_model_dir: str | None = Field(
+        None, description="Local HF folder of the KL reference (full weights); default init_model_dir."
+    )
+    adapters_in: dict[str, str | None] | None = Field(
+        None, description="LoRA: agent -> previous adapter folder, or None/absent for a fresh adapter."
+    )
+    resume_dir: str | None = Field(
+        None, description="A previous job's deepspeed/ folder: weights and optimizer state are restored from it."
+    )
+    specialization: Specialization = Specialization.prompt
+    agents: list[str] = Field(default_factory=list, description="Agents of this policy, in turn order.")
+    training: TrainingSettings = Field(default_factory=TrainingSettings)
+    algorithm: AlgorithmSettings = Field(default_factory=AlgorithmSettings)
+    lora: LoraSettings = Field(default_factory=LoraSettings)
+    storage_options: dict[str, Any] = Field(
+        default_factory=dict, description="fsspec options for batch_uri and a remote out_dir."
+    )
+    seed: int = Field(0, description="Seeds fresh LoRA adapters (and torch's RNG in the worker).")
+    save_resume_state: bool = Field(
+        True,
+        description="Write deepspeed/ (weights + optimizer state, ~13x the bf16 weights for a full model) "
+        "so that the next job can resume exactly.",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> UpdateSpec:
+        if self.specialization is Specialization.lora:
+            if not self.agents:
+                raise ValueError("specialization 'lora' needs the policy's agent names (one adapter per agent)")
+            if self.lora.rank <= 0:
+                raise ValueError("specialization 'lora' needs lora.rank > 0")
+            if len(set(self.agents)) != len(self.agents):
+                raise ValueError(f"duplicate agent names in {self.agents}")
+        if self.adapters_in and self.specialization is not Specialization.lora:
+            raise ValueError("adapters_in only applies to specialization 'lora'")
+        return self
+
+    @property
+    def uses_lora(self) -> bool:
+        return self.specialization is Specialization.lora
+
+    @property
+    def reference_dir(self) -> str:
+        return self.base_model_dir or self.init_model_dir
+
+
+class UpdateError(RuntimeError):
+    """The worker process failed; the message holds its exit code and the tail of its log."""
+
+    def __init__(self, message: str, returncode: int | None = None, log_path: str | None = None):
+        super().__init__(message)
+        self.returncode = returncode
+        self.log_path = log_path
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def worker_command(spec_path: str | Path, num_processes: int, port: int) -> list[str]:
+    """argv of the worker: plain ``python -m`` for one process, ``torch.distributed.run`` for several."""
+    if num_processes <= 1:
+        return [sys.executable, "-m", WORKER_MODULE, "--spec", str(spec_path)]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={num_processes}",
+        "--nnodes=1",
+        "--master_addr=127.0.0.1",
+        f"--master_port={port}",
+        "-m",
+        WORKER_MODULE,
+        "--spec",
+        str(spec_path),
+    ]
+
+
+def worker_env(num_processes: int, port: int, extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["HF_HUB_OFFLINE"] = "1"
+    env["TRANSFORMERS_OFFLINE"] = "1"
+    env["TOKENIZERS_PARALLELISM"] = "false"
+    env["PYTHONUNBUFFERED"] = "1"
+    env["MASTER_ADDR"] = "127.0.0.1"
+    env["MASTER_PORT"] = str(port)
+    if num_processes <= 1:
+        env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    else:  # torchrun sets them per rank
+        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+            env.pop(key, None)
+    env.update(extra or {})
+    return env
+
+
+def run_update(
+    spec: UpdateSpec,
+    *,
+    timeout_s: float | None = None,
+    env: dict[str, str] | None = None,
+    log_level: int = logging.INFO,
+) -> dict[str, Any]:
+    """Run the update job described by ``spec`` in a child process and return its metrics dict.
+
+    The returned dict is ``metrics.json`` plus ``out_dir``, ``log_path`` and ``wall_s`` (launch to exit).
+    ``metrics["skipped"]`` is true when the batch had no trainable rows (no weights are written then; keep
+    using the previous ones). Raises ``UpdateError`` (exit code + log tail) on failure or timeout.
+    """
+    from pettingflow.storage.fs import filesystem, is_local
+
+    fs, out_path = filesystem(spec.out_dir, spec.storage_options)
+    remote = not is_local(fs)
+    staging = tempfile.mkdtemp(prefix="pettingflow-update-") if remote else None
+    local_out = Path(staging if remote else out_path)
+    local_out.mkdir(parents=True, exist_ok=True)
+    run_spec = spec.model_copy(update={"out_dir": str(local_out)})
+    spec_path = local_out / SPEC_FILE
+    spec_path.write_text(run_spec.model_dump_json(indent=2))
+    metrics_path = local_out / METRICS_FILE
+    if metrics_path.exists():
+        metrics_path.unlink()  # a stale result from an earlier attempt must not pass for this one's
+
+    n = spec.training.num_processes
+    port = free_port()
+    cmd = worker_command(spec_path, n, port)
+    log_path = local_out / LOG_FILE
+    log.info("update %s: %s (log %s)", spec.policy, " ".join(cmd), log_path)
+    started = time.perf_counter()
+    tail: collections.deque[str] = collections.deque(maxlen=60)
+    with open(log_path, "w") as log_file:
+        proc = subprocess.Popen(
+            deathsig.wrap(cmd, signal.SIGKILL),  # a crashed caller must not leave a job writing into its step
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=worker_env(n, port, env),
+            text=True,
+            bufsize=1,
+            start_new_session=True,
+        )
+        fired = threading.Event()
+
+        def _on_timeout() -> None:
+            fired.set()
+            _kill(proc)
+
+        watchdog = threading.Timer(timeout_s, _on_timeout) if timeout_s is not None else None
+        if watchdog is not None:
+            watchdog.daemon = True
+            watchdog.start()
+        try:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                log_file.write(line)
+                log_file.flush()
+                tail.append(line.rstrip("\n"))
+                log.log(log_level, "[update %s] %s", spec.policy, line.rstrip("\n"))
+            proc.wait()
+        except BaseException:
+            _kill(proc)
+            raise
+        finally:
+            if watchdog is not None:
+                watchdog.cancel()
+    timed_out = fired.is_set()
+    wall = time.perf_counter() - started
+    tail_text = "\n".join(tail)
+    if timed_out:
+        raise UpdateError(
+            f"update of policy {spec.policy!r} timed out after {timeout_s} s; log {log_path}, tail:\n{tail_text}",
+            None,
+            str(log_path),
+        )
+    if proc.returncode != 0 or not metrics_path.is_file():
+        why = f"exited with code {proc.returncode}" if proc.returncode else "wrote no metrics.json"
+        raise UpdateError(
+            f"update of policy {spec.policy!r} {why}; log {log_path}, tail:\n{tail_text}",
+            proc.returncode,
+            str(log_path),
+        )
+    metrics = json.loads(metrics_path.read_text())
+    if remote:
+        fs.put(str(local_out) + "/", out_path, recursive=True)
+        metrics = _rebase_outputs(metrics, str(local_out), fs.unstrip_protocol(out_path))
+        shutil.rmtree(local_out, ignore_errors=True)
+    metrics["out_dir"] = spec.out_dir
+    metrics["log_path"] = spec.out_dir.rstrip("/") + "/" + LOG_FILE if remote else str(log_path)
+    metrics["wall_s"] = round(wall, 3)
+    log.info(
+        "update %s done in %.1f s: %s",
+        spec.policy,
+        wall,
+        "skipped (no trainable rows)" if metrics.get("skipped") else f"loss={metrics.get('loss')}",
+    )
+    return metrics
+
+
+def _kill(proc: subprocess.Popen[str]) -> None:
+    """Stop the worker's process group (torchrun and its ranks), SIGTERM then SIGKILL."""
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=10)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def _rebase_outputs(metrics: dict[str, Any], local: str, remote: str) -> dict[str, Any]:
+    text = json.dumps(metrics).replace(json.dumps(local)[1:-1], json.dumps(remote)[1:-1])
+    return json.loads(text)
+
+
+def spec_from_config(
+    config: Any,
+    *,
+    policy: str,
+    batch_uri: str,
+    out_dir: str,
+    init_model_dir: str,
+    base_model_dir: str | None = None,
+    adapters_in: dict[str, str | None] | None = None,
+    resume_dir: str | None = None,
+) -> UpdateSpec:
+    """Build the ``UpdateSpec`` of ``policy`` from an ``ExperimentConfig`` (training, algorithm, LoRA shape,
+    specialization, the policy's agents, storage options and seed)."""
+    settings = config.policy(policy)  # KeyError naming the defined policies
+    return UpdateSpec(
+        batch_uri=batch_uri,
+        policy=policy,
+        out_dir=out_dir,
+        init_model_dir=init_model_dir,
+        base_model_dir=base_model_dir,
+        adapters_in=adapters_in,
+        resume_dir=resume_dir,
+        specialization=config.specialization,
+        agents=[a.name for a in config.agents_of(policy)],
+        training=config.training,
+        algorithm=config.algorithm,
+        lora=settings.lora,
+        storage_options=dict(config.run.storage_options),
+        seed=config.run.seed,
+    )
