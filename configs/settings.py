@@ -193,7 +193,12 @@ class TrainingSettings(_Strict):
     weight_decay: float = Field(0.0, ge=0.0)
     epochs: int = Field(1, ge=1, description="PPO epochs over each iteration's batch.")
     max_grad_norm: float = Field(1.0, gt=0.0)
-    max_seq_len: int = Field(2048, ge=16)
+    max_seq_len: int = Field(2048, ge=16, description="Rows longer than this (prompt + response) are dropped, counted.")
+    save_optimizer_state: bool = Field(
+        False,
+        description="Store DeepSpeed state (optimizer moments) with each checkpoint so the next iteration resumes "
+        "the optimizer exactly; ~1.8 GB per iteration for a 135M full model. False: Adam restarts each iteration.",
+    )
 
 
 class InferenceSettings(_Strict):

@@ -2,18 +2,29 @@
 
 from __future__ import annotations
 
+import logging
+import os
 import sys
 from typing import Annotated
 
 import typer
 
 from pettingflow.configs.loader import ConfigError, available_configs, dump_config, load_config
+from pettingflow.inference.cli import models_app
 
 app = typer.Typer(
     no_args_is_help=True, add_completion=False, help="PettingFlow: multi-agent RL, one Prefect flow per iteration."
 )
 config_app = typer.Typer(no_args_is_help=True, help="Inspect experiment configs.")
+runs_app = typer.Typer(no_args_is_help=True, help="Inspect stored runs.")
+traj_app = typer.Typer(no_args_is_help=True, help="Inspect stored trajectories.")
 app.add_typer(config_app, name="config")
+app.add_typer(models_app, name="models")
+app.add_typer(runs_app, name="runs")
+app.add_typer(traj_app, name="trajectories")
+
+Overrides = Annotated[list[str] | None, typer.Argument(help="Config overrides like algorithm.filter_ratio=0.25.")]
+RootOpt = Annotated[str, typer.Option("--root", help="Storage root (default: run.storage_root of code-env).")]
 
 
 def fail(message: str, code: int = 2) -> None:
@@ -22,17 +33,25 @@ def fail(message: str, code: int = 2) -> None:
     raise typer.Exit(code)
 
 
+def _config(name: str, overrides: list[str] | None):
+    try:
+        return load_config(name, overrides or [])
+    except ConfigError as exc:
+        fail(str(exc))
+
+
+def _default_root() -> str:
+    return load_config("code-env").run.storage_root
+
+
+# ------------------------------------------------------------------------------------------ config
 @config_app.command("show")
 def config_show(
     name: Annotated[str, typer.Argument(help="A shipped config name (e.g. code-env) or a path to a YAML file.")],
-    overrides: Annotated[list[str] | None, typer.Argument(help="Overrides like algorithm.filter_ratio=0.25.")] = None,
+    overrides: Overrides = None,
 ) -> None:
     """Print the resolved config (defaults filled in, overrides applied) as YAML."""
-    try:
-        config = load_config(name, overrides or [])
-    except ConfigError as exc:
-        fail(str(exc))
-    sys.stdout.write(dump_config(config))
+    sys.stdout.write(dump_config(_config(name, overrides)))
 
 
 @config_app.command("list")
@@ -40,6 +59,160 @@ def config_list() -> None:
     """List the configs shipped in configs/."""
     for name in available_configs():
         typer.echo(name)
+
+
+# ------------------------------------------------------------------------------------------ rollout
+@app.command("rollout")
+def rollout(
+    config: Annotated[str, typer.Argument(help="Config name or YAML path.")],
+    out: Annotated[str, typer.Option("--out", help="Storage root for the run (local path or fsspec URI).")],
+    limit: Annotated[int | None, typer.Option("--limit", help="Only the first N tasks of iteration 0.")] = None,
+    overrides: Overrides = None,
+) -> None:
+    """Collect one round of rollouts with the configured policies into a committed trajectory step.
+
+    Starts a vLLM server per policy unless inference.url is set.
+    """
+    from pettingflow.iteration.context import IterationContext
+    from pettingflow.iteration.rollouts import collect_step
+    from pettingflow.iteration.run import start_or_resume
+    from pettingflow.iteration.runtime import Runtime
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    cfg = _config(config, [*(overrides or []), f"run.storage_root={out}"])
+    ref, _ = start_or_resume(cfg, config, list(overrides or []), None, {"command": "rollout"})
+    with Runtime(cfg, ref.run_id) as runtime:
+        outcome = collect_step(
+            IterationContext(ref.layout(), 0), cfg, runtime.endpoints(), env_cache=runtime.env_cache, limit=limit
+        )
+    typer.echo(f"committed {outcome.rows} rows: {outcome.uri}")
+    for agent, values in (outcome.metrics.get("agents") or {}).items():
+        typer.echo(
+            f"  {agent}: reward {values['reward_mean']:.3f} ± {values['reward_std']:.3f}, "
+            f"success {values['success_rate']:.2f}"
+        )
+
+
+# ------------------------------------------------------------------------------------------ update
+@app.command("update")
+def update(
+    config: Annotated[str, typer.Argument(help="Config name or YAML path (training and algorithm settings).")],
+    batch: Annotated[str, typer.Option("--batch", help="Batch Parquet: trajectory columns + advantage.")],
+    policy: Annotated[str, typer.Option("--policy", help="Which policy of the config to update.")],
+    out: Annotated[str, typer.Option("--out", help="Output folder (local path or fsspec URI).")],
+    init: Annotated[
+        str | None, typer.Option("--init", help="HF folder of the current weights (default: the policy's model).")
+    ] = None,
+    overrides: Overrides = None,
+) -> None:
+    """Run one update job from a stored batch (e.g. to re-run an iteration's update by hand)."""
+    from pettingflow.training.cli import update as run_update_cli
+
+    run_update_cli(config=config, batch=batch, policy=policy, out=out, init=init, overrides=overrides)
+
+
+# ------------------------------------------------------------------------------------------ runs
+@runs_app.command("list")
+def runs_list(root: RootOpt = "") -> None:
+    """Runs under the storage root, oldest first."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from pettingflow.iteration.inspect import run_rows
+
+    rows = run_rows(root or _default_root())
+    table = Table(title=f"runs under {root or _default_root()}")
+    for col in ("run_id", "config", "iterations", "created", "evaluates"):
+        table.add_column(col)
+    for row in rows:
+        table.add_row(*(str(row[c] or "") for c in ("run_id", "config", "iterations", "created", "evaluates")))
+    Console().print(table)
+
+
+@runs_app.command("show")
+def runs_show(
+    run_id: Annotated[str, typer.Argument(help="A run id (see `pettingflow runs list`).")], root: RootOpt = ""
+) -> None:
+    """Steps of every iteration (committed or not), row counts and the main metrics."""
+    from rich.console import Console
+
+    from pettingflow.iteration.inspect import show_run
+    from pettingflow.storage import RunLayout
+
+    try:
+        show_run(RunLayout(root or _default_root(), run_id), Console())
+    except FileNotFoundError as exc:
+        fail(str(exc))
+
+
+@runs_app.command("summary")
+def runs_summary(
+    run_id: Annotated[str | None, typer.Argument(help="Run id (default: the newest run).")] = None,
+    root: RootOpt = "",
+    flow_run: Annotated[str | None, typer.Option("--flow-run", help="Prefect flow run id, for the UI link.")] = None,
+    ui: Annotated[str | None, typer.Option("--ui", help="Prefect UI address.")] = None,
+) -> None:
+    """Where a run's trajectories and checkpoints are, and how to re-run an iteration."""
+    from pettingflow.iteration.inspect import summary_lines
+    from pettingflow.storage import RunLayout, list_runs
+
+    root = root or _default_root()
+    if run_id is None:
+        runs = [r for r in list_runs(root) if not r.startswith("eval-")]
+        if not runs:
+            fail(f"no runs under {root}")
+        run_id = runs[-1]
+    for line in summary_lines(RunLayout(root, run_id), ui=ui, flow_run_id=flow_run or None):
+        typer.echo(line)
+
+
+# ------------------------------------------------------------------------------------------ trajectories
+@traj_app.command("show")
+def trajectories_show(
+    run_id: Annotated[str, typer.Argument(help="A run id.")],
+    iteration: Annotated[int, typer.Option("--iteration", "-k", help="Iteration to show.")] = 0,
+    agent: Annotated[str | None, typer.Option("--agent", help="Only this agent's samples.")] = None,
+    limit: Annotated[int, typer.Option("--limit", help="At most this many rows.")] = 20,
+    step: Annotated[str, typer.Option("--step", help="rollouts, filtered or validation.")] = "rollouts",
+    root: RootOpt = "",
+) -> None:
+    """A readable table of an iteration's samples."""
+    from rich.console import Console
+
+    from pettingflow.iteration.inspect import trajectories_table
+    from pettingflow.storage import RunLayout, StepNotCommittedError
+
+    try:
+        Console(width=max(140, Console().width)).print(
+            trajectories_table(RunLayout(root or _default_root(), run_id), iteration, agent, limit, step)
+        )
+    except (StepNotCommittedError, FileNotFoundError) as exc:
+        fail(str(exc))
+
+
+# ------------------------------------------------------------------------------------------ rerun
+@app.command("rerun")
+def rerun(
+    run_id: Annotated[str, typer.Argument(help="A run id.")],
+    iteration: Annotated[int, typer.Option("--iteration", "-k", help="Iteration to re-run.")],
+    from_step: Annotated[str, typer.Option("--from-step", help="filtered, advantages or update.")] = "filtered",
+    validate: Annotated[
+        bool, typer.Option("--validate", help="Also sync and validate (starts a vLLM server).")
+    ] = False,
+    root: RootOpt = "",
+) -> None:
+    """Re-run an iteration's later steps from its stored trajectories into a new attempt folder.
+
+    Runs the `rerun` flow here (against PREFECT_API_URL if set, else a temporary local Prefect).
+    """
+    from pettingflow.flows.rerun import rerun as rerun_flow
+
+    if os.environ.get("PREFECT_API_URL") is None:
+        typer.secho("PREFECT_API_URL is not set: running with a temporary local Prefect server", err=True)
+    result = rerun_flow(
+        run_id=run_id, iteration=iteration, from_step=from_step, root=root or _default_root(), with_validation=validate
+    )
+    typer.echo(f"re-ran iteration {iteration} of {run_id} as attempt {result['attempt']}: {result['report']}")
 
 
 def main() -> None:  # pragma: no cover - console-script convenience

@@ -175,10 +175,10 @@ class ExecutionEngine:
         last_messages: dict[str, list[dict[str, str]]] = {}
         last_turn: dict[str, TurnRecord] = {}
 
+        out_of_budget = False
         for turn in range(self.max_turns):
             agent = agents[turn % len(agents)]
             binding = self.bindings[agent.name]
-            env.current_turn = turn
             prompt = agent.update_from_env(turn, env)
             prompt_ids = list(prompt.token_ids)
             if self.layout == "per_episode" and agent.name in last_turn:
@@ -187,7 +187,7 @@ class ExecutionEngine:
             if self.max_model_len is not None:
                 max_tokens = min(max_tokens, self.max_model_len - len(prompt_ids))
             if max_tokens <= 0:  # token budget (seed 003) or context exhausted
-                record.truncated = True
+                out_of_budget = True
                 break
             started = time.perf_counter()
             completion = await binding.client.complete_one(
@@ -221,9 +221,9 @@ class ExecutionEngine:
                 last_turn[agent.name] = turn_record
             if env.done:
                 break
-        record.done = bool(env.done)
-        if not record.done:
-            record.truncated = True
+        # done: the episode is over. truncated: it ended on a limit (turns, tokens), not by success.
+        record.done = bool(env.done) and not out_of_budget
+        record.truncated = out_of_budget or bool(getattr(env, "truncated", False)) or not env.done
         return record
 
     def _extend_sequence(

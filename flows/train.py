@@ -1,0 +1,60 @@
+"""The ``train`` flow: what ``prefect deployment run train/code-env`` starts.
+
+It resolves the config, creates the run (or resumes it when ``run_id`` names an existing one),
+starts the inference servers once, and runs ``run.iterations`` iteration subflows against them.
+Resuming re-enters every iteration; committed steps are skipped, so only unfinished work runs.
+
+Without ``run_id``, the id is derived from the Prefect flow run (its name and scheduled start), so
+``prefect flow-run retry <id>`` of a crashed run resumes that same run.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # loaded by path (Prefect entrypoint flows/train.py:train)
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from prefect import flow, get_run_logger
+
+from pettingflow.configs.loader import load_config
+from pettingflow.flows.iteration import iteration
+from pettingflow.iteration.run import start_or_resume
+from pettingflow.iteration.runtime import Runtime
+from pettingflow.storage import new_run_id
+
+
+def _default_run_id(name: str) -> str | None:
+    """A run id tied to the current Prefect flow run (stable across its retries)."""
+    try:
+        from prefect.runtime import flow_run
+
+        started = flow_run.scheduled_start_time
+        run_uuid = str(flow_run.id or "")
+    except Exception:  # pragma: no cover - outside a flow run
+        return None
+    if not run_uuid or started is None:
+        return None
+    return f"{new_run_id(name, started).rsplit('-', 1)[0]}-{run_uuid[:6]}"
+
+
+@flow(name="train", log_prints=True)
+def train(config: str = "code-env", overrides: list[str] | None = None, run_id: str | None = None) -> dict[str, Any]:
+    """Train the agents of ``config`` for ``run.iterations`` iterations (or resume ``run_id``)."""
+    logger = get_run_logger()
+    overrides = list(overrides or [])
+    cfg = load_config(config, overrides)
+    ref, resumed = start_or_resume(cfg, config, overrides, run_id or _default_run_id(cfg.run.name), {})
+    logger.info("%s run %s at %s", "resuming" if resumed else "starting", ref.run_id, ref.layout().run_uri)
+    results = []
+    with Runtime(cfg, ref.run_id):
+        for k in range(cfg.run.iterations):
+            results.append(iteration(ref, k))
+    logger.info("run %s finished: %s", ref.run_id, ref.layout().run_uri)
+    return {"run_id": ref.run_id, "uri": ref.layout().run_uri, "iterations": results}
+
+
+if __name__ == "__main__":  # python flows/train.py [config] [overrides...]
+    train(sys.argv[1] if len(sys.argv) > 1 else "code-env", sys.argv[2:])

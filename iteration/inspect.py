@@ -1,0 +1,137 @@
+"""Read-only views of stored runs for people: run lists, run summaries, trajectory tables.
+
+Used by the CLI (``pettingflow runs ...``, ``pettingflow trajectories show``) and by ``make run``'s
+closing summary. Nothing here writes.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from pettingflow.iteration.context import STEP_ORDER
+from pettingflow.iteration.report import REPORT_STEP
+from pettingflow.storage import RunLayout, list_runs, read_step_trajectories
+
+
+def run_rows(root: str, storage_options: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """One row per run: id, iterations with a committed report, config name, created."""
+    rows = []
+    for run_id in list_runs(root, storage_options):
+        layout = RunLayout(root, run_id, storage_options)
+        try:
+            info = layout.read_run_info()
+        except FileNotFoundError:
+            continue
+        done = [k for k in layout.iterations() if layout.step(k, REPORT_STEP).is_committed()]
+        planned = info.get("config", {}).get("run", {}).get("iterations")
+        rows.append(
+            {
+                "run_id": run_id,
+                "config": info.get("config_name"),
+                "iterations": f"{len(done)}/{planned}",
+                "created": info.get("created", "")[:19],
+                "evaluates": json.dumps(info["evaluates"]) if "evaluates" in info else "",
+            }
+        )
+    return rows
+
+
+def step_status(layout: RunLayout, iteration: int) -> dict[str, str]:
+    """Each step of an iteration (attempt 0): committed, or missing."""
+    status = {}
+    names = [n for n in STEP_ORDER if n != "update"]
+    names += sorted(
+        p.rstrip("/").rsplit("/", 1)[-1]
+        for p in (
+            layout.fs.ls(layout.iteration_path(iteration), detail=False)
+            if layout.fs.exists(layout.iteration_path(iteration))
+            else []
+        )
+        if p.rstrip("/").rsplit("/", 1)[-1].startswith("update-")
+    )
+    for name in names:
+        step = layout.step(iteration, name)
+        status[name] = (
+            "committed" if step.is_committed() else ("in flight / crashed" if layout.fs.exists(step.path) else "-")
+        )
+    return status
+
+
+def show_run(layout: RunLayout, console: Console) -> None:
+    info = layout.read_run_info()
+    console.print(
+        f"[bold]run[/bold] {layout.run_id}  ({info.get('config_name')}, created {info.get('created', '')[:19]})"
+    )
+    console.print(f"location: {layout.run_uri}")
+    if info.get("overrides"):
+        console.print(f"overrides: {' '.join(info['overrides'])}")
+    for k in layout.iterations():
+        status = step_status(layout, k)
+        attempts = layout.attempts(k)[1:]
+        table = Table(title=f"iteration {k}" + (f" (re-runs: {attempts})" if attempts else ""), show_lines=False)
+        table.add_column("step")
+        table.add_column("state")
+        table.add_column("rows", justify="right")
+        for name, state in status.items():
+            step = layout.step(k, name)
+            rows = str(step.manifest().rows) if state == "committed" else ""
+            table.add_row(name, state, rows)
+        console.print(table)
+        report = layout.step(k, REPORT_STEP)
+        if report.is_committed():
+            metrics = report.read_json("metrics.json")
+            keys = [
+                m for m in sorted(metrics) if m.endswith(("/reward_mean", "/success_rate")) or m.startswith("update/")
+            ]
+            for key in keys[:24]:
+                console.print(f"  {key:<48} {metrics[key]:.4f}")
+
+
+def trajectories_table(
+    layout: RunLayout, iteration: int, agent: str | None, limit: int, step: str = "rollouts"
+) -> Table:
+    """A readable table of one iteration's samples: who, reward, mask summary, response start."""
+    data = read_step_trajectories(layout.step(iteration, step), agent=agent)
+    table = Table(title=f"{layout.run_id} iter-{iteration} {step}: {data.num_rows} rows", show_lines=True)
+    for col in ("group", "s", "turn", "agent", "reward", "ok", "tokens (model/env)", "uid", "response"):
+        table.add_column(col, overflow="fold")
+    for row in data.slice(0, limit).to_pylist():
+        mask = row["response_mask"]
+        table.add_row(
+            row["group_id"],
+            str(row["sample_idx"]),
+            str(row["turn_idx"]),
+            row["agent_name"],
+            f"{row['reward']:.3f}",
+            "yes" if row["success"] else "no",
+            f"{sum(mask)}/{len(mask) - sum(mask)}",
+            row["uid"][:8],
+            row["response_text"][:160].replace("\n", " ⏎ "),
+        )
+    return table
+
+
+def summary_lines(layout: RunLayout, ui: str | None = None, flow_run_id: str | None = None) -> list[str]:
+    """What ``make run`` prints at the end: where things are and how to re-run an iteration."""
+    iters = layout.iterations()
+    lines = [f"run {layout.run_id}", f"  data:         {layout.run_uri}"]
+    if iters:
+        k = iters[-1]
+        lines.append(f"  trajectories: {layout.step(k, 'rollouts').uri}/part-*.parquet")
+        lines.append(f"  inspect:      pettingflow trajectories show {layout.run_id} --iteration {k}")
+        updates = [
+            layout.step(k, n).uri
+            for n in step_status(layout, k)
+            if n.startswith("update-") and layout.step(k, n).is_committed()
+        ]
+        for uri in updates:
+            lines.append(f"  checkpoint:   {uri}")
+        lines.append(f"  re-run:       pettingflow rerun {layout.run_id} --iteration {k} --from-step filtered")
+    if ui:
+        lines.append(f"  Prefect UI:   {ui}" + (f"/runs/flow-run/{flow_run_id}" if flow_run_id else ""))
+    lines.append(f"  details:      pettingflow runs show {layout.run_id}")
+    return lines

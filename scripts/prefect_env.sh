@@ -1,0 +1,17 @@
+# Sourced by run.sh/stop.sh/tests: where the local Prefect server, worker and their state live.
+# Everything stays under .pettingflow/ in this checkout (PREFECT_HOME, logs, pid files).
+STATE_DIR=${PETTINGFLOW_STATE:-$PWD/.pettingflow}
+PID_DIR=$STATE_DIR/pids
+LOG_DIR=$STATE_DIR/logs
+mkdir -p "$PID_DIR" "$LOG_DIR"
+export PREFECT_HOME=${PREFECT_HOME:-$STATE_DIR/prefect}
+export PREFECT_CLI_PROMPT=false
+export PREFECT_SERVER_ANALYTICS_ENABLED=false
+export PREFECT_API_DATABASE_CONNECTION_URL=${PREFECT_API_DATABASE_CONNECTION_URL:-sqlite+aiosqlite:///$PREFECT_HOME/prefect.db}
+export PETTINGFLOW_POOL=${PETTINGFLOW_POOL:-pettingflow}
+export PETTINGFLOW_REPO=$PWD
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 RAY_USAGE_STATS_ENABLED=0
+PREFECT=$PWD/.venv/bin/prefect
+
+pid_alive() { [ -f "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }

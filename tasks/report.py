@@ -1,0 +1,82 @@
+"""The ``report`` task: iteration metrics as Prefect artifacts, TensorBoard and (optionally) MLflow."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from prefect import get_run_logger, task
+from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
+from prefect.cache_policies import NO_CACHE
+
+from pettingflow.iteration import report
+from pettingflow.iteration.run import RunRef, load_run_config
+from pettingflow.tasks.steps import context
+
+
+def artifact_key(*parts: str) -> str:
+    """Prefect artifact keys: lowercase letters, digits and dashes."""
+    return re.sub(r"[^a-z0-9-]+", "-", "-".join(parts).lower()).strip("-")[:100]
+
+
+def iteration_metrics(outcomes: dict[str, Any], durations: dict[str, float]) -> dict[str, float]:
+    """The flat metrics of one iteration, from what the step tasks returned."""
+    flat: dict[str, float] = {}
+    rollout = (outcomes.get("rollouts") or {}).get("metrics") or {}
+    for agent, values in (rollout.get("agents") or {}).items():
+        report.flatten(f"rollout/{agent}", values, flat)
+    for key in ("tokens_generated", "tokens_per_s", "episodes", "wall_s", "llm_s", "env_s"):
+        if key in rollout:
+            flat[f"rollout/{key}"] = float(rollout[key])
+    filtered = (outcomes.get("filtered") or {}).get("metrics") or {}
+    for key in ("rows_in", "rows_kept", "removed_samples", "removed_groups"):
+        if key in filtered:
+            flat[f"filter/{key}"] = float(filtered[key])
+    for name, outcome in outcomes.items():
+        if name.startswith("update-") and outcome:
+            report.flatten(
+                name.replace("update-", "update/", 1), (outcome.get("metrics") or {}).get("metrics", {}), flat
+            )
+    validation = (outcomes.get("validation") or {}).get("metrics") or {}
+    for agent, values in (validation.get("agents") or {}).items():
+        report.flatten(f"validation/{agent}", values, flat)
+    for step, seconds in durations.items():
+        flat[f"duration/{step}_s"] = round(seconds, 3)
+    return flat
+
+
+@task(name="report", cache_policy=NO_CACHE)
+def report_iteration(
+    run: RunRef, iteration: int, attempt: int, from_step: str, outcomes: dict[str, Any], durations: dict[str, float]
+) -> dict[str, Any]:
+    """Commit the report step and publish it: a metrics table, sample trajectories, links, the curve."""
+    ctx = context(run, iteration, attempt, from_step)
+    config = load_run_config(run)
+    metrics = iteration_metrics(outcomes, durations)
+    links = {name: o["uri"] for name, o in outcomes.items() if isinstance(o, dict) and "uri" in o}
+    result = report.write_report(ctx, metrics, links)
+    metrics = result["metrics"]
+    key = artifact_key(run.run_id, f"iter-{iteration}", f"attempt-{attempt}" if attempt else "")
+    create_table_artifact(
+        key=f"{key}-metrics", table=report.metrics_table(metrics), description=f"{run.run_id} {ctx.label}: metrics"
+    )
+    samples = result.get("samples") or ctx.step("report").read_bytes("samples.md").decode()
+    create_markdown_artifact(key=f"{key}-samples", markdown=samples, description="sample trajectories")
+    link_lines = "\n".join(f"- **{name}**: `{uri}`" for name, uri in sorted(links.items()))
+    create_markdown_artifact(
+        key=f"{key}-links",
+        markdown=f"# Files of {run.run_id} {ctx.label}\n\n{link_lines}\n\nReport: `{result['uri']}`\n",
+        description="where the Parquet and checkpoints are",
+    )
+    if ctx.layout.fs.protocol in ("file", "local") or "file" in ctx.layout.fs.protocol:
+        create_link_artifact(key=f"{key}-report", link=f"file://{ctx.step('report').path}", description="report folder")
+    png = result.get("png") or ctx.step("report").read_bytes("curve.png")
+    create_markdown_artifact(
+        key=artifact_key(run.run_id, "curve"),
+        markdown=report.png_markdown(png, f"Reward and success, run {run.run_id}"),
+        description="reward/success per iteration (updated every iteration)",
+    )
+    if attempt == 0:
+        report.log_metrics(ctx.layout, iteration, metrics, config.run.mlflow_tracking_uri)
+    get_run_logger().info("iteration %s: %s", ctx.label, {k: v for k, v in metrics.items() if "/success_rate" in k})
+    return {"uri": result["uri"], "metrics": metrics}

@@ -1,0 +1,87 @@
+"""Prefect tasks: one per iteration step, each a thin wrapper over ``pettingflow.iteration``.
+
+Conventions:
+- Tasks take small, JSON-able inputs (a ``RunRef``, the iteration, the attempt) and return small
+  metadata (URIs, row counts, metrics) — never data. The data is in committed steps.
+- A step whose commit marker exists is not redone: the task finishes ``Completed`` with the message
+  "already committed ... skipped", which is how the UI shows a resumed iteration.
+- Prefect's result cache is off (``NO_CACHE``): the commit markers beside the data are the single
+  source of truth for "done", for Prefect runs and CLI runs alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+from prefect.states import Completed, State
+
+from pettingflow.iteration import batches, rollouts, updates
+from pettingflow.iteration.batches import StepOutcome
+from pettingflow.iteration.context import IterationContext
+from pettingflow.iteration.run import RunRef, load_run_config
+from pettingflow.iteration.runtime import Runtime
+from pettingflow.iteration.weights import weights_before
+
+
+def context(run: RunRef, iteration: int, attempt: int = 0, from_step: str = "rollouts") -> IterationContext:
+    return IterationContext(run.layout(), iteration, attempt, from_step if attempt else "rollouts")
+
+
+def finished(outcome: StepOutcome) -> dict[str, Any] | State:
+    """The task's return: plain metadata, or a ``Completed`` state with a message when skipped."""
+    data = asdict(outcome)
+    if outcome.skipped:
+        get_run_logger().info("%s already committed at %s: skipped", outcome.step, outcome.uri)
+        return Completed(message=f"{outcome.step} already committed at {outcome.uri}: skipped", data=data)
+    return data
+
+
+def value(result: Any) -> Any:
+    """A task's data whether it returned plain data or a ``State`` (skipped steps)."""
+    return result.result() if isinstance(result, State) else result
+
+
+@task(name="collect_rollouts", retries=2, retry_delay_seconds=[10, 30], cache_policy=NO_CACHE)
+def collect_rollouts(run: RunRef, iteration: int, runtime: Runtime) -> dict[str, Any] | State:
+    """Sync the servers to the weights this iteration starts from, then collect G samples per task."""
+    config = load_run_config(run)
+    ctx = context(run, iteration)
+    if not ctx.step("rollouts").is_committed():
+        for policy in runtime.servers:
+            runtime.ensure_serving(weights_before(ctx.layout, config, policy, iteration))
+    return finished(rollouts.collect_step(ctx, config, runtime.endpoints(), env_cache=runtime.env_cache))
+
+
+@task(name="filter_and_group", cache_policy=NO_CACHE)
+def filter_and_group(run: RunRef, iteration: int, attempt: int, from_step: str, upstream: Any = None):
+    """UID groups (seed 000) and the configured filter (mean/std/dapo/uid)."""
+    return finished(batches.filter_step(context(run, iteration, attempt, from_step), load_run_config(run)))
+
+
+@task(name="compute_advantages", cache_policy=NO_CACHE)
+def compute_advantages(run: RunRef, iteration: int, attempt: int, from_step: str, upstream: Any = None):
+    """Group-relative advantages; one batch file per policy."""
+    return finished(batches.advantage_step(context(run, iteration, attempt, from_step), load_run_config(run)))
+
+
+@task(name="update_policy", task_run_name="update_policy[{policy}]", cache_policy=NO_CACHE)
+def update_policy(run: RunRef, iteration: int, attempt: int, from_step: str, policy: str, upstream: Any = None):
+    """One DeepSpeed update job for ``policy`` in its own process."""
+    return finished(updates.update_step(context(run, iteration, attempt, from_step), load_run_config(run), policy))
+
+
+@task(name="sync_weights", retries=2, retry_delay_seconds=[5, 15], cache_policy=NO_CACHE)
+def sync_weights(run: RunRef, iteration: int, attempt: int, from_step: str, runtime: Runtime, upstream: Any = None):
+    """Full weights: reload in place; LoRA: load adapters by name. Probes confirm the change."""
+    return updates.sync_step(context(run, iteration, attempt, from_step), load_run_config(run), runtime)
+
+
+@task(name="validate", retries=1, retry_delay_seconds=[10], cache_policy=NO_CACHE)
+def validate(run: RunRef, iteration: int, attempt: int, from_step: str, runtime: Runtime, upstream: Any = None):
+    """Greedy episodes on held-out tasks; success rate per agent."""
+    ctx = context(run, iteration, attempt, from_step)
+    outcome = rollouts.validation_step(ctx, load_run_config(run), runtime.endpoints(), env_cache=runtime.env_cache)
+    return finished(outcome)

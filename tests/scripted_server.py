@@ -1,0 +1,105 @@
+"""A scripted OpenAI-compatible server for flow tests: vLLM's routes, canned answers, real token ids.
+
+The code agent gets the canonical solution when the request's sampling seed is even and a wrong one
+when it is odd, so GRPO groups have reward variance; the test agent gets two asserts. Token ids come
+from the real tokenizer, so training consumes exactly what the server "generated".
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+
+class ScriptedServer:
+    def __init__(self, tokenizer: Any, solutions: dict[str, str], served_model: str = "shared"):
+        self.tokenizer = tokenizer
+        self.solutions = solutions  # entry point -> full correct function source
+        self.models = [served_model]
+        self.requests: list[dict[str, Any]] = []
+        self.reloads: list[dict[str, Any]] = []
+        self._lock = threading.Lock()
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def _send(self, status: int, payload: Any) -> None:
+                body = json.dumps(payload).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self) -> None:
+                if self.path == "/health":
+                    self._send(200, {})
+                elif self.path == "/v1/models":
+                    self._send(200, {"data": [{"id": m, "object": "model"} for m in server.models]})
+                else:
+                    self._send(404, {"error": self.path})
+
+            def do_POST(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                body = json.loads(self.rfile.read(length) or b"null")
+                if self.path == "/v1/completions":
+                    self._send(200, server.complete(body))
+                elif self.path == "/collective_rpc":
+                    with server._lock:
+                        server.reloads.append(body)
+                    self._send(200, {"results": [None]})
+                elif self.path == "/reset_prefix_cache":
+                    self._send(200, {})
+                elif self.path == "/v1/load_lora_adapter":
+                    with server._lock:
+                        server.reloads.append(body)
+                        if body["lora_name"] not in server.models:
+                            server.models.append(body["lora_name"])
+                    self._send(200, {})
+                else:
+                    self._send(404, {"error": self.path})
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self._thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    def __enter__(self) -> ScriptedServer:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+    def answer(self, prompt: str, seed: int) -> str:
+        entry = re.search(r"function `(\w+)`", prompt)
+        name = entry.group(1) if entry else "f"
+        if "careful Python tester" in prompt:
+            return f"```python\nassert {name}(*[]) is not None\nassert {name} is not None and {name}(1) == 1\n```"
+        if seed % 2 == 0 and name in self.solutions:
+            return f"```python\n{self.solutions[name]}\n```"
+        return f"```python\ndef {name}(*args):\n    return None\n```"
+
+    def complete(self, body: dict[str, Any]) -> dict[str, Any]:
+        with self._lock:
+            self.requests.append(body)
+        prompt = self.tokenizer.decode(body["prompt"])
+        text = self.answer(prompt, int(body.get("seed") or 0))
+        ids = self.tokenizer.encode(text, add_special_tokens=False)[: body["max_tokens"]]
+        finish = "length"
+        if len(ids) < body["max_tokens"]:
+            ids = [*ids, self.tokenizer.eos_token_id]
+            finish = "stop"
+        choice = {
+            "index": 0,
+            "text": self.tokenizer.decode(ids, skip_special_tokens=True),
+            "token_ids": ids,
+            "logprobs": {"token_logprobs": [-0.25] * len(ids)},
+            "finish_reason": finish,
+        }
+        return {"choices": [choice] * int(body.get("n", 1))}

