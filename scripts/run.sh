@@ -56,7 +56,7 @@ fi
 UI=${PREFECT_API_URL%/api}
 say "5/5 prefect deployment run train/code-env --watch   (UI: $UI)"
 set +e
-"$PREFECT" deployment run train/code-env "${PARAMS[@]}" --watch --watch-interval 5 2>&1 | tee "$LOG_DIR/last-run.log"
+"$PREFECT" deployment run train/code-env "${PARAMS[@]}" --watch 2>&1 | tee "$LOG_DIR/last-run.log"
 rc=${PIPESTATUS[0]}
 set -e
 FLOW_RUN_ID=$(grep -oE 'UUID: [0-9a-f-]{36}' "$LOG_DIR/last-run.log" | head -1 | cut -d' ' -f2 || true)

@@ -146,7 +146,7 @@ def deployment_run(env, overrides: list[str], *, watch: bool, run_id: str | None
     params = {"overrides": overrides, **({"run_id": run_id} if run_id else {})}
     cmd = [PREFECT, "deployment", "run", "train/code-env", "--params", json.dumps(params)]
     if watch:
-        cmd += ["--watch", "--watch-interval", "2"]
+        cmd += ["--watch"]
     out = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout, check=False)
     flow_run_id = re.search(r"UUID: ([0-9a-f-]{36})", out.stdout)
     assert flow_run_id, out.stdout + out.stderr
