@@ -75,20 +75,41 @@ def show_run(layout: RunLayout, console: Console) -> None:
         table = Table(title=f"iteration {k}" + (f" (re-runs: {attempts})" if attempts else ""), show_lines=False)
         table.add_column("step")
         table.add_column("state")
-        table.add_column("rows", justify="right")
+        table.add_column("contents", justify="right")
         for name, state in status.items():
             step = layout.step(k, name)
-            rows = str(step.manifest().rows) if state == "committed" else ""
-            table.add_row(name, state, rows)
+            size = ""
+            if state == "committed":
+                manifest = step.manifest()
+                has_rows = any(f.rows is not None for f in manifest.files)
+                n = len(manifest.files)
+                size = f"{manifest.rows} rows" if has_rows else f"{n} file" + ("s" if n != 1 else "")
+            table.add_row(name, state, size)
         console.print(table)
         report = layout.step(k, REPORT_STEP)
         if report.is_committed():
             metrics = report.read_json("metrics.json")
-            keys = [
-                m for m in sorted(metrics) if m.endswith(("/reward_mean", "/success_rate")) or m.startswith("update/")
-            ]
-            for key in keys[:24]:
+            for key in [m for m in sorted(metrics) if _headline(m)]:
                 console.print(f"  {key:<48} {metrics[key]:.4f}")
+
+
+HEADLINE_UPDATE = (
+    "loss",
+    "kl",
+    "approx_kl",
+    "clip_fraction",
+    "grad_norm",
+    "model_tokens_per_s",
+    "duration_s",
+    "rows_used",
+)
+
+
+def _headline(metric: str) -> bool:
+    """The metrics `runs show` prints: rewards and success, and the main update numbers."""
+    if metric.startswith(("rollout/", "validation/")):
+        return metric.endswith(("/reward_mean", "/success_rate"))
+    return metric.startswith("update/") and metric.rsplit("/", 1)[-1] in HEADLINE_UPDATE
 
 
 def trajectories_table(

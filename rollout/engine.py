@@ -89,7 +89,7 @@ def group_specs(
     specs = []
     for env_idx, task in enumerate(tasks):
         seed = _derive_seed(base_seed, namespace, env_idx)
-        group_id = f"{namespace}g{env_idx}" if namespace else f"g{env_idx}"
+        group_id = f"g{env_idx}"  # unique within an iteration; rows also carry run_id and iteration
         for sample_idx in range(group_size):
             specs.append(
                 EpisodeSpec(

@@ -55,10 +55,15 @@ if [ -n "${PF_OVERRIDES:-}" ]; then
 fi
 UI=${PREFECT_API_URL%/api}
 say "5/5 prefect deployment run train/code-env --watch   (UI: $UI)"
+# Follow the flow's own log lines (they go to the worker's output) while --watch waits for the end.
+tail -n0 -F "$LOG_DIR/worker.log" 2>/dev/null | grep --line-buffered -E "\| (INFO|WARNING|ERROR|CRITICAL) " &
+TAIL_PID=$!
 set +e
-"$PREFECT" deployment run train/code-env "${PARAMS[@]}" --watch 2>&1 | tee "$LOG_DIR/last-run.log"
-rc=${PIPESTATUS[0]}
+"$PREFECT" deployment run train/code-env "${PARAMS[@]}" --watch >"$LOG_DIR/last-run.log" 2>&1
+rc=$?
 set -e
+kill "$TAIL_PID" 2>/dev/null || true
+grep -E "UUID|URL|Flow run finished" "$LOG_DIR/last-run.log" || true
 FLOW_RUN_ID=$(grep -oE 'UUID: [0-9a-f-]{36}' "$LOG_DIR/last-run.log" | head -1 | cut -d' ' -f2 || true)
 .venv/bin/pettingflow runs summary --flow-run "${FLOW_RUN_ID:-}" --ui "$UI" || true
 if [ "$rc" -ne 0 ]; then
