@@ -15,7 +15,7 @@ from typing import Any
 
 from pettingflow.agents import build_agent
 from pettingflow.configs.settings import ExperimentConfig, Specialization
-from pettingflow.envs import EnvCache, EnvSpec, env_spec_from_settings, load_tasks
+from pettingflow.envs import EnvCache, EnvSpec, TaskSpec, env_spec_from_settings, load_tasks, task_specs_from_rows
 from pettingflow.inference.client import InferenceClient
 from pettingflow.iteration.batches import StepOutcome
 from pettingflow.iteration.context import IterationContext
@@ -110,8 +110,6 @@ async def run_episodes(
             )
         return clients[url]
 
-    env_spec: EnvSpec = env_spec_from_settings(config.env)
-    factory = env_cache.get(env_spec)
     bindings = _bindings(config, endpoints, client_for)
 
     def make_agents() -> list[Any]:
@@ -119,9 +117,6 @@ async def run_episodes(
             build_agent(a, agent_idx=i, tokenizer=bindings[a.name].tokenizer, layout=config.env.sample_layout)
             for i, a in enumerate(config.agents)
         ]
-
-    def make_env(spec: EpisodeSpec) -> Any:
-        return factory.create(spec.task, env_idx=spec.env_idx, rollout_idx=spec.rollout_idx, seed=spec.seed)
 
     engine = ExecutionEngine(
         make_agents,
@@ -133,12 +128,38 @@ async def run_episodes(
         sampling_overrides={"temperature": temperature} if temperature is not None else None,
         show_progress=show_progress,
     )
-    specs = group_specs(tasks, group_size, config.run.seed, config.env.class_path, make_env, namespace=seed_namespace)
+    specs = episode_specs(config, tasks, group_size, seed_namespace, env_cache)
     try:
         return await engine.run(specs)
     finally:
         for client in clients.values():
             await client.aclose()
+
+
+def episode_specs(
+    config: ExperimentConfig, tasks: list[dict[str, Any]], group_size: int, seed_namespace: str, env_cache: EnvCache
+) -> list[EpisodeSpec]:
+    """G episodes per task. A task row may name its own env class and config (seed 001:
+    ``{"env_class_path", "env_config", "task_data"}``), so one batch can mix envs; each distinct
+    (class, config) gets one cached factory."""
+    default_env: EnvSpec = env_spec_from_settings(config.env)
+    task_specs = task_specs_from_rows(tasks, default_env)
+
+    def make_env(spec: EpisodeSpec) -> Any:
+        ts: TaskSpec = spec.task
+        factory = env_cache.get(ts.env)
+        return factory.create(ts.task, env_idx=spec.env_idx, rollout_idx=spec.rollout_idx, seed=spec.seed)
+
+    def env_name(ts: TaskSpec) -> str:
+        return config.env.class_path if ts.env == default_env else ts.env.class_path
+
+    return group_specs(task_specs, group_size, config.run.seed, env_name, make_env, namespace=seed_namespace)
+
+
+def task_id(task: dict[str, Any], index: int) -> str:
+    """A task's id for reports, for bare tasks and seed-001 rows alike."""
+    data = task.get("task_data", task)
+    return str(data.get("task_id", index))
 
 
 def stats_metrics(stats: EngineStats) -> dict[str, Any]:
@@ -225,7 +246,7 @@ def _commit(
 ) -> StepOutcome:
     rows = build_rows(records, config.env.sample_layout, ctx.layout.run_id, ctx.iteration, group_size)
     metrics = stats_metrics(stats)
-    metrics["tasks"] = [t.get("task_id", str(i)) for i, t in enumerate(tasks)]
+    metrics["tasks"] = [task_id(t, i) for i, t in enumerate(tasks)]
     metrics["layout"] = config.env.sample_layout
     manifest = write_trajectories(step, rows, metadata=metrics)
     return StepOutcome(step.name, step.uri, manifest.rows, False, metrics)

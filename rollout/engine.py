@@ -75,14 +75,15 @@ def group_specs(
     tasks: Sequence[Any],
     group_size: int,
     base_seed: int,
-    env_name: str,
+    env_name: str | Callable[[Any], str],
     make_env: Callable[[EpisodeSpec], Any],
     namespace: str = "",
 ) -> list[EpisodeSpec]:
     """G episode specs per task, all of a group sharing the task and the env seed (seed 003).
 
     ``rollout_idx = env_idx * group_size + sample_idx`` so that ``rollout_idx // group_size`` is the
-    group, as the UID rule of seed 000 expects.
+    group, as the UID rule of seed 000 expects. ``env_name`` may be a function of the task, for
+    batches that mix envs (seed 001).
     """
     if group_size < 1:
         raise ValueError(f"group_size must be >= 1, got {group_size}")
@@ -94,7 +95,7 @@ def group_specs(
             specs.append(
                 EpisodeSpec(
                     task=task,
-                    env_name=env_name,
+                    env_name=env_name(task) if callable(env_name) else env_name,
                     env_idx=env_idx,
                     group_id=group_id,
                     sample_idx=sample_idx,

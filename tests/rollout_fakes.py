@@ -125,3 +125,19 @@ class ToyAgent:
         self.success = "DONE" in (self.action or "")
         if self.success:
             env.done = True
+
+
+from pettingflow.envs.base import Env, EnvConfig  # noqa: E402
+
+
+class BoardConfig(EnvConfig):
+    label: str = "a"
+
+
+class BoardEnv(Env):
+    """A registered-style Env (importable as ``rollout_fakes:BoardEnv``) with the ToyEnv board."""
+
+    Config = BoardConfig
+
+    def initial_state(self) -> ToyState:
+        return ToyState()

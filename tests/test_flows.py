@@ -163,3 +163,28 @@ def test_resumed_run_with_other_config_is_refused(tmp_path, prefect_env, tiny_mo
     run_id = state.result()["run_id"]
     with pytest.raises(RunConfigMismatchError, match=r"algorithm\.filter_method"):
         train("code-env", [*base, "algorithm.filter_method=dapo"], run_id=run_id)
+
+
+def test_lora_per_agent_run_serves_each_agent_its_adapter(tmp_path, prefect_env, tiny_model, scripted) -> None:
+    """L2: one base model, one adapter per agent, trained on its own rows and served by name."""
+    from pettingflow.flows.train import train
+
+    extra = ["specialization=lora", "policies.0.lora.rank=4", "validation.frequency=0"]
+    state = train("code-env", overrides(tmp_path, tiny_model, scripted.url, *extra), return_state=True)
+    assert state.is_completed(), state
+    layout = RunLayout(str(tmp_path), state.result()["run_id"])
+    files = {f.name for f in layout.step(0, "update-shared").manifest().files}
+    for agent in ("code_generator", "test_generator"):
+        assert f"adapters/{agent}/adapter_config.json" in files
+    assert not any(name.startswith("model/") for name in files)  # no full weights in L2
+    loaded = {r["lora_name"] for r in scripted.reloads if "lora_name" in r}
+    assert {"lora-code_generator", "lora-test_generator"} <= loaded
+    # iteration 0 sampled from the base model; iteration 1 from each agent's own adapter
+    rows0 = read_step_trajectories(layout.step(0, "rollouts")).to_pylist()
+    rows1 = read_step_trajectories(layout.step(1, "rollouts")).to_pylist()
+    assert {r["lora_name"] for r in rows0} == {None}
+    assert {(r["agent_name"], r["lora_name"]) for r in rows1} <= {
+        ("code_generator", "lora-code_generator"),
+        ("test_generator", "lora-test_generator"),
+    }
+    assert "lora-code_generator" in {r["model"] for r in scripted.requests}
