@@ -19,7 +19,7 @@ from pettingflow.configs.settings import ExperimentConfig
 from pettingflow.iteration.context import IterationContext
 from pettingflow.rl.advantages import compute_advantages
 from pettingflow.rl.filters import filter_samples
-from pettingflow.storage import Manifest, read_step_trajectories, write_trajectories
+from pettingflow.storage import Manifest, Step, read_step_trajectories, write_trajectories
 
 BATCH_KIND = b"batch"
 
@@ -35,12 +35,19 @@ class StepOutcome:
     metrics: dict[str, Any]
 
 
+def already_done(step: Step) -> StepOutcome | None:
+    """The outcome of a committed step (``skipped=True``), or None when it still has to run."""
+    if not step.is_committed():
+        return None
+    m = step.manifest()
+    return StepOutcome(step.name, step.uri, m.rows, True, m.metadata)
+
+
 def filter_step(ctx: IterationContext, config: ExperimentConfig) -> StepOutcome:
     """Apply the configured filter (none/mean/std/dapo/uid, seed 000) to the iteration's rollouts."""
     out = ctx.step("filtered")
-    if out.is_committed():
-        m = out.manifest()
-        return StepOutcome("filtered", out.uri, m.rows, True, m.metadata)
+    if done := already_done(out):
+        return done
     table = read_step_trajectories(ctx.step("rollouts"))
     algo = config.algorithm
     result = filter_samples(
@@ -66,9 +73,8 @@ def filter_step(ctx: IterationContext, config: ExperimentConfig) -> StepOutcome:
 def advantage_step(ctx: IterationContext, config: ExperimentConfig) -> StepOutcome:
     """GRPO-style advantages within UID groups, written as one batch file per policy."""
     out = ctx.step("advantages")
-    if out.is_committed():
-        m = out.manifest()
-        return StepOutcome("advantages", out.uri, m.rows, True, m.metadata)
+    if done := already_done(out):
+        return done
     table = read_step_trajectories(ctx.step("filtered"))
     rewards = np.asarray(table.column("reward").to_numpy(zero_copy_only=False), dtype=np.float64)
     advantages = compute_advantages(rewards, table.column("uid").to_pylist(), config.algorithm.advantage_estimator)

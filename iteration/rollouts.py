@@ -17,7 +17,7 @@ from pettingflow.agents import build_agent
 from pettingflow.configs.settings import ExperimentConfig, Specialization
 from pettingflow.envs import EnvCache, EnvSpec, TaskSpec, env_spec_from_settings, load_tasks, task_specs_from_rows
 from pettingflow.inference.client import InferenceClient
-from pettingflow.iteration.batches import StepOutcome
+from pettingflow.iteration.batches import StepOutcome, already_done
 from pettingflow.iteration.context import IterationContext
 from pettingflow.rollout.engine import AgentBinding, EngineStats, EpisodeSpec, ExecutionEngine, group_specs
 from pettingflow.rollout.records import build_rows
@@ -187,9 +187,8 @@ def collect_step(
 ) -> StepOutcome:
     """Collect the iteration's rollouts (G per task) and commit them as ``rollouts``."""
     step = ctx.step("rollouts")
-    if step.is_committed():
-        m = step.manifest()
-        return StepOutcome("rollouts", step.uri, m.rows, True, m.metadata)
+    if done := already_done(step):
+        return done
     tasks = select_train_tasks(config, ctx.iteration)[: limit or None]
     records, stats = asyncio.run(
         run_episodes(
@@ -216,9 +215,8 @@ def validation_step(
 ) -> StepOutcome:
     """One greedy (``validation.temperature``) episode per held-out task; success rate per agent."""
     step = ctx.step(step_name)
-    if step.is_committed():
-        m = step.manifest()
-        return StepOutcome(step_name, step.uri, m.rows, True, m.metadata)
+    if done := already_done(step):
+        return done
     tasks = select_validation_tasks(config)
     records, stats = asyncio.run(
         run_episodes(

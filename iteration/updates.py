@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from pettingflow.configs.settings import ExperimentConfig, Specialization
-from pettingflow.iteration.batches import StepOutcome, batch_file
+from pettingflow.iteration.batches import StepOutcome, already_done, batch_file
 from pettingflow.iteration.context import IterationContext
 from pettingflow.iteration.weights import update_step_name, weights_before, weights_in_step
 from pettingflow.storage.fs import join, uri_of
@@ -24,9 +24,8 @@ def update_step(ctx: IterationContext, config: ExperimentConfig, policy: str) ->
     """Train ``policy`` on its batch of this iteration; commit checkpoint + metrics."""
     name = update_step_name(policy)
     step = ctx.step(name)
-    if step.is_committed():
-        m = step.manifest()
-        return StepOutcome(name, step.uri, m.rows, True, m.metadata)
+    if done := already_done(step):
+        return done
     batches = ctx.step("advantages")
     entry = next((f for f in batches.manifest().files if f.name == batch_file(policy)), None)
     if entry is None:

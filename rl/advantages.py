@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from pettingflow.rl.uids import group_indices
+from pettingflow.rl.uids import check_rewards, group_indices
 
 ADVANTAGE_ESTIMATORS = ("grpo", "grpo_no_std", "rloo", "reinforce_pp")
 
@@ -38,14 +38,7 @@ def compute_advantages(
         raise ValueError(f"unknown advantage estimator {estimator!r}; expected one of {ADVANTAGE_ESTIMATORS}")
     if not eps > 0:
         raise ValueError(f"eps must be > 0, got {eps!r}")
-    r = np.asarray(rewards, dtype=np.float64)
-    if r.ndim != 1:
-        raise ValueError(f"rewards must be 1-D, got shape {r.shape}")
-    if len(r) != len(uids):
-        raise ValueError(f"rewards has {len(r)} entries but uids has {len(uids)}")
-    if not np.isfinite(r).all():
-        bad = int(np.flatnonzero(~np.isfinite(r))[0])
-        raise ValueError(f"rewards must be finite; rewards[{bad}] = {r[bad]}")
+    r = check_rewards(rewards, uids)
 
     adv = np.zeros_like(r)
     for idx in group_indices(uids).values():

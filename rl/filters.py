@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pettingflow.rl.uids import group_indices
+from pettingflow.rl.uids import check_rewards, group_indices
 
 FILTER_METHODS = ("none", "mean", "std", "dapo", "uid")
 
@@ -67,14 +67,7 @@ def _check(uids: Sequence[str], rewards: Sequence[float] | np.ndarray, method: s
         raise ValueError(f"unknown filter method {method!r}; expected one of {FILTER_METHODS}")
     if isinstance(ratio, bool) or not isinstance(ratio, (int, float, np.floating)) or not 0.0 <= ratio < 1.0:
         raise ValueError(f"filter ratio must be a number in [0, 1), got {ratio!r}")
-    r = np.asarray(rewards, dtype=np.float64)
-    if r.ndim != 1:
-        raise ValueError(f"rewards must be 1-D, got shape {r.shape}")
-    if len(r) != len(uids):
-        raise ValueError(f"rewards has {len(r)} entries but uids has {len(uids)}")
-    if not np.isfinite(r).all():
-        bad = int(np.flatnonzero(~np.isfinite(r))[0])
-        raise ValueError(f"rewards must be finite; rewards[{bad}] = {r[bad]}")
+    r = check_rewards(rewards, uids)
     return r
 
 

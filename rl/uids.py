@@ -17,6 +17,8 @@ import uuid
 from collections.abc import Sequence
 from numbers import Integral
 
+import numpy as np
+
 # Fixed forever: changing it changes every UID ever written.
 PETTINGFLOW_UID_NAMESPACE = uuid.UUID("6f1c9a52-3b7e-5d0a-9e24-70b1c5d8a3f1")
 
@@ -78,3 +80,16 @@ def group_indices(uids: Sequence[str]) -> dict[str, list[int]]:
             raise TypeError(f"uids[{i}] must be a str, got {type(uid).__name__} {uid!r}")
         groups.setdefault(uid, []).append(i)
     return groups
+
+
+def check_rewards(rewards: Sequence[float] | np.ndarray, uids: Sequence[str]) -> np.ndarray:
+    """``rewards`` as a finite 1-D float64 array aligned with ``uids`` (else a ValueError saying why)."""
+    r = np.asarray(rewards, dtype=np.float64)
+    if r.ndim != 1:
+        raise ValueError(f"rewards must be 1-D, got shape {r.shape}")
+    if len(r) != len(uids):
+        raise ValueError(f"rewards has {len(r)} entries but uids has {len(uids)}")
+    if not np.isfinite(r).all():
+        bad = int(np.flatnonzero(~np.isfinite(r))[0])
+        raise ValueError(f"rewards must be finite; rewards[{bad}] = {r[bad]}")
+    return r
