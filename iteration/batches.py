@@ -43,12 +43,8 @@ def already_done(step: Step) -> StepOutcome | None:
     return StepOutcome(step.name, step.uri, m.rows, True, m.metadata)
 
 
-def filter_step(ctx: IterationContext, config: ExperimentConfig) -> StepOutcome:
-    """Apply the configured filter (none/mean/std/dapo/uid, seed 000) to the iteration's rollouts."""
-    out = ctx.step("filtered")
-    if done := already_done(out):
-        return done
-    table = read_step_trajectories(ctx.step("rollouts"))
+def filter_table(table: pa.Table, config: ExperimentConfig) -> tuple[pa.Table, dict[str, Any]]:
+    """The rows the configured filter keeps (none/mean/std/dapo/uid, seed 000), and what it removed."""
     algo = config.algorithm
     result = filter_samples(
         table.column("uid").to_pylist(),
@@ -56,7 +52,7 @@ def filter_step(ctx: IterationContext, config: ExperimentConfig) -> StepOutcome:
         algo.filter_method,
         algo.filter_ratio,
     )
-    kept = table.filter(pa.array(result.keep))
+    kept = table.filter(pa.array(result.keep, pa.bool_()))
     metrics = {
         "method": algo.filter_method,
         "ratio": algo.filter_ratio,
@@ -66,6 +62,28 @@ def filter_step(ctx: IterationContext, config: ExperimentConfig) -> StepOutcome:
         "removed_groups": len(result.removed_uids),
         "reason": result.reason,
     }
+    return kept, metrics
+
+
+def with_advantages(table: pa.Table, config: ExperimentConfig) -> pa.Table:
+    """``table`` plus a float32 ``advantage`` column (group-relative within UIDs)."""
+    rewards = np.asarray(table.column("reward").to_numpy(zero_copy_only=False), dtype=np.float64)
+    advantages = compute_advantages(rewards, table.column("uid").to_pylist(), config.algorithm.advantage_estimator)
+    return table.append_column("advantage", pa.array(advantages.astype(np.float32), pa.float32()))
+
+
+def policy_batch(table: pa.Table, policy: str) -> pa.Table:
+    """The rows of one policy, marked as a batch in the Parquet metadata."""
+    part = table.filter(pc.equal(table.column("policy_name"), policy))
+    return part.replace_schema_metadata({**(part.schema.metadata or {}), b"pettingflow.kind": BATCH_KIND})
+
+
+def filter_step(ctx: IterationContext, config: ExperimentConfig) -> StepOutcome:
+    """Apply the configured filter to the iteration's rollouts; commit the kept rows."""
+    out = ctx.step("filtered")
+    if done := already_done(out):
+        return done
+    kept, metrics = filter_table(read_step_trajectories(ctx.step("rollouts")), config)
     manifest = write_trajectories(out, kept, metadata=metrics)
     return StepOutcome("filtered", out.uri, manifest.rows, False, metrics)
 
@@ -75,16 +93,12 @@ def advantage_step(ctx: IterationContext, config: ExperimentConfig) -> StepOutco
     out = ctx.step("advantages")
     if done := already_done(out):
         return done
-    table = read_step_trajectories(ctx.step("filtered"))
-    rewards = np.asarray(table.column("reward").to_numpy(zero_copy_only=False), dtype=np.float64)
-    advantages = compute_advantages(rewards, table.column("uid").to_pylist(), config.algorithm.advantage_estimator)
-    table = table.append_column("advantage", pa.array(advantages.astype(np.float32), pa.float32()))
+    table = with_advantages(read_step_trajectories(ctx.step("filtered")), config)
     policies = [p.name for p in config.policies]
     metrics: dict[str, Any] = {"estimator": config.algorithm.advantage_estimator, "policies": {}}
     out.begin()
     for policy in policies:
-        part = table.filter(pc.equal(table.column("policy_name"), policy))
-        part = part.replace_schema_metadata({**(part.schema.metadata or {}), b"pettingflow.kind": BATCH_KIND})
+        part = policy_batch(table, policy)
         out.write_table(batch_file(policy), part)
         adv = part.column("advantage").to_numpy() if part.num_rows else np.zeros(0)
         metrics["policies"][policy] = {

@@ -66,7 +66,9 @@ def config_list() -> None:
 def rollout(
     config: Annotated[str, typer.Argument(help="Config name or YAML path.")],
     out: Annotated[str, typer.Option("--out", help="Storage root for the run (local path or fsspec URI).")],
-    limit: Annotated[int | None, typer.Option("--limit", help="Only the first N tasks of iteration 0.")] = None,
+    limit: Annotated[
+        int | None, typer.Option("--limit", help="Collect N tasks (default: env.tasks_per_iteration).")
+    ] = None,
     overrides: Overrides = None,
 ) -> None:
     """Collect one round of rollouts with the configured policies into a committed trajectory step.
@@ -79,12 +81,11 @@ def rollout(
     from pettingflow.iteration.runtime import Runtime
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    cfg = _config(config, [*(overrides or []), f"run.storage_root={out}"])
+    extra = [f"run.storage_root={out}", *([f"env.tasks_per_iteration={limit}"] if limit else [])]
+    cfg = _config(config, [*(overrides or []), *extra])
     ref, _ = start_or_resume(cfg, config, list(overrides or []), None, {"command": "rollout"})
     with Runtime(cfg, ref.run_id) as runtime:
-        outcome = collect_step(
-            IterationContext(ref.layout(), 0), cfg, runtime.endpoints(), env_cache=runtime.env_cache, limit=limit
-        )
+        outcome = collect_step(IterationContext(ref.layout(), 0), cfg, runtime.endpoints(), env_cache=runtime.env_cache)
     typer.echo(f"committed {outcome.rows} rows: {outcome.uri}")
     for agent, values in (outcome.metrics.get("agents") or {}).items():
         typer.echo(
@@ -105,10 +106,43 @@ def update(
     ] = None,
     overrides: Overrides = None,
 ) -> None:
-    """Run one update job from a stored batch (e.g. to re-run an iteration's update by hand)."""
+    """Run one update job from a stored batch (e.g. to re-run an iteration's update by hand).
+
+    BATCH may also be plain trajectories (e.g. from `pettingflow rollout`): the config's filter and
+    advantage estimator are then applied first, and the batch is written to OUT/batch-<policy>.parquet.
+    """
     from pettingflow.training.cli import update as run_update_cli
 
+    cfg = _config(config, overrides)
+    batch = _as_batch(batch, cfg, policy, out)
     run_update_cli(config=config, batch=batch, policy=policy, out=out, init=init, overrides=overrides)
+
+
+def _as_batch(uri: str, cfg, policy: str, out: str) -> str:
+    """``uri`` if it already holds advantages; else a batch made from its trajectories (written under ``out``)."""
+    import pyarrow.dataset as ds
+    import pyarrow.parquet as pq
+
+    from pettingflow.iteration.batches import batch_file, filter_table, policy_batch, with_advantages
+    from pettingflow.storage.fs import filesystem, join
+
+    fs, path = filesystem(uri)
+    dataset = ds.dataset(path, filesystem=fs, format="parquet", exclude_invalid_files=True)
+    if "advantage" in dataset.schema.names:
+        return uri
+    kept, metrics = filter_table(dataset.to_table(), cfg)
+    table = policy_batch(with_advantages(kept, cfg), policy)
+    out_fs, out_path = filesystem(out)
+    out_fs.makedirs(out_path, exist_ok=True)
+    target = join(out_path, batch_file(policy))
+    with out_fs.open(target, "wb") as f:
+        pq.write_table(table, f, compression="zstd")
+    typer.echo(
+        f"{uri} holds trajectories, not a batch: applied filter {metrics['method']} "
+        f"({metrics['rows_kept']}/{metrics['rows_in']} rows kept) and {cfg.algorithm.advantage_estimator} "
+        f"advantages for policy {policy!r} ({table.num_rows} rows) -> {target}"
+    )
+    return target
 
 
 # ------------------------------------------------------------------------------------------ runs
