@@ -106,6 +106,31 @@ def add_common_args(parser: Any) -> None:
     parser.add_argument("--no-wait", action="store_true", help="do not wait for running pytest sessions to finish")
 
 
+def parse_args(parser: Any, argv: list[str] | None, wait: bool = True) -> Any:
+    """Parse the bench's arguments (plus the common ones), set up logging, and by default wait until no
+    test session is running, so the two arms of a bench are not measured on a loaded machine."""
+    add_common_args(parser)
+    args = parser.parse_args(argv)
+    setup_logging()
+    if wait and not args.no_wait:
+        wait_for_quiet()
+    return args
+
+
+def temp_prefect_state(prefix: str) -> Path:
+    """A temp folder (removed at exit) for Prefect's database and PettingFlow's state, exported via env."""
+    import atexit
+
+    state = Path(tempfile.mkdtemp(prefix=f"pettingflow-bench-{prefix}-"))
+    atexit.register(shutil.rmtree, state, ignore_errors=True)
+    os.environ.setdefault("PETTINGFLOW_STATE", str(state / "state"))
+    os.environ.setdefault("PREFECT_HOME", str(state / "prefect"))
+    os.environ.setdefault("PREFECT_LOCAL_STORAGE_PATH", str(state / "prefect-results"))
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+    return state
+
+
 @contextlib.contextmanager
 def temp_dir(prefix: str, keep: bool = False) -> Iterator[Path]:
     path = Path(tempfile.mkdtemp(prefix=f"pettingflow-bench-{prefix}-"))

@@ -28,24 +28,14 @@ tokens of each side and seconds per 1k generated tokens besides the wall-time ra
 from __future__ import annotations
 
 import argparse
-import atexit
-import os
-import shutil
 import sys
-import tempfile
 import traceback
 from pathlib import Path
 from typing import Any
 
 import common
 
-STATE = Path(tempfile.mkdtemp(prefix="pettingflow-bench-trl-"))
-atexit.register(shutil.rmtree, STATE, ignore_errors=True)  # Prefect's database and our state: temp only
-os.environ.setdefault("PETTINGFLOW_STATE", str(STATE / "state"))
-os.environ.setdefault("PREFECT_HOME", str(STATE / "prefect"))
-os.environ.setdefault("PREFECT_LOCAL_STORAGE_PATH", str(STATE / "prefect-results"))
-os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+STATE = common.temp_prefect_state("trl")  # Prefect's database and our state: temp only
 
 
 def pettingflow_iteration(root: Path, model: Path, url: str, args: Any) -> dict[str, Any]:
@@ -142,9 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--url", help="attach to a running vLLM server (serving the default model, dev mode)")
     parser.add_argument("overrides", nargs="*", help="extra PettingFlow config overrides")
-    common.add_common_args(parser)
-    args = parser.parse_args(argv)
-    common.setup_logging()
+    args = common.parse_args(parser, argv, wait=False)  # waits below, after checking that TRL imports
     try:
         import trl
 

@@ -28,24 +28,13 @@ the stored trajectories; its wall time is compared with the original iteration's
 from __future__ import annotations
 
 import argparse
-import atexit
 import functools
-import os
-import shutil
 import sys
-import tempfile
-from pathlib import Path
 from typing import Any
 
 import common
 
-STATE = Path(tempfile.mkdtemp(prefix="pettingflow-bench-orch-"))
-atexit.register(shutil.rmtree, STATE, ignore_errors=True)  # Prefect's database and our state: temp only
-os.environ.setdefault("PETTINGFLOW_STATE", str(STATE / "state"))
-os.environ.setdefault("PREFECT_HOME", str(STATE / "prefect"))
-os.environ.setdefault("PREFECT_LOCAL_STORAGE_PATH", str(STATE / "prefect-results"))
-os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+STATE = common.temp_prefect_state("orch")  # Prefect's database and our state: temp only
 
 sys.path.insert(0, str(common.REPO / "tests"))
 
@@ -140,11 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--group-size", type=int, default=2)
     parser.add_argument("--model", default=common.DEFAULT_MODEL, help="model name or HF folder to train")
     parser.add_argument("overrides", nargs="*", help="extra config overrides")
-    common.add_common_args(parser)
-    args = parser.parse_args(argv)
-    common.setup_logging()
-    if not args.no_wait:
-        common.wait_for_quiet()
+    args = common.parse_args(parser, argv)
 
     from prefect.testing.utilities import prefect_test_harness
     from scripted_server import ScriptedServer

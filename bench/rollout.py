@@ -75,11 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--kv-cache-gib", type=int, default=2)
     parser.add_argument("overrides", nargs="*", help="extra config overrides, e.g. env.max_turns=4")
-    common.add_common_args(parser)
-    args = parser.parse_args(argv)
-    common.setup_logging()
-    if not args.no_wait:
-        common.wait_for_quiet()
+    args = common.parse_args(parser, argv)
 
     model = common.model_dir()
     config = common.code_env_config(

@@ -154,11 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--bare-bf16-adam", action="store_true", help="bare arm: AdamW on the bf16 params (no fp32 master weights)"
     )
-    common.add_common_args(parser)
-    args = parser.parse_args(argv)
-    common.setup_logging()
-    if not args.no_wait:
-        common.wait_for_quiet()
+    args = common.parse_args(parser, argv)
 
     from pettingflow.training.launch import run_update, spec_from_config
 
