@@ -15,7 +15,13 @@ from typing import Any
 from pettingflow.configs.settings import ExperimentConfig, Specialization
 from pettingflow.iteration.batches import StepOutcome, already_done, batch_file
 from pettingflow.iteration.context import IterationContext
-from pettingflow.iteration.weights import update_step_name, weights_before, weights_in_step
+from pettingflow.iteration.weights import (
+    PolicyWeights,
+    base_model_dir,
+    update_step_name,
+    weights_before,
+    weights_in_step,
+)
 from pettingflow.storage.fs import join, uri_of
 from pettingflow.training.launch import UpdateSpec, run_update
 
@@ -77,12 +83,11 @@ def _small(metrics: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in metrics.items() if isinstance(v, int | float | str | bool) or v is None}
 
 
-def weights_after(ctx: IterationContext, config: ExperimentConfig, policy: str):
+def weights_after(ctx: IterationContext, config: ExperimentConfig, policy: str) -> PolicyWeights:
     """The weights a policy has after this attempt's update (or before it, when the update was skipped)."""
     step = ctx.step(update_step_name(policy))
     if step.is_committed() and not step.manifest().metadata.get("skipped"):
-        base = weights_before(ctx.layout, config, policy, 0).base_dir
-        return weights_in_step(step, policy, base)
+        return weights_in_step(step, policy, base_model_dir(config, policy))
     return weights_before(ctx.layout, config, policy, ctx.iteration)
 
 

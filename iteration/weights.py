@@ -37,9 +37,14 @@ def update_step_name(policy: str) -> str:
     return f"update-{policy}"
 
 
+def base_model_dir(config: ExperimentConfig, policy: str) -> str:
+    """The local folder of the policy's base model (KL reference, tokenizer, what adapters sit on)."""
+    return str(resolve_model(config.policy(policy).model))
+
+
 def weights_before(layout: RunLayout, config: ExperimentConfig, policy: str, iteration: int) -> PolicyWeights:
     """The weights ``policy`` has when iteration ``iteration`` starts."""
-    base = str(resolve_model(config.policy(policy).model))
+    base = base_model_dir(config, policy)
     for k in range(iteration - 1, -1, -1):
         step = layout.step(k, update_step_name(policy))
         if step.is_committed() and not step.manifest().metadata.get("skipped"):
