@@ -107,7 +107,10 @@ class AgentSettings(_Strict):
 class DatasetSettings(_Strict):
     """Which tasks the env draws from."""
 
-    source: Literal["humaneval", "file"] = "humaneval"
+    source: Literal["humaneval", "basic-python", "file"] = Field(
+        "humaneval",
+        description="humaneval (164 problems), basic-python (100 one-line tasks, envs/basic_python.py) or file.",
+    )
     path: str | None = Field(None, description="JSONL or Parquet of HumanEval-shaped rows when source=file.")
     validation_fraction: float = Field(0.2, gt=0.0, lt=1.0, description="Held-out share, split deterministically.")
     split_seed: int = 0
@@ -218,6 +221,12 @@ class ValidationSettings(_Strict):
     frequency: int = Field(1, ge=0, description="Validate at iteration 0 and every N iterations; 0 disables.")
     num_tasks: int = Field(4, ge=1)
     temperature: float = Field(0.0, ge=0.0)
+    samples_per_task: int = Field(
+        1,
+        ge=1,
+        description="Episodes per held-out task. Above 1 (with temperature > 0) the success rate estimates "
+        "pass@1 under sampling, which moves in smaller steps than one greedy answer per task.",
+    )
 
 
 # --------------------------------------------------------------------------------------------------

@@ -153,6 +153,10 @@ def load_tasks(settings: DatasetSettings) -> TaskSplit:
     """Tasks named by ``env.dataset`` in the config, split into train and validation."""
     if settings.source == "humaneval":
         tasks = load_humaneval()
+    elif settings.source == "basic-python":
+        from pettingflow.envs.basic_python import load_basic_python
+
+        tasks = load_basic_python()
     else:
         if not settings.path:
             raise TaskFileError("env.dataset.source is 'file' but env.dataset.path is not set")

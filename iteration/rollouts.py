@@ -213,7 +213,9 @@ def validation_step(
     step_name: str = "validation",
     show_progress: bool = True,
 ) -> StepOutcome:
-    """One greedy (``validation.temperature``) episode per held-out task; success rate per agent."""
+    """``validation.samples_per_task`` episodes per held-out task at ``validation.temperature`` (default: one,
+    greedy); success rate per agent. The seeds depend only on the task, so two evaluations of different
+    weights see the same sampling seeds (a paired comparison)."""
     step = ctx.step(step_name)
     if done := already_done(step):
         return done
@@ -223,14 +225,14 @@ def validation_step(
             config,
             endpoints,
             tasks,
-            group_size=1,
+            group_size=config.validation.samples_per_task,
             seed_namespace="validation/",
             env_cache=env_cache or EnvCache(),
             temperature=config.validation.temperature,
             show_progress=show_progress,
         )
     )
-    return _commit(step, records, config, ctx, 1, stats, tasks)
+    return _commit(step, records, config, ctx, config.validation.samples_per_task, stats, tasks)
 
 
 def _commit(

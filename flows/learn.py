@@ -1,0 +1,152 @@
+"""The ``learn`` flow: does training help? Held-out scores before and after, for several configs side by side.
+
+For each config (default: the code agent alone, then the two-agent team, on the same tasks, seeds and
+budget) it runs three subflows against one shared vLLM server:
+
+1. ``evaluate`` on the base model (the held-out split; sampled as the config says, and greedy),
+2. ``train`` for ``run.iterations`` iterations (the same flow ``prefect deployment run train/...`` runs),
+3. ``evaluate`` on the weights after the last iteration (the same two views, the same seeds),
+
+then writes ``learning.json`` (every number), ``learning.png`` (curves) and ``learning.md`` (the table)
+under ``<storage_root>/learning/<stamp>/``. One server for everything saves a 1–2 minute vLLM start per
+subflow on CPU; the flow puts the base weights back on it before each config, and each subflow syncs
+what it needs (the trained weights for the final evaluation).
+
+    make learn                                    # both configs, full budget (about 2 h on 2 CPU cores)
+    .venv/bin/python flows/learn.py --configs code-env-learn --overrides run.iterations=2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import fsspec
+from prefect import flow, get_run_logger
+
+from pettingflow.configs.loader import load_config
+from pettingflow.flows.evaluate import evaluate
+from pettingflow.flows.train import train
+from pettingflow.inference.models import resolve_model
+from pettingflow.inference.server import ExternalServer, VLLMServer
+from pettingflow.inference.weight_sync import sync_full_weights
+from pettingflow.iteration.learning import ArmResult, learning_png, markdown_table, results_table, run_curve
+from pettingflow.iteration.run import RunRef
+
+DEFAULT_CONFIGS = ("code-env-learn-solo", "code-env-learn")
+
+#: Two views of the held-out score. ``sampled``: the config's own validation settings (for the learn
+#: configs: 4 samples per task at temperature 1, i.e. pass@1 of the policy that was trained). ``greedy``:
+#: one temperature-0 answer per task, what a user of the model would usually see.
+EVAL_VIEWS: dict[str, list[str]] = {
+    "sampled": [],
+    "greedy": ["validation.temperature=0", "validation.samples_per_task=1"],
+}
+
+
+def _shared_model(names: list[str], overrides: list[str]) -> tuple[Path, Any]:
+    """The one base model all configs must share (one server serves them all), and the first config."""
+    configs = [load_config(n, overrides) for n in names]
+    models = {resolve_model(p.model) for c in configs for p in c.policies}
+    if len(models) != 1:
+        raise ValueError(
+            "learn runs every config on one shared server, so they must all use one base model; "
+            f"got {sorted(map(str, models))}"
+        )
+    if any(c.specialization.value == "full" and len(c.policies) > 1 for c in configs):
+        raise ValueError("learn does not support L3 (several full models): run `train` for each instead")
+    return models.pop(), configs[0]
+
+
+@flow(name="learn", log_prints=True)
+def learn(
+    configs: list[str] | None = None, overrides: list[str] | None = None, url: str | None = None
+) -> dict[str, Any]:
+    """Evaluate, train and re-evaluate each config; return the results table and where the files are.
+
+    ``url``: use this running server (started with vLLM's dev mode, so weights can be reloaded)
+    instead of starting one.
+    """
+    logger = get_run_logger()
+    names = list(configs or DEFAULT_CONFIGS)
+    overrides = list(overrides or [])
+    model, first = _shared_model(names, overrides)
+    stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
+    out_uri = f"{first.run.storage_root.rstrip('/')}/learning/{stamp}"
+    server = (
+        ExternalServer(url)
+        if url
+        else VLLMServer(
+            model,
+            served_model_name=model.name,
+            max_model_len=first.inference.max_model_len,
+            kv_cache_gib=first.inference.kv_cache_gib,
+            startup_timeout_s=first.inference.startup_timeout_s,
+            enable_lora=first.specialization.value == "lora",
+            dev_mode=True,
+        )
+    )
+    arms: list[ArmResult] = []
+    with server:
+        attach = [*overrides, f"inference.url={server.url}"]
+        served = str(server.served_model_name)
+        for name in names:
+            started = time.perf_counter()
+            sync_full_weights(server, model, model=served)  # base weights, whatever ran before
+            logger.info("%s: evaluating the base model on the held-out split", name)
+            before = {view: evaluate(name, [*attach, *extra])["agents"] for view, extra in EVAL_VIEWS.items()}
+            logger.info("%s: held-out before training: %s", name, before)
+            trained = train(name, attach)
+            after = {
+                view: evaluate(name, [*attach, *extra], run_id=trained["run_id"])["agents"]
+                for view, extra in EVAL_VIEWS.items()
+            }
+            logger.info("%s: held-out after training: %s", name, after)
+            cfg = load_config(name, attach)
+            ref = RunRef(root=cfg.run.storage_root, run_id=trained["run_id"], storage_options=cfg.run.storage_options)
+            arms.append(
+                ArmResult(
+                    config=name,
+                    run_id=trained["run_id"],
+                    run_uri=trained["uri"],
+                    before=before,
+                    after=after,
+                    curve=run_curve(ref.layout()),
+                    wall_s=round(time.perf_counter() - started, 1),
+                )
+            )
+    rows = results_table(arms)
+    table = markdown_table(rows)
+    fs, root = fsspec.core.url_to_fs(out_uri, **first.run.storage_options)
+    fs.makedirs(root, exist_ok=True)
+    with fs.open(f"{root}/learning.json", "w") as fh:
+        summary = {"configs": names, "overrides": overrides, "rows": rows, "arms": [a.to_json() for a in arms]}
+        json.dump(summary, fh, indent=2)
+    with fs.open(f"{root}/learning.png", "wb") as fh:
+        fh.write(learning_png(arms))
+    with fs.open(f"{root}/learning.md", "w") as fh:
+        fh.write(table + "\n")
+    print(table)
+    logger.info("learning results in %s", out_uri)
+    return {"uri": out_uri, "rows": rows}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--configs", nargs="+", default=list(DEFAULT_CONFIGS), help="configs to compare")
+    parser.add_argument("--overrides", nargs="*", default=[], help="overrides for every config, e.g. run.iterations=2")
+    parser.add_argument("--url", default=None, help="attach to a running dev-mode vLLM server instead of starting one")
+    args = parser.parse_args(argv)
+    learn(args.configs, args.overrides, args.url)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,164 @@
+"""What a learning run shows: held-out scores before and after training, and the curves in between.
+
+``flows/learn.py`` trains several configs (e.g. the code agent alone and the two-agent team) on the
+same tasks and budget and hands each one's numbers to the functions here, which turn them into one
+JSON document, one PNG and one markdown table. Nothing here starts a server or a flow, so the
+summary can be rebuilt from stored runs (``pettingflow runs learning-report``) without training again.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from pettingflow.iteration.report import history
+from pettingflow.storage import RunLayout
+
+#: The agent whose held-out success is the headline: the one that writes the code.
+HEADLINE_AGENT = "code_generator"
+
+
+@dataclass
+class ArmResult:
+    """One config's run: where it is, held-out scores before/after, and the per-iteration curve."""
+
+    config: str
+    run_id: str
+    run_uri: str
+    before: dict[str, dict[str, dict[str, float]]]  # view -> agent -> {success_rate, reward_mean, episodes}
+    after: dict[str, dict[str, dict[str, float]]]
+    curve: list[dict[str, float]] = field(default_factory=list)  # one point per iteration
+    wall_s: float = 0.0
+
+    def headline(self, when: str, view: str = "sampled") -> float | None:
+        """The code agent's held-out success rate ``before`` or ``after`` training, in one view."""
+        scores = (self.before if when == "before" else self.after).get(view, {})
+        agent = scores.get(HEADLINE_AGENT)
+        return None if agent is None else agent.get("success_rate")
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def run_curve(layout: RunLayout, agent: str = HEADLINE_AGENT) -> list[dict[str, float]]:
+    """Per iteration: the agent's train reward mean / success rate and, where validated, held-out success."""
+    points = []
+    for report in history(layout):
+        point = {"iteration": float(report["iteration"])}
+        for key, name in (
+            (f"rollout/{agent}/reward_mean", "train_reward"),
+            (f"rollout/{agent}/success_rate", "train_success"),
+            (f"validation/{agent}/success_rate", "heldout_success"),
+            (f"validation/{agent}/reward_mean", "heldout_reward"),
+        ):
+            if key in report:
+                point[name] = float(report[key])
+        points.append(point)
+    return points
+
+
+def smooth(values: Sequence[float], window: int = 4) -> list[float]:
+    """Trailing moving average: the train reward of one iteration (8 tasks) is noisy."""
+    out = []
+    for i in range(len(values)):
+        chunk = values[max(0, i - window + 1) : i + 1]
+        out.append(sum(chunk) / len(chunk))
+    return out
+
+
+def first_last_mean(values: Sequence[float], n: int = 4) -> tuple[float, float]:
+    """Mean of the first and of the last ``n`` values (or of all of them when there are fewer)."""
+    if not values:
+        return float("nan"), float("nan")
+    n = max(1, min(n, len(values) // 2 or 1))
+    return sum(values[:n]) / n, sum(values[-n:]) / n
+
+
+def results_table(arms: Sequence[ArmResult]) -> list[dict[str, Any]]:
+    """One row per arm: held-out success before/after and the train reward at the start and the end."""
+    rows = []
+    for arm in arms:
+        train = [p["train_reward"] for p in arm.curve if "train_reward" in p]
+        start, end = first_last_mean(train)
+        before, after = arm.headline("before"), arm.headline("after")
+        rows.append(
+            {
+                "config": arm.config,
+                "heldout_before": before,
+                "heldout_after": after,
+                "heldout_delta": None if before is None or after is None else after - before,
+                "greedy_before": arm.headline("before", "greedy"),
+                "greedy_after": arm.headline("after", "greedy"),
+                "train_reward_first4": start,
+                "train_reward_last4": end,
+                "iterations": len(arm.curve),
+                "run_id": arm.run_id,
+            }
+        )
+    return rows
+
+
+def markdown_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    """The results table as markdown (what ``docs/results.md`` quotes)."""
+
+    def pct(v: Any) -> str:
+        return "n/a" if v is None else f"{100 * v:.1f} %"
+
+    def num(v: Any) -> str:
+        return "n/a" if v is None else f"{v:.3f}"
+
+    lines = [
+        "| config | held-out pass@1, sampled: before | after | change | greedy: before | after "
+        "| train reward, first 4 it. | last 4 it. | iterations |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        delta = "n/a" if r["heldout_delta"] is None else f"{100 * r['heldout_delta']:+.1f} pts"
+        lines.append(
+            f"| `{r['config']}` | {pct(r['heldout_before'])} | {pct(r['heldout_after'])} | {delta} | "
+            f"{pct(r['greedy_before'])} | {pct(r['greedy_after'])} | "
+            f"{num(r['train_reward_first4'])} | {num(r['train_reward_last4'])} | {r['iterations']} |"
+        )
+    return "\n".join(lines)
+
+
+def learning_png(arms: Sequence[ArmResult]) -> bytes:
+    """Left: train reward per iteration (raw and 4-iteration mean). Right: held-out success of the code
+    agent (sampled view), from the base model (x = -1) through any periodic validations to the final
+    evaluation (x = last iteration)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for i, arm in enumerate(arms):
+        color = f"C{i}"
+        pts = [p for p in arm.curve if "train_reward" in p]
+        xs = [p["iteration"] for p in pts]
+        ys = [p["train_reward"] for p in pts]
+        if xs:
+            left.plot(xs, ys, color=color, alpha=0.35, marker=".", linestyle="-")
+            left.plot(xs, smooth(ys), color=color, linewidth=2, label=f"{arm.config} (4-it. mean)")
+        held = [(-1.0, arm.headline("before"))]
+        held += [(p["iteration"], p["heldout_success"]) for p in arm.curve if "heldout_success" in p]
+        last = max((p["iteration"] for p in arm.curve), default=0.0)
+        if not any(x == last for x, _ in held[1:]):
+            held.append((last, arm.headline("after")))
+        held = [(x, y) for x, y in held if y is not None]
+        if held:
+            hx, hy = zip(*held, strict=True)
+            right.plot(hx, hy, color=color, marker="o", label=arm.config)
+    left.set_title(f"train reward of {HEADLINE_AGENT} (G samples x tasks per iteration)")
+    right.set_title(f"held-out pass@1 of {HEADLINE_AGENT} (sampled; -1 = base model)")
+    for ax in (left, right):
+        ax.set_xlabel("iteration")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    plt.close(fig)
+    return buf.getvalue()
