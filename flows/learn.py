@@ -40,6 +40,7 @@ from pettingflow.inference.server import ExternalServer, VLLMServer
 from pettingflow.inference.weight_sync import sync_full_weights
 from pettingflow.iteration.learning import ArmResult, learning_png, markdown_table, results_table, run_curve
 from pettingflow.iteration.run import RunRef
+from pettingflow.iteration.runtime import state_dir
 
 DEFAULT_CONFIGS = ("code-env-learn-solo", "code-env-learn")
 
@@ -92,10 +93,14 @@ def learn(
             startup_timeout_s=first.inference.startup_timeout_s,
             enable_lora=first.specialization.value == "lora",
             dev_mode=True,
+            log_path=state_dir() / "logs" / f"vllm-learn-{stamp}.log",
         )
     )
     arms: list[ArmResult] = []
+    if not url:
+        logger.info("starting one vLLM server for %s (1-2 minutes on CPU; log %s)", model, server.log_path)
     with server:
+        logger.info("inference server ready at %s", server.url)
         attach = [*overrides, f"inference.url={server.url}"]
         served = str(server.served_model_name)
         for name in names:

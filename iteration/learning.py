@@ -8,12 +8,11 @@ summary can be rebuilt from stored runs (``pettingflow runs learning-report``) w
 
 from __future__ import annotations
 
-import io
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from pettingflow.iteration.report import history
+from pettingflow.iteration.report import figure_png, history
 from pettingflow.storage import RunLayout
 
 #: The agent whose held-out success is the headline: the one that writes the code.
@@ -157,8 +156,4 @@ def learning_png(arms: Sequence[ArmResult]) -> bytes:
         ax.set_xlabel("iteration")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100)
-    plt.close(fig)
-    return buf.getvalue()
+    return figure_png(fig)

@@ -103,6 +103,13 @@ def curve_png(points: list[dict[str, Any]]) -> bytes:
         ax.grid(alpha=0.3)
         if lines:
             ax.legend(fontsize=7)
+    return figure_png(fig)
+
+
+def figure_png(fig: Any) -> bytes:
+    """A matplotlib figure as PNG bytes (the figure is closed: pyplot keeps every open one alive)."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=100)

@@ -31,10 +31,14 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV" || die "could not create $VENV (is python3-venv installed?)"
 fi
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
-"${PIP[@]}" install -q --upgrade pip "packaging>=26" setuptools wheel
-
 CONSTRAINT=()
-if [ -f "$LOCK" ]; then CONSTRAINT=(-c "$LOCK"); say "installing pettingflow[$FLAVOR,dev] pinned by $LOCK"
+if [ -f "$LOCK" ]; then CONSTRAINT=(-c "$LOCK"); fi
+# The installer's own tools, within the lock's pins: an unpinned `packaging` upgrade here made pip print
+# a (harmless, reverted one step later) prefect/packaging conflict as an ERROR line.
+"${PIP[@]}" install -q --upgrade pip "packaging>=26" setuptools wheel "${CONSTRAINT[@]}" 2>&1 \
+  | grep -v -E "^WARNING: Location|^ERROR: pip's dependency resolver|requires .* which is (not installed|incompatible)" >&2 || true
+
+if [ -f "$LOCK" ]; then say "installing pettingflow[$FLAVOR,dev] pinned by $LOCK"
 else say "installing pettingflow[$FLAVOR,dev] (no $LOCK yet: resolving fresh)"; fi
 say "(a fresh install takes several minutes; pip's output goes to $VENV/pip-install.log)"
 if ! "${PIP[@]}" install --progress-bar off -e ".[$FLAVOR,dev]" "${CONSTRAINT[@]}" >"$VENV/pip-install.log" 2>&1; then

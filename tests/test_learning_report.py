@@ -1,0 +1,62 @@
+"""The learning-run summary: curves from stored reports, the results table, the plot."""
+
+from __future__ import annotations
+
+import math
+
+from pettingflow.iteration.learning import (
+    ArmResult,
+    first_last_mean,
+    learning_png,
+    markdown_table,
+    results_table,
+    smooth,
+)
+
+
+def _arm(config: str, before: float, after: float, rewards: list[float]) -> ArmResult:
+    def scores(rate: float) -> dict:
+        return {
+            "sampled": {"code_generator": {"success_rate": rate, "reward_mean": rate, "episodes": 120.0}},
+            "greedy": {"code_generator": {"success_rate": rate / 2, "reward_mean": rate / 2, "episodes": 30.0}},
+        }
+
+    curve = [{"iteration": float(i), "train_reward": r} for i, r in enumerate(rewards)]
+    return ArmResult(config, f"run-{config}", f"file:///runs/{config}", scores(before), scores(after), curve)
+
+
+def test_smooth_is_a_trailing_mean():
+    assert smooth([0.0, 1.0, 2.0, 3.0, 4.0], window=2) == [0.0, 0.5, 1.5, 2.5, 3.5]
+    assert smooth([]) == []
+
+
+def test_first_last_mean_uses_at_most_half_of_the_points():
+    assert first_last_mean([0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0]) == (0.0, 1.0)
+    assert first_last_mean([0.0, 1.0, 2.0]) == (0.0, 2.0)  # n shrinks to 1 for 3 points
+    start, end = first_last_mean([])
+    assert math.isnan(start) and math.isnan(end)
+
+
+def test_results_table_reports_held_out_change_and_train_trend():
+    rows = results_table([_arm("solo", 0.25, 0.40, [0.1, 0.2, 0.2, 0.3, 0.5, 0.5, 0.6, 0.6])])
+    (row,) = rows
+    assert row["heldout_before"] == 0.25 and row["heldout_after"] == 0.40
+    assert math.isclose(row["heldout_delta"], 0.15)
+    assert (row["greedy_before"], row["greedy_after"]) == (0.125, 0.20)
+    assert math.isclose(row["train_reward_first4"], 0.2) and math.isclose(row["train_reward_last4"], 0.55)
+    assert row["iterations"] == 8
+    table = markdown_table(rows)
+    assert "| `solo` | 25.0 % | 40.0 % | +15.0 pts | 12.5 % | 20.0 % | 0.200 | 0.550 | 8 |" in table
+
+
+def test_missing_agent_scores_show_as_not_available():
+    arm = _arm("duo", 0.5, 0.5, [0.5])
+    arm.after = {}
+    (row,) = results_table([arm])
+    assert row["heldout_after"] is None and row["heldout_delta"] is None
+    assert "n/a" in markdown_table([row])
+
+
+def test_plot_is_a_png():
+    png = learning_png([_arm("solo", 0.2, 0.3, [0.1, 0.3]), _arm("duo", 0.1, 0.2, [0.2, 0.2])])
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
