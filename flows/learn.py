@@ -38,9 +38,16 @@ from pettingflow.flows.train import train
 from pettingflow.inference.models import resolve_model
 from pettingflow.inference.server import ExternalServer, VLLMServer
 from pettingflow.inference.weight_sync import sync_full_weights
-from pettingflow.iteration.learning import ArmResult, learning_png, markdown_table, results_table, run_curve
-from pettingflow.iteration.run import RunRef
+from pettingflow.iteration.learning import (
+    ArmResult,
+    learning_png,
+    markdown_table,
+    paired_from_runs,
+    results_table,
+    run_curve,
+)
 from pettingflow.iteration.runtime import state_dir
+from pettingflow.storage import RunLayout
 
 DEFAULT_CONFIGS = ("code-env-learn-solo", "code-env-learn")
 
@@ -65,6 +72,11 @@ def _shared_model(names: list[str], overrides: list[str]) -> tuple[Path, Any]:
     if any(c.specialization.value == "full" and len(c.policies) > 1 for c in configs):
         raise ValueError("learn does not support L3 (several full models): run `train` for each instead")
     return models.pop(), configs[0]
+
+
+def _scores(evaluations: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """view -> agent -> metrics, from ``evaluate`` results."""
+    return {view: result["agents"] for view, result in evaluations.items()}
 
 
 @flow(name="learn", log_prints=True)
@@ -107,25 +119,36 @@ def learn(
             started = time.perf_counter()
             sync_full_weights(server, model, model=served)  # base weights, whatever ran before
             logger.info("%s: evaluating the base model on the held-out split", name)
-            before = {view: evaluate(name, [*attach, *extra])["agents"] for view, extra in EVAL_VIEWS.items()}
-            logger.info("%s: held-out before training: %s", name, before)
+            before = {view: evaluate(name, [*attach, *extra]) for view, extra in EVAL_VIEWS.items()}
+            logger.info("%s: held-out before training: %s", name, _scores(before))
             trained = train(name, attach)
             after = {
-                view: evaluate(name, [*attach, *extra], run_id=trained["run_id"])["agents"]
-                for view, extra in EVAL_VIEWS.items()
+                view: evaluate(name, [*attach, *extra], run_id=trained["run_id"]) for view, extra in EVAL_VIEWS.items()
             }
-            logger.info("%s: held-out after training: %s", name, after)
+            logger.info("%s: held-out after training: %s", name, _scores(after))
             cfg = load_config(name, attach)
-            ref = RunRef(root=cfg.run.storage_root, run_id=trained["run_id"], storage_options=cfg.run.storage_options)
+            root, options = cfg.run.storage_root, cfg.run.storage_options
+            paired = {
+                view: paired_from_runs(
+                    RunLayout(root, before[view]["run_id"], options),
+                    RunLayout(root, after[view]["run_id"], options),
+                )
+                for view in EVAL_VIEWS
+            }
             arms.append(
                 ArmResult(
                     config=name,
                     run_id=trained["run_id"],
                     run_uri=trained["uri"],
-                    before=before,
-                    after=after,
-                    curve=run_curve(ref.layout()),
+                    before=_scores(before),
+                    after=_scores(after),
+                    curve=run_curve(RunLayout(root, trained["run_id"], options)),
                     wall_s=round(time.perf_counter() - started, 1),
+                    evaluations={
+                        "before": {v: r["run_id"] for v, r in before.items()},
+                        "after": {v: r["run_id"] for v, r in after.items()},
+                    },
+                    paired=paired,
                 )
             )
     rows = results_table(arms)

@@ -30,6 +30,8 @@ class ArmResult:
     after: dict[str, dict[str, dict[str, float]]]
     curve: list[dict[str, float]] = field(default_factory=list)  # one point per iteration
     wall_s: float = 0.0
+    evaluations: dict[str, dict[str, str]] = field(default_factory=dict)  # before/after -> view -> eval run id
+    paired: dict[str, dict[str, float]] = field(default_factory=dict)  # view -> paired_bootstrap(...)
 
     def headline(self, when: str, view: str = "sampled") -> float | None:
         """The code agent's held-out success rate ``before`` or ``after`` training, in one view."""
@@ -56,6 +58,65 @@ def run_curve(layout: RunLayout, agent: str = HEADLINE_AGENT) -> list[dict[str, 
                 point[name] = float(report[key])
         points.append(point)
     return points
+
+
+def final_successes(rows: Sequence[Mapping[str, Any]], agent: str = HEADLINE_AGENT) -> dict[int, list[bool]]:
+    """Held-out task (its position, ``env_idx``) -> the agent's final success in each sampled episode.
+
+    An episode's outcome for an agent is its last turn (the revised code in the two-agent team).
+    """
+    last: dict[tuple[int, int], tuple[int, bool]] = {}
+    for row in rows:
+        if row["agent_name"] != agent:
+            continue
+        key = (int(row["env_idx"]), int(row["sample_idx"]))
+        if key not in last or row["turn_idx"] > last[key][0]:
+            last[key] = (int(row["turn_idx"]), bool(row["success"]))
+    out: dict[int, list[bool]] = {}
+    for (task, _sample), (_turn, ok) in sorted(last.items()):
+        out.setdefault(task, []).append(ok)
+    return out
+
+
+def paired_bootstrap(
+    before: Mapping[int, Sequence[bool]], after: Mapping[int, Sequence[bool]], n_boot: int = 5000, seed: int = 0
+) -> dict[str, float]:
+    """Change in success rate on the same held-out tasks, with a 95 % interval from resampling tasks.
+
+    Why tasks and not episodes: samples of one task are correlated (an easy task is solved by most of
+    its samples), so the task is the unit of independent evidence. Both evaluations use the same tasks
+    and sampling seeds, so the difference is paired task by task.
+    """
+    import numpy as np
+
+    tasks = sorted(set(before) & set(after))
+    if not tasks:
+        raise ValueError("the two evaluations share no held-out task; were they run on the same split?")
+    diffs = np.array([np.mean(after[t]) - np.mean(before[t]) for t in tasks])
+    rng = np.random.default_rng(seed)
+    boots = diffs[rng.integers(0, len(diffs), size=(n_boot, len(diffs)))].mean(axis=1)
+    low, high = np.percentile(boots, [2.5, 97.5])
+    return {
+        "delta": float(diffs.mean()),
+        "ci95_low": float(low),
+        "ci95_high": float(high),
+        "tasks": float(len(tasks)),
+        "tasks_better": float((diffs > 0).sum()),
+        "tasks_worse": float((diffs < 0).sum()),
+    }
+
+
+def paired_from_runs(before: RunLayout, after: RunLayout, agent: str = HEADLINE_AGENT) -> dict[str, float]:
+    """``paired_bootstrap`` over the validation steps of two ``evaluate`` runs."""
+    from pettingflow.storage import read_step_trajectories
+
+    def successes(layout: RunLayout) -> dict[int, list[bool]]:
+        table = read_step_trajectories(layout.step(0, "validation"))
+        return final_successes(
+            table.select(["env_idx", "sample_idx", "turn_idx", "agent_name", "success"]).to_pylist(), agent
+        )
+
+    return paired_bootstrap(successes(before), successes(after))
 
 
 def smooth(values: Sequence[float], window: int = 4) -> list[float]:
@@ -88,6 +149,7 @@ def results_table(arms: Sequence[ArmResult]) -> list[dict[str, Any]]:
                 "heldout_before": before,
                 "heldout_after": after,
                 "heldout_delta": None if before is None or after is None else after - before,
+                "heldout_ci95": _ci(arm.paired.get("sampled")),
                 "greedy_before": arm.headline("before", "greedy"),
                 "greedy_after": arm.headline("after", "greedy"),
                 "train_reward_first4": start,
@@ -97,6 +159,10 @@ def results_table(arms: Sequence[ArmResult]) -> list[dict[str, Any]]:
             }
         )
     return rows
+
+
+def _ci(paired: Mapping[str, float] | None) -> list[float] | None:
+    return None if not paired else [paired["ci95_low"], paired["ci95_high"]]
 
 
 def markdown_table(rows: Sequence[Mapping[str, Any]]) -> str:
@@ -109,12 +175,15 @@ def markdown_table(rows: Sequence[Mapping[str, Any]]) -> str:
         return "n/a" if v is None else f"{v:.3f}"
 
     lines = [
-        "| config | held-out pass@1, sampled: before | after | change | greedy: before | after "
+        "| config | held-out pass@1, sampled: before | after | change (95 % CI over tasks) | greedy: before | after "
         "| train reward, first 4 it. | last 4 it. | iterations |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         delta = "n/a" if r["heldout_delta"] is None else f"{100 * r['heldout_delta']:+.1f} pts"
+        if r.get("heldout_ci95"):
+            low, high = r["heldout_ci95"]
+            delta += f" [{100 * low:+.1f}, {100 * high:+.1f}]"
         lines.append(
             f"| `{r['config']}` | {pct(r['heldout_before'])} | {pct(r['heldout_after'])} | {delta} | "
             f"{pct(r['greedy_before'])} | {pct(r['greedy_after'])} | "

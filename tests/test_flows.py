@@ -225,6 +225,9 @@ def test_learn_evaluates_trains_and_reevaluates_each_config(tmp_path, prefect_en
         assert arm["before"]["greedy"]["code_generator"]["episodes"] == 4.0  # one greedy answer per task
         # the scripted server ignores the weights and both evaluations use the same seeds: equal scores
         assert arm["before"] == arm["after"]
+        assert arm["paired"]["sampled"]["delta"] == arm["paired"]["sampled"]["ci95_high"] == 0.0
+        assert arm["paired"]["sampled"]["tasks"] == 4.0
+        assert set(arm["evaluations"]["after"]) == {"sampled", "greedy"}
     # basic-python has 30 held-out tasks; the scripted server solves even seeds only, so not all pass
     assert 0.0 < rows["code-env-learn-solo"]["heldout_before"] < 1.0
     # each config started from the base weights, and the final evaluations synced the trained ones

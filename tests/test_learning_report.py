@@ -6,9 +6,11 @@ import math
 
 from pettingflow.iteration.learning import (
     ArmResult,
+    final_successes,
     first_last_mean,
     learning_png,
     markdown_table,
+    paired_bootstrap,
     results_table,
     smooth,
 )
@@ -60,3 +62,33 @@ def test_missing_agent_scores_show_as_not_available():
 def test_plot_is_a_png():
     png = learning_png([_arm("solo", 0.2, 0.3, [0.1, 0.3]), _arm("duo", 0.1, 0.2, [0.2, 0.2])])
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_final_successes_take_each_episodes_last_turn_of_the_agent():
+    rows = [
+        {"env_idx": 0, "sample_idx": 0, "turn_idx": 0, "agent_name": "code_generator", "success": False},
+        {"env_idx": 0, "sample_idx": 0, "turn_idx": 1, "agent_name": "test_generator", "success": True},
+        {"env_idx": 0, "sample_idx": 0, "turn_idx": 2, "agent_name": "code_generator", "success": True},
+        {"env_idx": 0, "sample_idx": 1, "turn_idx": 0, "agent_name": "code_generator", "success": False},
+        {"env_idx": 1, "sample_idx": 0, "turn_idx": 0, "agent_name": "code_generator", "success": True},
+    ]
+    assert final_successes(rows) == {0: [True, False], 1: [True]}
+    assert final_successes(rows, "test_generator") == {0: [True]}
+
+
+def test_paired_bootstrap_counts_tasks_and_brackets_the_change():
+    before = {t: [False, False, True, False] for t in range(10)}
+    after = {t: [True, True, True, False] if t < 6 else [False, False, True, False] for t in range(10)}
+    out = paired_bootstrap(before, after, n_boot=2000, seed=1)
+    assert math.isclose(out["delta"], 0.3)  # 6 of 10 tasks gained 2 of 4 samples
+    assert (out["tasks"], out["tasks_better"], out["tasks_worse"]) == (10.0, 6.0, 0.0)
+    assert 0.0 < out["ci95_low"] < out["delta"] < out["ci95_high"] <= 0.5
+    same = paired_bootstrap(before, before)
+    assert same["delta"] == same["ci95_low"] == same["ci95_high"] == 0.0
+
+
+def test_paired_bootstrap_needs_shared_tasks():
+    import pytest
+
+    with pytest.raises(ValueError, match="share no held-out task"):
+        paired_bootstrap({0: [True]}, {1: [True]})
