@@ -19,7 +19,6 @@ what it needs (the trained weights for the final evaluation).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from datetime import UTC, datetime
@@ -29,7 +28,6 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import fsspec
 from prefect import flow, get_run_logger
 
 from pettingflow.configs.loader import load_config
@@ -40,11 +38,10 @@ from pettingflow.inference.server import ExternalServer, VLLMServer
 from pettingflow.inference.weight_sync import sync_full_weights
 from pettingflow.iteration.learning import (
     ArmResult,
-    learning_png,
-    markdown_table,
     paired_from_runs,
     results_table,
     run_curve,
+    write_learning_report,
 )
 from pettingflow.iteration.runtime import state_dir
 from pettingflow.storage import RunLayout
@@ -151,20 +148,10 @@ def learn(
                     paired=paired,
                 )
             )
-    rows = results_table(arms)
-    table = markdown_table(rows)
-    fs, root = fsspec.core.url_to_fs(out_uri, **first.run.storage_options)
-    fs.makedirs(root, exist_ok=True)
-    with fs.open(f"{root}/learning.json", "w") as fh:
-        summary = {"configs": names, "overrides": overrides, "rows": rows, "arms": [a.to_json() for a in arms]}
-        json.dump(summary, fh, indent=2)
-    with fs.open(f"{root}/learning.png", "wb") as fh:
-        fh.write(learning_png(arms))
-    with fs.open(f"{root}/learning.md", "w") as fh:
-        fh.write(table + "\n")
+    table = write_learning_report(arms, out_uri, first.run.storage_options, configs=names, overrides=overrides)
     print(table)
     logger.info("learning results in %s", out_uri)
-    return {"uri": out_uri, "rows": rows}
+    return {"uri": out_uri, "rows": results_table(arms)}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -60,21 +60,25 @@ def run_curve(layout: RunLayout, agent: str = HEADLINE_AGENT) -> list[dict[str, 
     return points
 
 
-def final_successes(rows: Sequence[Mapping[str, Any]], agent: str = HEADLINE_AGENT) -> dict[int, list[bool]]:
-    """Held-out task (its position, ``env_idx``) -> the agent's final success in each sampled episode.
+def last_turns(rows: Sequence[Mapping[str, Any]]) -> dict[tuple[str, int, int], Mapping[str, Any]]:
+    """(agent, held-out task position ``env_idx``, sample) -> the agent's last turn in that episode.
 
     An episode's outcome for an agent is its last turn (the revised code in the two-agent team).
     """
-    last: dict[tuple[int, int], tuple[int, bool]] = {}
+    last: dict[tuple[str, int, int], Mapping[str, Any]] = {}
     for row in rows:
-        if row["agent_name"] != agent:
-            continue
-        key = (int(row["env_idx"]), int(row["sample_idx"]))
-        if key not in last or row["turn_idx"] > last[key][0]:
-            last[key] = (int(row["turn_idx"]), bool(row["success"]))
+        key = (row["agent_name"], int(row["env_idx"]), int(row["sample_idx"]))
+        if key not in last or row["turn_idx"] > last[key]["turn_idx"]:
+            last[key] = row
+    return last
+
+
+def final_successes(rows: Sequence[Mapping[str, Any]], agent: str = HEADLINE_AGENT) -> dict[int, list[bool]]:
+    """Held-out task -> the agent's final success in each sampled episode (sample order)."""
     out: dict[int, list[bool]] = {}
-    for (task, _sample), (_turn, ok) in sorted(last.items()):
-        out.setdefault(task, []).append(ok)
+    for (name, task, _sample), row in sorted(last_turns(rows).items()):
+        if name == agent:
+            out.setdefault(task, []).append(bool(row["success"]))
     return out
 
 
@@ -108,15 +112,107 @@ def paired_bootstrap(
 
 def paired_from_runs(before: RunLayout, after: RunLayout, agent: str = HEADLINE_AGENT) -> dict[str, float]:
     """``paired_bootstrap`` over the validation steps of two ``evaluate`` runs."""
-    from pettingflow.storage import read_step_trajectories
 
     def successes(layout: RunLayout) -> dict[int, list[bool]]:
-        table = read_step_trajectories(layout.step(0, "validation"))
-        return final_successes(
-            table.select(["env_idx", "sample_idx", "turn_idx", "agent_name", "success"]).to_pylist(), agent
-        )
+        return final_successes(read_trajectories_of(layout), agent)
 
     return paired_bootstrap(successes(before), successes(after))
+
+
+def eval_view(info: Mapping[str, Any]) -> str:
+    """``greedy`` for a one-answer, temperature-0 evaluation, else ``sampled`` (see ``flows/learn.py``)."""
+    val = info["config"]["validation"]
+    return "greedy" if val["temperature"] == 0 and val.get("samples_per_task", 1) == 1 else "sampled"
+
+
+def find_evaluations(
+    root: str, run_id: str, storage_options: dict[str, Any] | None = None
+) -> dict[str, dict[str, str]]:
+    """The ``evaluate`` runs that belong to training run ``run_id``: before/after -> view -> eval run id.
+
+    After: evaluations of this run's weights (the newest per view). Before: the newest base-model
+    evaluation of the same config created before the training run, which is what ``learn`` makes.
+    """
+    from pettingflow.storage import list_runs
+
+    trained = RunLayout(root, run_id, storage_options).read_run_info()
+    found: dict[str, dict[str, tuple[str, str]]] = {"before": {}, "after": {}}
+    for other in list_runs(root, storage_options):
+        info = RunLayout(root, other, storage_options).read_run_info()
+        source = info.get("evaluates")
+        if not source:
+            continue
+        if source.get("run_id") == run_id:
+            when = "after"
+        elif (
+            source.get("weights") == "base"
+            and info.get("config_name") == trained.get("config_name")
+            and info["created"] < trained["created"]
+        ):
+            when = "before"
+        else:
+            continue
+        view = eval_view(info)
+        if view not in found[when] or info["created"] > found[when][view][0]:
+            found[when][view] = (info["created"], other)
+    return {when: {view: rid for view, (_, rid) in views.items()} for when, views in found.items()}
+
+
+def arm_from_runs(root: str, run_id: str, storage_options: dict[str, Any] | None = None) -> ArmResult:
+    """Rebuild one arm of a learning run from what is stored: the training run and its evaluations."""
+    evaluations = find_evaluations(root, run_id, storage_options)
+    missing = [w for w in ("before", "after") if "sampled" not in evaluations[w]]
+    if missing:
+        raise ValueError(
+            f"run {run_id!r} has no {' or '.join(missing)} evaluation under {root}; run the evaluate flow "
+            f"(base model for 'before', run_id={run_id} for 'after') or `make learn`"
+        )
+
+    def layout(eval_id: str) -> RunLayout:
+        return RunLayout(root, eval_id, storage_options)
+
+    def scores(when: str) -> dict[str, dict[str, dict[str, float]]]:
+        return {view: agent_scores(read_trajectories_of(layout(eid))) for view, eid in evaluations[when].items()}
+
+    trained = RunLayout(root, run_id, storage_options)
+    info = trained.read_run_info()
+    return ArmResult(
+        config=info["config_name"],
+        run_id=run_id,
+        run_uri=trained.run_uri,
+        before=scores("before"),
+        after=scores("after"),
+        curve=run_curve(trained),
+        evaluations=evaluations,
+        paired={
+            view: paired_from_runs(layout(evaluations["before"][view]), layout(evaluations["after"][view]))
+            for view in evaluations["after"]
+            if view in evaluations["before"]
+        },
+    )
+
+
+def read_trajectories_of(layout: RunLayout) -> list[dict[str, Any]]:
+    """The validation rows of an ``evaluate`` run (the columns the scores need)."""
+    from pettingflow.storage import read_step_trajectories
+
+    table = read_step_trajectories(layout.step(0, "validation"))
+    return table.select(["env_idx", "sample_idx", "turn_idx", "agent_name", "success", "reward"]).to_pylist()
+
+
+def agent_scores(rows: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per agent over its final turns: success rate, reward mean and episode count (as ``evaluate`` reports)."""
+    finals: dict[str, list[Mapping[str, Any]]] = {}
+    for (agent, _task, _sample), row in last_turns(rows).items():
+        finals.setdefault(agent, []).append(row)
+    return {
+        agent: {
+            "success_rate": sum(bool(r["success"]) for r in turns) / len(turns),
+            "reward_mean": sum(float(r["reward"]) for r in turns) / len(turns),
+            "episodes": float(len(turns)),
+        }
+        for agent, turns in finals.items()
+    }
 
 
 def smooth(values: Sequence[float], window: int = 4) -> list[float]:
@@ -219,10 +315,31 @@ def learning_png(arms: Sequence[ArmResult]) -> bytes:
         if held:
             hx, hy = zip(*held, strict=True)
             right.plot(hx, hy, color=color, marker="o", label=arm.config)
-    left.set_title(f"train reward of {HEADLINE_AGENT} (G samples x tasks per iteration)")
-    right.set_title(f"held-out pass@1 of {HEADLINE_AGENT} (sampled; -1 = base model)")
+    left.set_title(f"{HEADLINE_AGENT}: train reward per iteration", fontsize=10)
+    right.set_title(f"{HEADLINE_AGENT}: held-out pass@1, sampled (x=-1: base model)", fontsize=10)
     for ax in (left, right):
         ax.set_xlabel("iteration")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     return figure_png(fig)
+
+
+def write_learning_report(
+    arms: Sequence[ArmResult], out_uri: str, storage_options: dict[str, Any] | None = None, **extra: Any
+) -> str:
+    """``learning.json`` (every number), ``learning.png`` and ``learning.md`` under ``out_uri``; returns the table."""
+    import json
+
+    import fsspec
+
+    rows = results_table(arms)
+    table = markdown_table(rows)
+    fs, root = fsspec.core.url_to_fs(out_uri, **(storage_options or {}))
+    fs.makedirs(root, exist_ok=True)
+    with fs.open(f"{root}/learning.json", "w") as fh:
+        json.dump({**extra, "rows": rows, "arms": [a.to_json() for a in arms]}, fh, indent=2)
+    with fs.open(f"{root}/learning.png", "wb") as fh:
+        fh.write(learning_png(arms))
+    with fs.open(f"{root}/learning.md", "w") as fh:
+        fh.write(table + "\n")
+    return table

@@ -179,6 +179,25 @@ def runs_show(
         fail(str(exc))
 
 
+@runs_app.command("learning-report")
+def runs_learning_report(
+    run_ids: Annotated[list[str], typer.Argument(help="Training runs to compare (each needs its evaluate runs).")],
+    root: RootOpt = "",
+    out: Annotated[str, typer.Option("--out", help="Folder or fsspec URI for learning.{json,png,md}.")] = "",
+) -> None:
+    """Rebuild the `make learn` summary from stored runs: held-out before/after, paired CI, curves."""
+    from pettingflow.iteration.learning import arm_from_runs, write_learning_report
+
+    root = root or _default_root()
+    try:
+        arms = [arm_from_runs(root, run_id) for run_id in run_ids]
+    except (FileNotFoundError, ValueError) as exc:
+        fail(str(exc))
+    out = out or f"{root.rstrip('/')}/learning/rebuilt-{'-'.join(a.config for a in arms)}"
+    typer.echo(write_learning_report(arms, out, rebuilt_from=run_ids))
+    typer.echo(f"written to {out}/learning.{{json,png,md}}")
+
+
 @runs_app.command("summary")
 def runs_summary(
     run_id: Annotated[str | None, typer.Argument(help="Run id (default: the newest run).")] = None,

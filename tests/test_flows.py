@@ -197,6 +197,7 @@ def test_learn_evaluates_trains_and_reevaluates_each_config(tmp_path, prefect_en
     import json
 
     from pettingflow.flows.learn import learn
+    from pettingflow.iteration.learning import arm_from_runs
 
     extra = [
         f"run.storage_root={tmp_path}",
@@ -228,6 +229,14 @@ def test_learn_evaluates_trains_and_reevaluates_each_config(tmp_path, prefect_en
         assert arm["paired"]["sampled"]["delta"] == arm["paired"]["sampled"]["ci95_high"] == 0.0
         assert arm["paired"]["sampled"]["tasks"] == 4.0
         assert set(arm["evaluations"]["after"]) == {"sampled", "greedy"}
+        # the same summary rebuilt from the stored runs alone (`pettingflow runs learning-report`)
+        rebuilt = arm_from_runs(str(tmp_path), arm["run_id"])
+        assert rebuilt.evaluations == arm["evaluations"] and rebuilt.paired == arm["paired"]
+        for when in ("before", "after"):
+            for view, agents in arm[when].items():
+                got = getattr(rebuilt, when)[view]["code_generator"]
+                want = agents["code_generator"]
+                assert (got["success_rate"], got["episodes"]) == (want["success_rate"], want["episodes"])
     # basic-python has 30 held-out tasks; the scripted server solves even seeds only, so not all pass
     assert 0.0 < rows["code-env-learn-solo"]["heldout_before"] < 1.0
     # each config started from the base weights, and the final evaluations synced the trained ones
