@@ -40,6 +40,7 @@ from pettingflow.iteration.learning import (
     ArmResult,
     paired_from_runs,
     results_table,
+    revisited_train_tasks,
     run_curve,
     write_learning_report,
 )
@@ -140,6 +141,7 @@ def learn(
                     before=_scores(before),
                     after=_scores(after),
                     curve=run_curve(RunLayout(root, trained["run_id"], options)),
+                    revisits=revisited_train_tasks(RunLayout(root, trained["run_id"], options)),
                     wall_s=round(time.perf_counter() - started, 1),
                     evaluations={
                         "before": {v: r["run_id"] for v, r in before.items()},

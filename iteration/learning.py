@@ -32,6 +32,7 @@ class ArmResult:
     wall_s: float = 0.0
     evaluations: dict[str, dict[str, str]] = field(default_factory=dict)  # before/after -> view -> eval run id
     paired: dict[str, dict[str, float]] = field(default_factory=dict)  # view -> paired_bootstrap(...)
+    revisits: dict[str, float] | None = None  # revisited_train_tasks(...)
 
     def headline(self, when: str, view: str = "sampled") -> float | None:
         """The code agent's held-out success rate ``before`` or ``after`` training, in one view."""
@@ -119,6 +120,41 @@ def paired_from_runs(before: RunLayout, after: RunLayout, agent: str = HEADLINE_
     return paired_bootstrap(successes(before), successes(after))
 
 
+def revisited_train_tasks(layout: RunLayout, agent: str = HEADLINE_AGENT) -> dict[str, float] | None:
+    """Train tasks drawn twice (the task order wraps after an epoch): success at the first draw vs the last.
+
+    Why: the reward of one iteration mostly reflects which 8 tasks were drawn, so a per-iteration curve
+    is noisy. The same task sampled again later, with the same G, is a paired comparison that only the
+    training in between can explain (plus sampling noise, which the interval covers). None when no
+    task was drawn twice (fewer iterations than one epoch).
+    """
+    from pettingflow.iteration.rollouts import select_train_tasks
+    from pettingflow.iteration.run import RunRef, load_run_config
+    from pettingflow.storage import read_step_trajectories
+
+    config = load_run_config(RunRef(root=layout.root, run_id=layout.run_id, storage_options=layout.storage_options))
+    visits: dict[str, list[list[bool]]] = {}
+    for k in layout.iterations():
+        step = layout.step(k, "rollouts")
+        if not step.is_committed():
+            continue
+        cols = ["env_idx", "sample_idx", "turn_idx", "agent_name", "success"]
+        by_position = final_successes(read_step_trajectories(step).select(cols).to_pylist(), agent)
+        tasks = select_train_tasks(config, k)
+        for position, successes in by_position.items():
+            visits.setdefault(str(tasks[position]["task_id"]), []).append(successes)
+    twice = {task: v for task, v in visits.items() if len(v) >= 2}
+    if not twice:
+        return None
+    names = sorted(twice)
+    first = {i: twice[t][0] for i, t in enumerate(names)}
+    last = {i: twice[t][-1] for i, t in enumerate(names)}
+    out = paired_bootstrap(first, last)
+    out["first_mean"] = sum(sum(v) / len(v) for v in first.values()) / len(first)
+    out["last_mean"] = sum(sum(v) / len(v) for v in last.values()) / len(last)
+    return out
+
+
 def eval_view(info: Mapping[str, Any]) -> str:
     """``greedy`` for a one-answer, temperature-0 evaluation, else ``sampled`` (see ``flows/learn.py``)."""
     val = info["config"]["validation"]
@@ -183,6 +219,7 @@ def arm_from_runs(root: str, run_id: str, storage_options: dict[str, Any] | None
         before=scores("before"),
         after=scores("after"),
         curve=run_curve(trained),
+        revisits=revisited_train_tasks(trained),
         evaluations=evaluations,
         paired={
             view: paired_from_runs(layout(evaluations["before"][view]), layout(evaluations["after"][view]))
@@ -246,6 +283,10 @@ def results_table(arms: Sequence[ArmResult]) -> list[dict[str, Any]]:
                 "heldout_after": after,
                 "heldout_delta": None if before is None or after is None else after - before,
                 "heldout_ci95": _ci(arm.paired.get("sampled")),
+                "revisit_first": None if arm.revisits is None else arm.revisits["first_mean"],
+                "revisit_last": None if arm.revisits is None else arm.revisits["last_mean"],
+                "revisit_ci95": _ci(arm.revisits),
+                "revisit_tasks": None if arm.revisits is None else int(arm.revisits["tasks"]),
                 "greedy_before": arm.headline("before", "greedy"),
                 "greedy_after": arm.headline("after", "greedy"),
                 "train_reward_first4": start,
@@ -261,6 +302,16 @@ def _ci(paired: Mapping[str, float] | None) -> list[float] | None:
     return None if not paired else [paired["ci95_low"], paired["ci95_high"]]
 
 
+def _revisit(row: Mapping[str, Any]) -> str:
+    if row.get("revisit_first") is None:
+        return "n/a (no task drawn twice)"
+    low, high = row["revisit_ci95"]
+    return (
+        f"{100 * row['revisit_first']:.1f} % → {100 * row['revisit_last']:.1f} % "
+        f"[{100 * low:+.1f}, {100 * high:+.1f}], {row['revisit_tasks']} tasks"
+    )
+
+
 def markdown_table(rows: Sequence[Mapping[str, Any]]) -> str:
     """The results table as markdown (what ``docs/results.md`` quotes)."""
 
@@ -271,9 +322,10 @@ def markdown_table(rows: Sequence[Mapping[str, Any]]) -> str:
         return "n/a" if v is None else f"{v:.3f}"
 
     lines = [
-        "| config | held-out pass@1, sampled: before | after | change (95 % CI over tasks) | greedy: before | after "
-        "| train reward, first 4 it. | last 4 it. | iterations |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| config | held-out pass@1, sampled: before | after | change (95 % CI over tasks) | greedy: before "
+        "| after | train tasks drawn twice: first draw → last (95 % CI) | train reward, first 4 it. | last 4 it. "
+        "| iterations |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         delta = "n/a" if r["heldout_delta"] is None else f"{100 * r['heldout_delta']:+.1f} pts"
@@ -282,7 +334,7 @@ def markdown_table(rows: Sequence[Mapping[str, Any]]) -> str:
             delta += f" [{100 * low:+.1f}, {100 * high:+.1f}]"
         lines.append(
             f"| `{r['config']}` | {pct(r['heldout_before'])} | {pct(r['heldout_after'])} | {delta} | "
-            f"{pct(r['greedy_before'])} | {pct(r['greedy_after'])} | "
+            f"{pct(r['greedy_before'])} | {pct(r['greedy_after'])} | {_revisit(r)} | "
             f"{num(r['train_reward_first4'])} | {num(r['train_reward_last4'])} | {r['iterations']} |"
         )
     return "\n".join(lines)

@@ -48,7 +48,13 @@ def test_results_table_reports_held_out_change_and_train_trend():
     assert math.isclose(row["train_reward_first4"], 0.2) and math.isclose(row["train_reward_last4"], 0.55)
     assert row["iterations"] == 8
     table = markdown_table(rows)
-    assert "| `solo` | 25.0 % | 40.0 % | +15.0 pts | 12.5 % | 20.0 % | 0.200 | 0.550 | 8 |" in table
+    expected = (
+        "| `solo` | 25.0 % | 40.0 % | +15.0 pts | 12.5 % | 20.0 % | n/a (no task drawn twice) | 0.200 | 0.550 | 8 |"
+    )
+    assert expected in table
+    arm = _arm("solo", 0.25, 0.40, [0.1, 0.2])
+    arm.revisits = {"first_mean": 0.25, "last_mean": 0.5, "ci95_low": 0.1, "ci95_high": 0.4, "tasks": 12.0}
+    assert "25.0 % → 50.0 % [+10.0, +40.0], 12 tasks" in markdown_table(results_table([arm]))
 
 
 def test_missing_agent_scores_show_as_not_available():
