@@ -42,6 +42,7 @@ def iteration(
     run: RunRef, iteration: int, attempt: int = 0, from_step: str = "rollouts", validate_now: bool | None = None
 ) -> dict[str, Any]:
     """Run (or resume, or re-run from ``from_step``) one iteration of ``run``."""
+    flow_started = time.perf_counter()
     logger = get_run_logger()
     config = load_run_config(run)
     first = STEP_ORDER.index(step_kind(from_step))
@@ -80,5 +81,6 @@ def iteration(
             upstream = timed("sync", sync_weights, run, iteration, attempt, from_step, runtime, upstream)
         if validate_now and runtime is not None:
             timed("validation", validate, run, iteration, attempt, from_step, runtime, upstream)
-        summary = report_iteration(run, iteration, attempt, from_step, outcomes, durations)
+        iteration_s = time.perf_counter() - flow_started
+        summary = report_iteration(run, iteration, attempt, from_step, outcomes, durations, iteration_s)
     return {"iteration": iteration, "attempt": attempt, "report": summary["uri"], "metrics": summary["metrics"]}

@@ -19,8 +19,14 @@ def artifact_key(*parts: str) -> str:
     return re.sub(r"[^a-z0-9-]+", "-", "-".join(parts).lower()).strip("-")[:100]
 
 
-def iteration_metrics(outcomes: dict[str, Any], durations: dict[str, float]) -> dict[str, float]:
-    """The flat metrics of one iteration, from what the step tasks returned."""
+def iteration_metrics(
+    outcomes: dict[str, Any], durations: dict[str, float], iteration_s: float | None = None
+) -> dict[str, float]:
+    """The flat metrics of one iteration, from what the step tasks returned.
+
+    ``iteration_s``: the iteration flow's wall time up to the report. What of it the step tasks do not
+    account for is Prefect's and the flow's own cost (``orchestration/...``), visible per iteration.
+    """
     flat: dict[str, float] = {}
     rollout = (outcomes.get("rollouts") or {}).get("metrics") or {}
     for agent, values in (rollout.get("agents") or {}).items():
@@ -42,17 +48,28 @@ def iteration_metrics(outcomes: dict[str, Any], durations: dict[str, float]) -> 
         report.flatten(f"validation/{agent}", values, flat)
     for step, seconds in durations.items():
         flat[f"duration/{step}_s"] = round(seconds, 3)
+    if iteration_s:
+        outside = max(iteration_s - sum(durations.values()), 0.0)
+        flat["duration/iteration_before_report_s"] = round(iteration_s, 3)
+        flat["orchestration/outside_step_tasks_s"] = round(outside, 3)
+        flat["orchestration/outside_step_tasks_share"] = round(outside / iteration_s, 5)
     return flat
 
 
 @task(name="report", cache_policy=NO_CACHE)
 def report_iteration(
-    run: RunRef, iteration: int, attempt: int, from_step: str, outcomes: dict[str, Any], durations: dict[str, float]
+    run: RunRef,
+    iteration: int,
+    attempt: int,
+    from_step: str,
+    outcomes: dict[str, Any],
+    durations: dict[str, float],
+    iteration_s: float | None = None,
 ) -> dict[str, Any]:
     """Commit the report step and publish it: a metrics table, sample trajectories, links, the curve."""
     ctx = context(run, iteration, attempt, from_step)
     config = load_run_config(run)
-    metrics = iteration_metrics(outcomes, durations)
+    metrics = iteration_metrics(outcomes, durations, iteration_s)
     links = {name: o["uri"] for name, o in outcomes.items() if isinstance(o, dict) and "uri" in o}
     result = report.write_report(ctx, metrics, links)
     metrics = result["metrics"]

@@ -136,6 +136,8 @@ def test_train_two_iterations_then_resume_then_rerun(tmp_path, prefect_env, tiny
     metrics = layout.step(1, "report").read_json("metrics.json")
     assert "rollout/code_generator/reward_mean" in metrics and "validation/code_generator/success_rate" in metrics
     assert any(k.startswith("update/shared/") for k in metrics)
+    assert 0.0 <= metrics["orchestration/outside_step_tasks_share"] < 1.0
+    assert metrics["duration/iteration_before_report_s"] >= metrics["duration/update-shared_s"]
     assert (tmp_path / "runs" / run_id / "tensorboard").is_dir()
 
     # resume: the same run again skips every committed step and adds no rows

@@ -98,3 +98,12 @@ def test_paired_bootstrap_needs_shared_tasks():
 
     with pytest.raises(ValueError, match="share no held-out task"):
         paired_bootstrap({0: [True]}, {1: [True]})
+
+
+def test_iteration_metrics_report_the_time_outside_step_tasks():
+    from pettingflow.tasks.report import iteration_metrics
+
+    flat = iteration_metrics({}, {"rollouts": 10.0, "update-shared": 28.0}, iteration_s=40.0)
+    assert flat["orchestration/outside_step_tasks_s"] == 2.0
+    assert flat["orchestration/outside_step_tasks_share"] == 0.05
+    assert "orchestration/outside_step_tasks_s" not in iteration_metrics({}, {"rollouts": 1.0})
