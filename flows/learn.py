@@ -34,17 +34,16 @@ from pettingflow.configs.loader import load_config
 from pettingflow.flows.evaluate import evaluate
 from pettingflow.flows.train import train
 from pettingflow.inference.models import resolve_model
-from pettingflow.inference.server import ExternalServer, VLLMServer
-from pettingflow.inference.weight_sync import sync_full_weights
 from pettingflow.iteration.learning import (
     ArmResult,
     paired_from_runs,
     results_table,
     revisited_train_tasks,
     run_curve,
+    serve_base_weights,
+    shared_server,
     write_learning_report,
 )
-from pettingflow.iteration.runtime import state_dir
 from pettingflow.storage import RunLayout
 
 DEFAULT_CONFIGS = ("code-env-learn-solo", "code-env-learn")
@@ -92,30 +91,16 @@ def learn(
     model, first = _shared_model(names, overrides)
     stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
     out_uri = f"{first.run.storage_root.rstrip('/')}/learning/{stamp}"
-    server = (
-        ExternalServer(url)
-        if url
-        else VLLMServer(
-            model,
-            served_model_name=model.name,
-            max_model_len=first.inference.max_model_len,
-            kv_cache_gib=first.inference.kv_cache_gib,
-            startup_timeout_s=first.inference.startup_timeout_s,
-            enable_lora=first.specialization.value == "lora",
-            dev_mode=True,
-            log_path=state_dir() / "logs" / f"vllm-learn-{stamp}.log",
-        )
-    )
+    server = shared_server(model, first.inference, first.specialization.value == "lora", url, f"learn-{stamp}")
     arms: list[ArmResult] = []
     if not url:
         logger.info("starting one vLLM server for %s (1-2 minutes on CPU; log %s)", model, server.log_path)
     with server:
         logger.info("inference server ready at %s", server.url)
         attach = [*overrides, f"inference.url={server.url}"]
-        served = str(server.served_model_name)
         for name in names:
             started = time.perf_counter()
-            sync_full_weights(server, model, model=served)  # base weights, whatever ran before
+            serve_base_weights(server, model)  # whatever an earlier config left on the server
             logger.info("%s: evaluating the base model on the held-out split", name)
             before = {view: evaluate(name, [*attach, *extra]) for view, extra in EVAL_VIEWS.items()}
             logger.info("%s: held-out before training: %s", name, _scores(before))

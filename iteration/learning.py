@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from pettingflow.iteration.report import figure_png, history
@@ -42,6 +43,32 @@ class ArmResult:
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def shared_server(model: Path, inference: Any, lora: bool, url: str | None, tag: str) -> Any:
+    """The one inference server of a learning run: attached to ``url``, or a dev-mode vLLM (weights reloadable)."""
+    from pettingflow.inference.server import ExternalServer, VLLMServer
+    from pettingflow.iteration.runtime import state_dir
+
+    if url:
+        return ExternalServer(url)
+    return VLLMServer(
+        model,
+        served_model_name=model.name,
+        max_model_len=inference.max_model_len,
+        kv_cache_gib=inference.kv_cache_gib,
+        startup_timeout_s=inference.startup_timeout_s,
+        enable_lora=lora,
+        dev_mode=True,
+        log_path=state_dir() / "logs" / f"vllm-{tag}.log",
+    )
+
+
+def serve_base_weights(server: Any, model: Path) -> None:
+    """Reload the base model's weights into a started ``shared_server`` (a no-op in effect when they are loaded)."""
+    from pettingflow.inference.weight_sync import sync_full_weights
+
+    sync_full_weights(server, model, model=str(server.served_model_name))
 
 
 def run_curve(layout: RunLayout, agent: str = HEADLINE_AGENT) -> list[dict[str, float]]:
