@@ -45,7 +45,7 @@ run: venv
 	scripts/run.sh
 
 # The learning run of docs/results.md: the code agent alone vs the two-agent team, each scored on the
-# held-out split before and after training (about 2 h on 2 CPU cores). LEARN_ARGS="--overrides run.iterations=2"
+# held-out split before and after training (about 70 min on 2 CPU cores). LEARN_ARGS="--overrides run.iterations=2"
 learn: venv
 	.venv/bin/pettingflow models prepare
 	$(BIN)/python flows/learn.py $(LEARN_ARGS)
