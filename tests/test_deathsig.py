@@ -41,3 +41,17 @@ def test_wrap_keeps_the_command() -> None:
     wrapped = deathsig.wrap(["echo", "hi"])
     assert wrapped[-2:] == ["echo", "hi"] and "pettingflow.deathsig" in wrapped
     assert subprocess.run(wrapped, capture_output=True, text=True, check=True).stdout == "hi\n"
+
+
+def test_parent_gone_before_the_child_started_kills_the_child() -> None:
+    """The race: the parent dies while the wrapper's interpreter starts. The wrapper is told the parent's
+    pid; finding another parent (the reaper) means the parent is gone, so it must not run the command."""
+    not_my_parent = str(os.getpid() + 1_000_000)  # no such process: as if the real parent had died
+    cmd = [sys.executable, "-m", "pettingflow.deathsig", "SIGKILL", not_my_parent, "--", "sleep", "60"]
+    proc = subprocess.run(cmd, timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+
+
+def test_usage_error_names_the_arguments() -> None:
+    proc = subprocess.run([sys.executable, "-m", "pettingflow.deathsig", "SIGTERM", "--", "true"], capture_output=True)
+    assert proc.returncode != 0 and b"SIGNAL PARENT_PID -- CMD" in proc.stderr

@@ -153,13 +153,13 @@ def test_start_health_command_env_and_group_stop(fake_vllm) -> None:
 
 
 def test_startup_failure_raises_with_log_tail(fake_vllm) -> None:
-    server = fake_vllm("die")
-    started = time.perf_counter()
+    server = fake_vllm("die", startup_timeout_s=600)
     with pytest.raises(ServerStartupError) as info:
         server.start()
-    assert time.perf_counter() - started < 10  # noticed the exit, did not wait for the timeout
     msg = str(info.value)
-    assert "exited with code 3" in msg and "could not allocate the KV cache" in msg and str(server.log_path) in msg
+    # "exited", not "not healthy after 600 s": the exit was noticed, the timeout was not waited out
+    assert "exited with code 3" in msg and "not healthy after" not in msg
+    assert "could not allocate the KV cache" in msg and str(server.log_path) in msg
     assert server.pid is None
 
 
@@ -187,7 +187,8 @@ def test_stop_escalates_when_sigint_and_sigterm_are_ignored(fake_vllm) -> None:
     started = time.perf_counter()
     server.stop()
     assert _gone(pid)
-    assert 0.9 <= time.perf_counter() - started < 8  # waited both grace periods, then SIGKILL
+    # only SIGKILL ends it, and only after both grace periods (a lower bound: load can only add time)
+    assert time.perf_counter() - started >= 0.9
 
 
 def test_restart_keeps_the_port_and_replaces_the_process(fake_vllm) -> None:

@@ -6,7 +6,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -121,9 +120,7 @@ def test_prepared_folder_loads_with_transformers(default_model_dir: Path) -> Non
 def test_second_prepare_does_not_reconvert(default_model_dir: Path, pettingflow_home: Path) -> None:
     weights, marker = default_model_dir / "model.safetensors", default_model_dir / MARKER
     mtimes = (weights.stat().st_mtime_ns, marker.stat().st_mtime_ns)
-    started = time.perf_counter()
     assert prepare_model(DEFAULT_MODEL, home=pettingflow_home) == default_model_dir
-    assert time.perf_counter() - started < 1.0
     assert (weights.stat().st_mtime_ns, marker.stat().st_mtime_ns) == mtimes
     assert resolve_model(DEFAULT_MODEL, home=pettingflow_home) == default_model_dir
 

@@ -350,14 +350,12 @@ while True:
         "for pid in pids:\n    os.waitpid(pid, 0)\nprint(len(pids))\n"
     )
     results: dict[str, ExecResult] = {}
-    started = time.monotonic()
     bomber = threading.Thread(target=lambda: results.setdefault("bomb", sb.run(bomb)))
     bomber.start()
     time.sleep(0.3)
     results["victim"] = sb.run(victim, timeout_s=10)
     bomber.join()
     result = results["bomb"]
-    assert time.monotonic() - started < 3 + 4
     assert result.timed_out and not result.passed
     assert "EAGAIN" in result.stdout  # the process limit was hit, not just the deadline
     assert results["victim"].passed and results["victim"].stdout == "20\n", results["victim"]
