@@ -36,15 +36,12 @@ from pettingflow.flows.train import train
 from pettingflow.inference.models import resolve_model
 from pettingflow.iteration.learning import (
     ArmResult,
-    paired_from_runs,
+    arm_from_runs,
     results_table,
-    revisited_train_tasks,
-    run_curve,
     serve_base_weights,
     shared_server,
     write_learning_report,
 )
-from pettingflow.storage import RunLayout
 
 DEFAULT_CONFIGS = ("code-env-learn-solo", "code-env-learn")
 
@@ -57,8 +54,8 @@ EVAL_VIEWS: dict[str, list[str]] = {
 }
 
 
-def _shared_model(names: list[str], overrides: list[str]) -> tuple[Path, Any]:
-    """The one base model all configs must share (one server serves them all), and the first config."""
+def _shared_model(names: list[str], overrides: list[str]) -> tuple[Path, list[Any]]:
+    """The one base model all configs must share (one server serves them all), and the loaded configs."""
     configs = [load_config(n, overrides) for n in names]
     models = {resolve_model(p.model) for c in configs for p in c.policies}
     if len(models) != 1:
@@ -68,12 +65,17 @@ def _shared_model(names: list[str], overrides: list[str]) -> tuple[Path, Any]:
         )
     if any(c.specialization.value == "full" and len(c.policies) > 1 for c in configs):
         raise ValueError("learn does not support L3 (several full models): run `train` for each instead")
-    return models.pop(), configs[0]
+    return models.pop(), configs
 
 
 def _scores(evaluations: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """view -> agent -> metrics, from ``evaluate`` results."""
+    """view -> agent -> metrics, from ``evaluate`` results (for the log)."""
     return {view: result["agents"] for view, result in evaluations.items()}
+
+
+def _run_ids(evaluations: dict[str, dict[str, Any]]) -> dict[str, str]:
+    """view -> the ``evaluate`` run that holds its trajectories."""
+    return {view: result["run_id"] for view, result in evaluations.items()}
 
 
 @flow(name="learn", log_prints=True)
@@ -88,7 +90,8 @@ def learn(
     logger = get_run_logger()
     names = list(configs or DEFAULT_CONFIGS)
     overrides = list(overrides or [])
-    model, first = _shared_model(names, overrides)
+    model, loaded = _shared_model(names, overrides)
+    configs_by_name, first = dict(zip(names, loaded, strict=True)), loaded[0]
     stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
     out_uri = f"{first.run.storage_root.rstrip('/')}/learning/{stamp}"
     server = shared_server(model, first.inference, first.specialization.value == "lora", url, f"learn-{stamp}")
@@ -109,32 +112,11 @@ def learn(
                 view: evaluate(name, [*attach, *extra], run_id=trained["run_id"]) for view, extra in EVAL_VIEWS.items()
             }
             logger.info("%s: held-out after training: %s", name, _scores(after))
-            cfg = load_config(name, attach)
-            root, options = cfg.run.storage_root, cfg.run.storage_options
-            paired = {
-                view: paired_from_runs(
-                    RunLayout(root, before[view]["run_id"], options),
-                    RunLayout(root, after[view]["run_id"], options),
-                )
-                for view in EVAL_VIEWS
-            }
-            arms.append(
-                ArmResult(
-                    config=name,
-                    run_id=trained["run_id"],
-                    run_uri=trained["uri"],
-                    before=_scores(before),
-                    after=_scores(after),
-                    curve=run_curve(RunLayout(root, trained["run_id"], options)),
-                    revisits=revisited_train_tasks(RunLayout(root, trained["run_id"], options)),
-                    wall_s=round(time.perf_counter() - started, 1),
-                    evaluations={
-                        "before": {v: r["run_id"] for v, r in before.items()},
-                        "after": {v: r["run_id"] for v, r in after.items()},
-                    },
-                    paired=paired,
-                )
-            )
+            cfg = configs_by_name[name]
+            ids = {"before": _run_ids(before), "after": _run_ids(after)}
+            arm = arm_from_runs(cfg.run.storage_root, trained["run_id"], cfg.run.storage_options, evaluations=ids)
+            arm.wall_s = round(time.perf_counter() - started, 1)
+            arms.append(arm)
     table = write_learning_report(arms, out_uri, first.run.storage_options, configs=names, overrides=overrides)
     print(table)
     logger.info("learning results in %s", out_uri)

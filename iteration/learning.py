@@ -138,15 +138,6 @@ def paired_bootstrap(
     }
 
 
-def paired_from_runs(before: RunLayout, after: RunLayout, agent: str = HEADLINE_AGENT) -> dict[str, float]:
-    """``paired_bootstrap`` over the validation steps of two ``evaluate`` runs."""
-
-    def successes(layout: RunLayout) -> dict[int, list[bool]]:
-        return final_successes(read_trajectories_of(layout), agent)
-
-    return paired_bootstrap(successes(before), successes(after))
-
-
 def revisited_train_tasks(layout: RunLayout, agent: str = HEADLINE_AGENT) -> dict[str, float] | None:
     """Train tasks drawn twice (the task order wraps after an epoch): success at the first draw vs the last.
 
@@ -221,37 +212,42 @@ def find_evaluations(
     return {when: {view: rid for view, (_, rid) in views.items()} for when, views in found.items()}
 
 
-def arm_from_runs(root: str, run_id: str, storage_options: dict[str, Any] | None = None) -> ArmResult:
-    """Rebuild one arm of a learning run from what is stored: the training run and its evaluations."""
-    evaluations = find_evaluations(root, run_id, storage_options)
-    missing = [w for w in ("before", "after") if "sampled" not in evaluations[w]]
+def arm_from_runs(
+    root: str,
+    run_id: str,
+    storage_options: dict[str, Any] | None = None,
+    evaluations: dict[str, dict[str, str]] | None = None,
+) -> ArmResult:
+    """One arm of a learning run, from what is stored: the training run and its ``evaluate`` runs.
+
+    ``evaluations`` (before/after -> view -> eval run id) when the caller knows them (``flows/learn.py``);
+    otherwise they are looked up with ``find_evaluations``. Each eval run's trajectories are read once.
+    """
+    evaluations = evaluations or find_evaluations(root, run_id, storage_options)
+    missing = [w for w in ("before", "after") if "sampled" not in evaluations.get(w, {})]
     if missing:
         raise ValueError(
             f"run {run_id!r} has no {' or '.join(missing)} evaluation under {root}; run the evaluate flow "
             f"(base model for 'before', run_id={run_id} for 'after') or `make learn`"
         )
-
-    def layout(eval_id: str) -> RunLayout:
-        return RunLayout(root, eval_id, storage_options)
-
-    def scores(when: str) -> dict[str, dict[str, dict[str, float]]]:
-        return {view: agent_scores(read_trajectories_of(layout(eid))) for view, eid in evaluations[when].items()}
-
+    rows = {
+        when: {view: read_trajectories_of(RunLayout(root, eid, storage_options)) for view, eid in views.items()}
+        for when, views in evaluations.items()
+    }
     trained = RunLayout(root, run_id, storage_options)
-    info = trained.read_run_info()
     return ArmResult(
-        config=info["config_name"],
+        config=trained.read_run_info()["config_name"],
         run_id=run_id,
         run_uri=trained.run_uri,
-        before=scores("before"),
-        after=scores("after"),
+        before={view: agent_scores(r) for view, r in rows["before"].items()},
+        after={view: agent_scores(r) for view, r in rows["after"].items()},
         curve=run_curve(trained),
         revisits=revisited_train_tasks(trained),
         evaluations=evaluations,
         paired={
-            view: paired_from_runs(layout(evaluations["before"][view]), layout(evaluations["after"][view]))
-            for view in evaluations["after"]
-            if view in evaluations["before"]
+            view: paired_bootstrap(final_successes(rows["before"][view]), final_successes(after))
+            for view, after in rows["after"].items()
+            if view in rows["before"]
         },
     )
 
