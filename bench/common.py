@@ -231,3 +231,21 @@ def serve(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(serve())
+
+
+def request_body(model: str, prompt: list[int], new_tokens: int, seed: int) -> dict[str, Any]:
+    """The raw ``/v1/completions`` body the benches send: exactly what ``InferenceClient.complete()`` sends
+    for these arguments (temperature 1, ``ignore_eos``), so raw and client/engine arms do the same work."""
+    return {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": new_tokens,
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "top_k": -1,
+        "n": 1,
+        "logprobs": 1,
+        "return_token_ids": True,
+        "seed": seed,
+        "ignore_eos": True,
+    }

@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import common
 import httpx
 
 from pettingflow.inference.client import InferenceClient
@@ -108,26 +109,9 @@ def _chat_ids(tokenizer: Any, content: str) -> list[int]:
     return [int(t) for t in out["input_ids"]]
 
 
-def request_body(model: str, prompt: list[int], new_tokens: int, seed: int) -> dict[str, Any]:
-    """Exactly what InferenceClient.complete() sends for these arguments."""
-    return {
-        "model": model,
-        "prompt": prompt,
-        "max_tokens": new_tokens,
-        "temperature": 1.0,
-        "top_p": 1.0,
-        "top_k": -1,
-        "n": 1,
-        "logprobs": 1,
-        "return_token_ids": True,
-        "seed": seed,
-        "ignore_eos": True,
-    }
-
-
 async def raw_round(http: httpx.AsyncClient, url: str, model: str, prompts: list[list[int]], new: int) -> Result:
     async def one(i: int, p: list[int]) -> int:
-        resp = await http.post(f"{url}/v1/completions", json=request_body(model, p, new, seed=i))
+        resp = await http.post(f"{url}/v1/completions", json=common.request_body(model, p, new, seed=i))
         resp.raise_for_status()
         return len(resp.json()["choices"][0]["token_ids"])
 

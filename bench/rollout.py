@@ -43,19 +43,7 @@ async def raw_replay(
     async with httpx.AsyncClient(timeout=600, limits=limits) as http:
 
         async def one(i: int, prompt: list[int], n: int) -> int:
-            body = {
-                "model": model,
-                "prompt": prompt,
-                "max_tokens": n,
-                "temperature": 1.0,
-                "top_p": 1.0,
-                "top_k": -1,
-                "n": 1,
-                "logprobs": 1,
-                "return_token_ids": True,
-                "seed": 1000 + i,
-                "ignore_eos": True,
-            }
+            body = common.request_body(model, prompt, n, seed=1000 + i)
             async with sem:
                 resp = await http.post(f"{url}/v1/completions", json=body)
             resp.raise_for_status()
