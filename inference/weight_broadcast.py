@@ -15,7 +15,7 @@ Protocol (one ``WeightBroadcaster.push``), driven over vLLM's dev-mode ``POST /c
 2. ``push(named_tensors)``: fires ``receive_weights(names, dtypes, shapes)`` in a background thread. Each
    worker checks the metadata against its model, then every rank takes part in one ``all_reduce(max)`` of a
    status flag ("ack before data"). Only if all ranks said yes does the learner broadcast the tensors, in
-   the announced order, and the workers feed them to vLLM's in-place reload (``model_runner.reload_weights``
+   the announced order, and the workers feed them to vLLM's in-place reload (``Worker.reload_weights``
    with an iterator, or ``model.load_weights`` for a plain module). A wrong name or dtype therefore fails
    before any byte moves and before the served model is touched.
 3. ``POST /reset_prefix_cache``, so no KV block computed with the old weights is reused.
@@ -307,7 +307,7 @@ class WeightReceiverExtension:
     """Methods mixed into every vLLM worker (``--worker-extension-cls``), called through ``/collective_rpc``.
 
     Uses only what vLLM's ``Worker`` provides: ``self.rank``, ``self.device``, ``self.model_runner`` (with
-    ``.model`` and, in vLLM >= 0.3x, ``reload_weights(weights_iterator=...)``) and ``self.vllm_config``.
+    ``.model``), ``self.vllm_config`` and, when present, ``self.reload_weights(weights_iterator=...)``.
     A stand-in object with the same attributes works too, which is how the tests drive it without vLLM.
     Every method returns a JSON-able dict and never raises: vLLM's engine may not survive a raising RPC.
     """
@@ -447,13 +447,13 @@ class WeightReceiverExtension:
     def _pf_load(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
         """Feed received tensors to the model one at a time, so at most one extra tensor is held.
 
-        vLLM's ``reload_weights(weights_iterator=...)`` wraps ``load_weights`` in its layer-wise reload, which
+        vLLM's ``Worker.reload_weights(weights_iterator=...)`` wraps ``load_weights`` in its layer-wise reload, which
         re-runs per-layer post-processing (CPU repacking, quantization) and resets LoRA and encoder caches;
         a plain ``load_weights`` would leave such derived tensors stale.
         """
-        runner = self.model_runner  # type: ignore[attr-defined]
-        if hasattr(runner, "reload_weights"):
-            runner.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+        reload = getattr(self, "reload_weights", None)  # vLLM's Worker: sets the current vLLM config, then reloads
+        if callable(reload):
+            reload(weights_iterator=weights, is_checkpoint_format=True)
         else:
             self._pf_model().load_weights(weights)
 
