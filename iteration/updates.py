@@ -1,18 +1,23 @@
-"""Steps 4 and 5: one update job per policy, then weight sync to the servers.
+"""Steps 4 and 5: one update per policy, then weight sync to the servers.
 
-The update job runs in its own process (``pettingflow.training``); this module decides its inputs
-(batch, starting weights, optimizer state) from committed steps and commits its outputs
-(checkpoint, metrics) as the ``update-<policy>`` step.
+The update runs in the policy's resident learner (Ray actors that keep the model and optimizer across
+iterations, ``training.learner: resident``) or in a new process (``process``, and whenever no runtime is up,
+e.g. a re-run without servers). This module decides the update's inputs (batch, starting weights, optimizer
+snapshot) from committed steps, builds its spec with the one builder (``training.spec_from_config``) and
+commits its outputs (checkpoint, metrics) as the ``update-<policy>`` step.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import os
 import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from pettingflow.configs.settings import ExperimentConfig, Specialization
+from pettingflow.configs.settings import ExperimentConfig
 from pettingflow.iteration.batches import StepOutcome, already_done, batch_file
 from pettingflow.iteration.context import IterationContext
 from pettingflow.iteration.weights import (
@@ -23,10 +28,12 @@ from pettingflow.iteration.weights import (
     weights_in_step,
 )
 from pettingflow.storage.fs import join, uri_of
-from pettingflow.training.launch import UpdateSpec, run_update
+from pettingflow.training.launch import run_update, spec_from_config
+
+log = logging.getLogger(__name__)
 
 
-def update_step(ctx: IterationContext, config: ExperimentConfig, policy: str) -> StepOutcome:
+def update_step(ctx: IterationContext, config: ExperimentConfig, policy: str, runtime: Any = None) -> StepOutcome:
     """Train ``policy`` on its batch of this iteration; commit checkpoint + metrics."""
     name = update_step_name(policy)
     step = ctx.step(name)
@@ -49,33 +56,60 @@ def update_step(ctx: IterationContext, config: ExperimentConfig, policy: str) ->
         return StepOutcome(name, step.uri, 0, False, metrics)
     local = step.local_path
     out_dir = local if local is not None else Path(tempfile.mkdtemp(prefix="pettingflow-update-"))
-    agents = [a.name for a in config.agents_of(policy)]
-    spec = UpdateSpec(
-        batch_uri=uri_of(batches.fs, join(batches.path, entry.name)),
-        policy=policy,
-        out_dir=str(out_dir),
-        init_model_dir=start.model_dir,
-        base_model_dir=start.base_dir,
-        adapters_in=dict(start.adapters) if config.specialization is Specialization.lora else None,
-        resume_dir=start.deepspeed_dir,
-        specialization=config.specialization,
-        agents=agents,
-        training=config.training,
-        algorithm=config.algorithm,
-        lora=config.policy(policy).lora,
-        storage_options=ctx.layout.storage_options,
-        seed=config.run.seed + ctx.iteration,
-        save_resume_state=config.training.save_optimizer_state,
-    )
+    learner = runtime.learner(policy) if runtime is not None and config.training.learner == "resident" else None
+    paused = runtime.servers_paused() if runtime is not None else contextlib.nullcontext(False)
+    # a failure below leaves the step uncommitted; a resident learner then holds weights named after this
+    # step (``version``), never the retry's starting weights, so the retry reloads the committed ones
     try:
-        metrics = run_update(spec)
+        with paused as servers_paused:
+            spec = spec_from_config(
+                config,
+                policy=policy,
+                batch_uri=uri_of(batches.fs, join(batches.path, entry.name)),
+                out_dir=str(out_dir),
+                start=start,
+                iteration=ctx.iteration,
+                version=step.uri,
+                num_threads=update_threads(config, servers_paused),
+            )
+            if learner is not None:
+                metrics = learner.update(spec, timeout_s=config.training.update_timeout_s)
+            else:
+                metrics = run_update(spec, timeout_s=config.training.update_timeout_s)
+        metrics["servers_paused"] = servers_paused
         step.add_tree(out_dir)
         meta = {"metrics": _small(metrics), "starts_from": start.source, "skipped": bool(metrics.get("skipped"))}
         manifest = step.commit(meta)
     finally:
         if local is None:
             shutil.rmtree(out_dir, ignore_errors=True)
+    _log_optimizer_state(policy, ctx.iteration, metrics)
     return StepOutcome(name, step.uri, manifest.rows, False, meta)
+
+
+def update_threads(config: ExperimentConfig, servers_paused: bool) -> int | None:
+    """torch threads per rank: ``training.num_threads``, or every core split over the ranks while the servers
+    are paused (nothing else runs then), or None (the process default, ``OMP_NUM_THREADS``)."""
+    if config.training.num_threads is not None:
+        return config.training.num_threads
+    if servers_paused:
+        return max(1, (os.cpu_count() or 1) // config.training.num_processes)
+    return None
+
+
+def _log_optimizer_state(policy: str, iteration: int, metrics: dict[str, Any]) -> None:
+    state = metrics.get("optimizer_state")
+    if state is None:
+        return
+    age = metrics.get("optimizer_age")
+    detail = {
+        "new": "new (starts from the base weights)",
+        "resident": "resident (moments carried over in memory)",
+        "restored": "restored exactly from the snapshot of the starting weights",
+        "stale": f"restored from a snapshot {age} update(s) older than the starting weights",
+        "reset": "RESET: no snapshot of the trained weights exists, Adam restarts",
+    }.get(state, state)
+    log.info("update %s, iteration %d: optimizer state %s", policy, iteration, detail)
 
 
 def _small(metrics: dict[str, Any]) -> dict[str, Any]:

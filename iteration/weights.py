@@ -8,29 +8,16 @@ a resumed run (new process, fresh vLLM server) serves and trains from exactly th
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import replace
 from pathlib import Path
 
 from pettingflow.configs.settings import ExperimentConfig
 from pettingflow.inference.models import resolve_model
 from pettingflow.paths import home
 from pettingflow.storage import RunLayout, Step
+from pettingflow.training.checkpoint import ADAPTERS_SUBDIR, DEEPSPEED_SUBDIR, MODEL_SUBDIR, PolicyWeights
 
-MODEL_SUBDIR = "model"
-ADAPTERS_SUBDIR = "adapters"
-DEEPSPEED_SUBDIR = "deepspeed"
-
-
-@dataclass(frozen=True)
-class PolicyWeights:
-    """A policy's weights as local folders."""
-
-    policy: str
-    base_dir: str  # the base model: reference for KL, tokenizer, what LoRA adapters sit on
-    model_dir: str  # full weights to serve and to train from (== base_dir for LoRA or before any update)
-    adapters: dict[str, str] = field(default_factory=dict)  # agent -> adapter folder (LoRA, after an update)
-    deepspeed_dir: str | None = None  # optimizer state to resume from
-    source: str = "base"  # "base" or the URI of the update step they come from
+__all__ = ["PolicyWeights", "base_model_dir", "update_step_name", "weights_before", "weights_in_step"]
 
 
 def update_step_name(policy: str) -> str:
@@ -43,13 +30,29 @@ def base_model_dir(config: ExperimentConfig, policy: str) -> str:
 
 
 def weights_before(layout: RunLayout, config: ExperimentConfig, policy: str, iteration: int) -> PolicyWeights:
-    """The weights ``policy`` has when iteration ``iteration`` starts."""
+    """The weights ``policy`` has when iteration ``iteration`` starts, with the newest optimizer snapshot.
+
+    The weights come from the newest committed, non-skipped update before ``iteration``. The optimizer
+    snapshot (``deepspeed_dir``) is the newest one at or before those weights; ``optimizer_age`` counts the
+    updates between the two (0: exact).
+    """
     base = base_model_dir(config, policy)
+    weights: PolicyWeights | None = None
+    age = 0
     for k in range(iteration - 1, -1, -1):
         step = layout.step(k, update_step_name(policy))
-        if step.is_committed() and not step.manifest().metadata.get("skipped"):
-            return weights_in_step(step, policy, base)
-    return PolicyWeights(policy=policy, base_dir=base, model_dir=base)
+        if not step.is_committed() or step.manifest().metadata.get("skipped"):
+            continue
+        if weights is None:
+            weights = weights_in_step(step, policy, base)
+            if weights.deepspeed_dir is not None:
+                return weights
+        else:
+            age += 1
+            if any(e.name.startswith(DEEPSPEED_SUBDIR + "/") for e in step.manifest().files):
+                snapshot = weights_in_step(step, policy, base).deepspeed_dir
+                return replace(weights, deepspeed_dir=snapshot, optimizer_age=age)
+    return weights or PolicyWeights(policy=policy, base_dir=base, model_dir=base)
 
 
 def weights_in_step(step: Step, policy: str, base_dir: str) -> PolicyWeights:

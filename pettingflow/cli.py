@@ -104,6 +104,9 @@ def update(
     init: Annotated[
         str | None, typer.Option("--init", help="HF folder of the current weights (default: the policy's model).")
     ] = None,
+    iteration: Annotated[
+        int, typer.Option("--iteration", help="The iteration it stands for (seed, snapshot cadence), as in the flow.")
+    ] = 0,
     overrides: Overrides = None,
 ) -> None:
     """Run one update job from a stored batch (e.g. to re-run an iteration's update by hand).
@@ -115,7 +118,9 @@ def update(
 
     cfg = _config(config, overrides)
     batch = _as_batch(batch, cfg, policy, out)
-    run_update_cli(config=config, batch=batch, policy=policy, out=out, init=init, overrides=overrides)
+    run_update_cli(
+        config=config, batch=batch, policy=policy, out=out, init=init, overrides=overrides, iteration=iteration
+    )
 
 
 def _as_batch(uri: str, cfg, policy: str, out: str) -> str:

@@ -67,10 +67,28 @@ def compute_advantages(run: RunRef, iteration: int, attempt: int, from_step: str
     return finished(batches.advantage_step(context(run, iteration, attempt, from_step), load_run_config(run)))
 
 
-@task(name="update_policy", task_run_name="update_policy[{policy}]", cache_policy=NO_CACHE)
-def update_policy(run: RunRef, iteration: int, attempt: int, from_step: str, policy: str, upstream: Any = None):
-    """One DeepSpeed update job for ``policy`` in its own process."""
-    return finished(updates.update_step(context(run, iteration, attempt, from_step), load_run_config(run), policy))
+@task(
+    name="update_policy",
+    task_run_name="update_policy[{policy}]",
+    retries=1,
+    retry_delay_seconds=[5],
+    cache_policy=NO_CACHE,
+)
+def update_policy(
+    run: RunRef,
+    iteration: int,
+    attempt: int,
+    from_step: str,
+    policy: str,
+    runtime: Runtime | None = None,
+    upstream: Any = None,
+):
+    """``policy``'s DeepSpeed update: in its resident learner when the run has a runtime, else in a new process.
+
+    A learner that dies mid-update fails this attempt with its log tail; the retry starts new ranks that
+    load the newest committed checkpoint (the metrics say how old the optimizer state then is)."""
+    ctx = context(run, iteration, attempt, from_step)
+    return finished(updates.update_step(ctx, load_run_config(run), policy, runtime))
 
 
 @task(name="sync_weights", retries=2, retry_delay_seconds=[5, 15], cache_policy=NO_CACHE)

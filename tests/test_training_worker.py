@@ -475,6 +475,22 @@ def test_cli_builds_the_spec_from_a_config(tmp_path, monkeypatch, tiny_model_dir
     assert spec.agents == ["code_generator", "test_generator"] and spec.init_model_dir == str(tiny_model_dir)
     assert spec.lora.rank == 16 and spec.adapters_in is None
     assert "metrics" in result.output and str(tmp_path / "o") in result.output
+    # the seed and the optimizer-snapshot cadence are those the flow uses for iteration 0 (one spec builder)
+    assert spec.seed == 0 and spec.save_resume_state is False
+
+    args = [
+        "code-env",
+        "--batch",
+        "b.parquet",
+        "--policy",
+        "shared",
+        "--out",
+        str(tmp_path / "o3"),
+        "--init",
+        str(tiny_model_dir),
+    ]
+    assert CliRunner().invoke(cli.update_app, [*args, "--iteration", "3", "run.seed=5"]).exit_code == 0
+    assert seen["spec"].seed == 8 and seen["spec"].save_resume_state is True  # every 4th update: 3, 7, ...
 
     bad = CliRunner().invoke(cli.update_app, ["code-env", "--batch", "b", "--policy", "nope", "--out", "o"])
     assert bad.exit_code != 0 and "nope" in bad.output

@@ -13,6 +13,7 @@ from typing import Annotated
 import typer
 
 from pettingflow.configs.loader import ConfigError, load_config
+from pettingflow.training.checkpoint import PolicyWeights
 from pettingflow.training.launch import METRICS_FILE, UpdateError, run_update, spec_from_config
 
 update_app = typer.Typer(add_completion=False, help="Run one policy update job (DeepSpeed) on a batch file.")
@@ -70,21 +71,39 @@ def update(
         str | None, typer.Option("--resume", help="A previous job's deepspeed/ folder (weights + optimizer).")
     ] = None,
     timeout: Annotated[float | None, typer.Option("--timeout", help="Seconds before the job is killed.")] = None,
+    iteration: Annotated[
+        int, typer.Option("--iteration", help="The iteration this update stands for: seed and snapshot cadence.")
+    ] = 0,
+    save_optimizer: Annotated[
+        bool | None,
+        typer.Option(
+            "--save-optimizer/--no-save-optimizer",
+            help="Write deepspeed/ (optimizer snapshot); default: training.save_optimizer_every at --iteration.",
+        ),
+    ] = None,
 ) -> None:
     """Update POLICY on BATCH with the training/algorithm settings of CONFIG; print where the results are."""
     try:
         cfg = load_config(config, overrides or [])
         settings = cfg.policy(policy)
         init_dir = init or resolve_model_dir(settings.model)
+        adapters = _parse_adapters(adapter) or {}
+        start = PolicyWeights(
+            policy=policy,
+            base_dir=base or init_dir,
+            model_dir=init_dir,
+            adapters={a: f for a, f in adapters.items() if f},
+            deepspeed_dir=resume,
+            source="cli",
+        )
         spec = spec_from_config(
             cfg,
             policy=policy,
             batch_uri=batch,
             out_dir=out,
-            init_model_dir=init_dir,
-            base_model_dir=base,
-            adapters_in=_parse_adapters(adapter),
-            resume_dir=resume,
+            start=start,
+            iteration=iteration,
+            save_optimizer=save_optimizer,
         )
     except (ConfigError, KeyError, ValueError, FileNotFoundError) as exc:
         _fail(str(exc).strip('"'))

@@ -1,6 +1,8 @@
-"""Launch one policy update as its own process: ``UpdateSpec`` (JSON) in, ``metrics.json`` (+ weights) out.
+"""The update spec, and the one-shot way to run it: one policy update as its own process.
 
-``run_update(spec)`` writes ``spec.json`` into the output folder, starts
+``UpdateSpec`` describes one update (batch, starting weights, optimizer snapshot, settings); ``spec_from_config``
+is the only place that builds it from a config, for the flows, the resident learner and ``pettingflow update``
+alike. ``run_update(spec)`` writes ``spec.json`` into the output folder, starts
 ``python -m pettingflow.training.worker --spec spec.json`` (one process) or the same module under
 ``torch.distributed.run --nproc_per_node N`` (gloo), streams the worker's output line by line into
 ``worker.log`` and this module's logger, and returns the worker's metrics. A failed worker raises
@@ -38,6 +40,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pettingflow import deathsig
 from pettingflow.configs.settings import AlgorithmSettings, LoraSettings, Specialization, TrainingSettings
+from pettingflow.training.checkpoint import PolicyWeights, optimizer_snapshot_due
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +82,18 @@ class UpdateSpec(BaseModel):
         description="Write deepspeed/ (weights + optimizer state, ~13x the bf16 weights for a full model) "
         "so that the next job can resume exactly.",
     )
+    start_version: str | None = Field(
+        None,
+        description="Name of the starting weights ('base' or the URI of the update step holding them). A resident "
+        "learner that holds exactly these weights continues in memory; None: unknown (always load).",
+    )
+    version: str | None = Field(
+        None, description="Name the weights written by this update will have once committed (its step's URI)."
+    )
+    optimizer_age: int = Field(
+        0, ge=0, description="Updates between the resume_dir snapshot and the starting weights (0: exact)."
+    )
+    num_threads: int | None = Field(None, ge=1, description="torch threads for this update (None: leave as is).")
 
     @model_validator(mode="after")
     def _check(self) -> UpdateSpec:
@@ -100,6 +115,24 @@ class UpdateSpec(BaseModel):
     @property
     def reference_dir(self) -> str:
         return self.base_model_dir or self.init_model_dir
+
+
+def build_key(spec: UpdateSpec) -> str:
+    """Everything that shapes the engine a worker builds; a resident worker rebuilds when it changes.
+
+    Batch, output, learning rate and the loss settings are not part of it: they apply per update.
+    """
+    t = spec.training
+    parts = {
+        "policy": spec.policy,
+        "specialization": spec.specialization.value,
+        "agents": list(spec.agents),
+        "lora": spec.lora.model_dump() if spec.uses_lora else None,
+        "reference": spec.reference_dir if spec.algorithm.kl_coef > 0 else None,
+        "engine": [t.num_processes, t.zero_stage, t.dtype, t.micro_batch_size, t.gradient_accumulation_steps],
+        "optimizer": [t.weight_decay, t.max_grad_norm],
+    }
+    return json.dumps(parts, sort_keys=True)
 
 
 class UpdateError(RuntimeError):
@@ -168,19 +201,10 @@ def run_update(
     ``metrics["skipped"]`` is true when the batch had no trainable rows (no weights are written then; keep
     using the previous ones). Raises ``UpdateError`` (exit code + log tail) on failure or timeout.
     """
-    from pettingflow.storage.fs import filesystem, is_local
-
-    fs, out_path = filesystem(spec.out_dir, spec.storage_options)
-    remote = not is_local(fs)
-    staging = tempfile.mkdtemp(prefix="pettingflow-update-") if remote else None
-    local_out = Path(staging if remote else out_path)
-    local_out.mkdir(parents=True, exist_ok=True)
-    run_spec = spec.model_copy(update={"out_dir": str(local_out)})
+    stage = StagedOutput(spec)
+    local_out = stage.local_out
     spec_path = local_out / SPEC_FILE
-    spec_path.write_text(run_spec.model_dump_json(indent=2))
     metrics_path = local_out / METRICS_FILE
-    if metrics_path.exists():
-        metrics_path.unlink()  # a stale result from an earlier attempt must not pass for this one's
 
     n = spec.training.num_processes
     port = free_port()
@@ -240,13 +264,7 @@ def run_update(
             proc.returncode,
             str(log_path),
         )
-    metrics = json.loads(metrics_path.read_text())
-    if remote:
-        fs.put(str(local_out) + "/", out_path, recursive=True)
-        metrics = _rebase_outputs(metrics, str(local_out), fs.unstrip_protocol(out_path))
-        shutil.rmtree(local_out, ignore_errors=True)
-    metrics["out_dir"] = spec.out_dir
-    metrics["log_path"] = spec.out_dir.rstrip("/") + "/" + LOG_FILE if remote else str(log_path)
+    metrics = stage.finish(json.loads(metrics_path.read_text()), log_name=LOG_FILE)
     metrics["wall_s"] = round(wall, 3)
     log.info(
         "update %s done in %.1f s: %s",
@@ -270,6 +288,42 @@ def _kill(proc: subprocess.Popen[str]) -> None:
         proc.wait()
 
 
+class StagedOutput:
+    """The local folder an update writes into, and the upload afterwards when ``out_dir`` is remote.
+
+    Workers write to local folders only (DeepSpeed and ``save_pretrained`` need them). For an fsspec
+    ``out_dir`` (``s3://...``) the update runs in a temporary folder that ``finish`` uploads, rewriting the
+    output paths in the metrics to the remote ones. It also writes ``spec.json`` and removes a stale
+    ``metrics.json`` from an earlier attempt, so it can never pass for this one's.
+    """
+
+    def __init__(self, spec: UpdateSpec):
+        from pettingflow.storage.fs import filesystem, is_local
+
+        self.out_dir = spec.out_dir
+        self.fs, self.out_path = filesystem(spec.out_dir, spec.storage_options)
+        self.remote = not is_local(self.fs)
+        self.local_out = Path(tempfile.mkdtemp(prefix="pettingflow-update-") if self.remote else self.out_path)
+        self.local_out.mkdir(parents=True, exist_ok=True)
+        self.spec = spec.model_copy(update={"out_dir": str(self.local_out)})
+        (self.local_out / SPEC_FILE).write_text(self.spec.model_dump_json(indent=2))
+        stale = self.local_out / METRICS_FILE
+        if stale.exists():
+            stale.unlink()
+
+    def finish(self, metrics: dict[str, Any], log_name: str) -> dict[str, Any]:
+        """Upload a remote output, then add ``out_dir`` and ``log_path`` to the metrics."""
+        if self.remote:
+            self.fs.put(str(self.local_out) + "/", self.out_path, recursive=True)
+            metrics = _rebase_outputs(metrics, str(self.local_out), self.fs.unstrip_protocol(self.out_path))
+            shutil.rmtree(self.local_out, ignore_errors=True)
+        metrics["out_dir"] = self.out_dir
+        metrics["log_path"] = (
+            self.out_dir.rstrip("/") + "/" + log_name if self.remote else str(self.local_out / log_name)
+        )
+        return metrics
+
+
 def _rebase_outputs(metrics: dict[str, Any], local: str, remote: str) -> dict[str, Any]:
     text = json.dumps(metrics).replace(json.dumps(local)[1:-1], json.dumps(remote)[1:-1])
     return json.loads(text)
@@ -281,27 +335,45 @@ def spec_from_config(
     policy: str,
     batch_uri: str,
     out_dir: str,
-    init_model_dir: str,
-    base_model_dir: str | None = None,
-    adapters_in: dict[str, str | None] | None = None,
-    resume_dir: str | None = None,
+    start: PolicyWeights,
+    iteration: int = 0,
+    version: str | None = None,
+    save_optimizer: bool | None = None,
+    num_threads: int | None = None,
 ) -> UpdateSpec:
-    """Build the ``UpdateSpec`` of ``policy`` from an ``ExperimentConfig`` (training, algorithm, LoRA shape,
-    specialization, the policy's agents, storage options and seed)."""
+    """The ``UpdateSpec`` of ``policy``'s update at ``iteration`` of an ``ExperimentConfig``: the only builder.
+
+    ``start`` says where the update starts (weights, adapters, optimizer snapshot and its age). The seed is
+    ``run.seed + iteration`` and the optimizer snapshot follows ``training.save_optimizer_every``
+    (``optimizer_snapshot_due``) unless ``save_optimizer`` says otherwise, so ``pettingflow update --iteration K``
+    builds exactly the spec the flow builds for iteration K.
+    """
+    from pettingflow.configs.settings import Specialization as Spec
+
     settings = config.policy(policy)  # KeyError naming the defined policies
+    lora = config.specialization is Spec.lora
+    if save_optimizer is None:
+        save_optimizer = optimizer_snapshot_due(
+            config.training.optimizer_snapshot_every, iteration, config.run.iterations
+        )
     return UpdateSpec(
         batch_uri=batch_uri,
         policy=policy,
         out_dir=out_dir,
-        init_model_dir=init_model_dir,
-        base_model_dir=base_model_dir,
-        adapters_in=adapters_in,
-        resume_dir=resume_dir,
+        init_model_dir=start.model_dir,
+        base_model_dir=start.base_dir,
+        adapters_in=(dict(start.adapters) or None) if lora else None,
+        resume_dir=start.deepspeed_dir,
+        optimizer_age=start.optimizer_age if start.deepspeed_dir else 0,
         specialization=config.specialization,
         agents=[a.name for a in config.agents_of(policy)],
         training=config.training,
         algorithm=config.algorithm,
         lora=settings.lora,
         storage_options=dict(config.run.storage_options),
-        seed=config.run.seed,
+        seed=config.run.seed + iteration,
+        save_resume_state=save_optimizer,
+        start_version=start.source,
+        version=version,
+        num_threads=num_threads if num_threads is not None else config.training.num_threads,
     )

@@ -191,6 +191,16 @@ def activate_adapter(model: Any, name: str) -> None:
                 module.set_scale(adapter, 1.0 if adapter == name else 0.0)
 
 
+def load_adapter_weights(model: Any, folders: Mapping[str, str | None]) -> None:
+    """Set each named adapter of ``model`` to the weights in its peft folder (agents without one: unchanged)."""
+    from peft.utils import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    for agent, folder in folders.items():
+        if folder is not None:
+            set_peft_model_state_dict(model, load_file(str(Path(folder) / "adapter_model.safetensors")), agent)
+
+
 @contextlib.contextmanager
 def adapters_disabled(model: Any) -> Iterator[None]:
     """The LoRA reference: the base with every adapter disabled (peft's ``disable_adapter``)."""
@@ -258,15 +268,19 @@ def micro_batch_logprobs(forward: Callable[..., Any], mb: MicroBatch) -> torch.T
 
 
 def micro_batch_loss(
-    forward: Callable[..., Any], mb: MicroBatch, algo: AlgorithmSettings
+    forward: Callable[..., Any], mb: MicroBatch, algo: AlgorithmSettings, *, old_is_current: bool = False
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO loss of one micro-batch (``total_loss``) with the current policy's log-probs.
 
-    Needs ``mb.old_logprobs`` (and ``mb.ref_logprobs`` when ``kl_coef > 0``). Entropy is always reported
-    (over the model tokens only); it carries gradient only when ``entropy_coef > 0``. Metrics also get
-    ``logprob_mean`` (mean current log-prob of the model tokens) and ``model_tokens``.
+    Needs ``mb.old_logprobs`` (and ``mb.ref_logprobs`` when ``kl_coef > 0``), unless ``old_is_current``: no optimizer
+    step has happened yet in this update, so the old log-probs (those of the weights the update started
+    from) equal the current ones and are taken from this forward, detached, instead of a separate one
+    (ratio 1; TRL does the same with one iteration per generation batch).
+    Entropy is always reported (over the model tokens only); it carries gradient only when
+    ``entropy_coef > 0``. Metrics also get ``logprob_mean`` (mean current log-prob of the model tokens),
+    ``model_tokens`` and, with ``old_is_current``, ``sampler_abs_diff_sum`` (sum of |current - sampler|).
     """
-    if mb.old_logprobs is None:
+    if mb.old_logprobs is None and not old_is_current:
         raise ValueError("micro-batch has no old log-probs; compute them before training")
     if algo.kl_coef > 0 and mb.ref_logprobs is None:
         raise ValueError("kl_coef > 0 needs reference log-probs on the micro-batch")
@@ -278,9 +292,10 @@ def micro_batch_loss(
     else:
         with torch.no_grad():
             entropy = torch.zeros_like(logp).masked_scatter(valid, entropy_from_logits(logits.detach()[valid]))
+    old = logp.detach() if old_is_current else mb.old_logprobs
     loss, metrics = total_loss(
         logp,
-        mb.old_logprobs,
+        old,
         mb.advantages,
         mb.loss_mask,
         ref_logprobs=mb.ref_logprobs,
@@ -296,6 +311,8 @@ def micro_batch_loss(
     n = int(valid.sum())
     metrics["logprob_mean"] = float(logp.detach().sum() / max(n, 1))
     metrics["model_tokens"] = float(n)
+    if old_is_current:
+        metrics["sampler_abs_diff_sum"] = float((old - mb.sampler_logprobs).abs()[valid].sum())
     return loss, metrics
 
 

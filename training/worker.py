@@ -1,22 +1,34 @@
-"""The update process of one policy: ``python -m pettingflow.training.worker --spec SPEC.json``.
+"""The update code of one policy, resident or one-shot: ``UpdateWorker.update(spec)``.
 
-Run as one process, or as N ranks under ``torch.distributed.run`` (gloo); ``launch.run_update`` does either.
-The lifecycle is small and explicit (torchtune style)::
+The same class serves both ways of running an update:
 
-    setup -> load_checkpoint -> train -> save_checkpoint -> cleanup
+- **resident** (``training.learner: resident``, the default in flows): one ``UpdateWorker`` per rank lives in a
+  Ray actor (``training/learner.py``) for the whole run. Model, DeepSpeed engine, optimizer moments and the
+  KL reference stay in memory; each iteration's ``update(spec)`` only reads the batch, trains and writes the
+  new weights. The worker remembers which weights it holds (``version``); a spec whose ``start_version``
+  differs (a resumed run, a re-run, a restarted learner) makes it rebuild from the committed checkpoint.
+- **one-shot** (``python -m pettingflow.training.worker --spec SPEC.json``, alone or as N ranks under
+  ``torch.distributed.run``; ``launch.run_update`` starts it): ``run()`` = ``update(spec)`` then ``cleanup()``.
 
-- ``setup``: read the batch, drop untrainable rows (counted), plan the optimizer-step windows, initialise
-  ``torch.distributed`` (gloo), load the policy (full weights, or base + one LoRA adapter per agent) and, when
-  ``kl_coef > 0``, the reference; wrap the policy in a DeepSpeed engine (ZeRO stage and bf16 from the config,
-  a client ``torch.optim.AdamW`` so no DeepSpeed op is JIT-compiled). An empty batch stops here: the job
-  writes ``metrics.json`` with ``skipped: true`` and no weights.
-- ``load_checkpoint``: with ``resume_dir`` (a previous job's ``deepspeed/`` folder), weights and optimizer
-  state come from it, exactly.
-- ``train``: old log-probs (recomputed with the current weights, or the sampler's when
-  ``use_sampler_logprobs``) and reference log-probs (only when ``kl_coef > 0``) are computed once, then
-  ``epochs`` PPO passes run over the windows with gradient accumulation and clipping.
-- ``save_checkpoint``: ``deepspeed/`` (resume state), ``model/`` (full: HF safetensors + tokenizer files) or
-  ``adapters/<agent>/`` (LoRA: peft folders), then ``metrics.json`` last: its presence means the job finished.
+One update (torchtune-style lifecycle, each step a method)::
+
+    read rows -> prepare (keep resident state | build + restore) -> plan -> train -> save
+
+- ``read rows``: drop untrainable rows (counted). An empty batch stops here: ``metrics.json`` says
+  ``skipped: true``, no weights are written and the resident state is untouched.
+- ``build``: ``torch.distributed`` (gloo on CPU, NCCL on GPU), the policy (full weights, or base + one LoRA
+  adapter per agent) and, when ``kl_coef > 0``, the reference, wrapped in a DeepSpeed engine (ZeRO stage and
+  bf16 from the config, a client ``torch.optim.AdamW`` so no DeepSpeed op is JIT-compiled).
+- ``restore``: optimizer state from ``resume_dir`` (a ``deepspeed/`` snapshot). When the snapshot is older
+  than the start weights (``optimizer_age > 0``), its moments are kept and the weights are set back to the
+  start weights. The metrics say which case happened (``optimizer_state``: new | resident | restored | stale |
+  reset), so a restart never silently resets Adam.
+- ``train``: old log-probs and reference log-probs are computed once, then ``epochs`` PPO passes over the
+  windows. With one epoch, the first window's old log-probs equal the current ones exactly (no optimizer
+  step has happened yet), so that forward pass is skipped (as TRL does with one iteration per batch).
+- ``save``: ``model/`` (full: HF safetensors + tokenizer files) or ``adapters/<agent>/`` (LoRA: peft
+  folders), ``deepspeed/`` when ``save_resume_state``, then ``metrics.json`` last: its presence means the
+  update finished.
 
 L2 (LoRA): every window (optimizer step) holds one agent's rows, and the optimizer skips the param groups of
 all other adapters (``GroupMaskedAdamW``), so an adapter's weights and optimizer state change only on steps
@@ -39,7 +51,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from pettingflow.training.launch import METRICS_FILE, UpdateSpec
+from pettingflow.training.checkpoint import ADAPTERS_SUBDIR, BASE_VERSION, DEEPSPEED_SUBDIR, MODEL_SUBDIR
+from pettingflow.training.launch import METRICS_FILE, UpdateSpec, build_key
 
 log = logging.getLogger("pettingflow.training.worker")
 
@@ -118,20 +131,30 @@ class _Accumulator:
 
 
 class UpdateWorker:
-    """One update job. ``run()`` executes the lifecycle and returns the metrics (rank 0 writes them)."""
+    """One rank's update code and, when kept alive, its resident model and optimizer.
 
-    def __init__(self, spec: UpdateSpec):
-        self.spec = spec
-        self.out = Path(spec.out_dir)
+    ``run()`` is the one-shot lifecycle (update, then free everything). ``update(spec)`` may be called again
+    and again on the same object (the resident learner does): the engine is kept while the spec's engine
+    shape (``build_key``) and starting weights (``start_version``) match what this object holds.
+    """
+
+    def __init__(self, spec: UpdateSpec | None = None):
+        self.spec: UpdateSpec = spec  # type: ignore[assignment]  # set per update
         self.rank = _env_int("RANK", 0)
         self.world_size = _env_int("WORLD_SIZE", 1)
+        # resident state (kept across updates)
         self.engine: Any = None
         self.reference: Any = None
+        self.client_optimizer: Any = None
+        self.trainable: list[Any] = []
+        self.build_key: str | None = None
+        self.version: str | None = None  # which committed weights the engine holds; None = unknown/dirty
+        self.updates_done = 0
+        # per update
+        self.out = Path(spec.out_dir) if spec is not None else Path(".")
         self.windows: list[Any] = []
         self.my_slots: list[list[Any]] = []  # per window: this rank's gas MicroBatches
         self.rows: Any = None
-        self.client_optimizer: Any = None
-        self.trainable: list[Any] = []
         self.resumed_from: str | None = None
         self.metrics: dict[str, Any] = {}
         self.timings: dict[str, float] = {}
@@ -140,21 +163,44 @@ class UpdateWorker:
 
     # ------------------------------------------------------------------------------------------------ lifecycle
     def run(self) -> dict[str, Any]:
-        started = time.perf_counter()
+        """One-shot: one update, then free the model and optimizer."""
         try:
-            self.setup()
-            if not self.skipped:
-                self.load_checkpoint()
-                self.train()
-                self.save_checkpoint()
+            return self.update(self.spec)
         finally:
             self.cleanup()
+
+    def update(self, spec: UpdateSpec) -> dict[str, Any]:
+        """Train on ``spec``'s batch from ``spec``'s starting weights; write weights and ``metrics.json``."""
+        started = time.perf_counter()
+        self._begin(spec)
+        self.read_rows()
+        if not self.skipped:
+            self.metrics.update(self.prepare())
+            self.version = None  # from here on the engine holds weights that are not committed anywhere
+            self.plan()
+            self.train()
+            self.save_checkpoint()
+            self.version = spec.version
+            self.updates_done += 1
         self.metrics["duration_s"] = round(time.perf_counter() - started, 3)
         if self.rank == 0:
             self._write_metrics()
         return self.metrics
 
-    def setup(self) -> None:
+    def _begin(self, spec: UpdateSpec) -> None:
+        self.spec = spec
+        self.out = Path(spec.out_dir)
+        self.windows, self.my_slots, self.rows = [], [], None
+        self.resumed_from = None
+        self.metrics, self.timings = {}, {}
+        self.skipped = False
+        self._grad_norms = []
+        if spec.num_threads:
+            import torch
+
+            torch.set_num_threads(spec.num_threads)
+
+    def read_rows(self) -> None:
         t0 = time.perf_counter()
         spec = self.spec
         from pettingflow.training.data import read_batch, samples_from_table
@@ -163,25 +209,47 @@ class UpdateWorker:
         self.rows = samples_from_table(table, spec.training.max_seq_len)
         self._check_rows()
         self.metrics.update(self._row_metrics())
+        self.timings["read_s"] = time.perf_counter() - t0
         if not self.rows.samples:
             self.skipped = True
             self.metrics.update(skipped=True, reason="no trainable rows in the batch", outputs=None)
             log.warning("batch %s has no trainable rows: skipping the update", spec.batch_uri)
-            return
 
+    def prepare(self) -> dict[str, Any]:
+        """Keep the resident engine when it holds this update's starting weights; else build and restore."""
+        spec = self.spec
+        key = build_key(spec)
+        if self.engine is not None and key == self.build_key and spec.start_version == self.version is not None:
+            log.info("resident: continuing from %s in memory (optimizer moments carried over)", self.version)
+            return {"learner_loaded": False, "optimizer_state": "resident", "optimizer_age": 0}
+        if self.engine is not None:
+            why = "engine settings changed" if key != self.build_key else f"holds {self.version}"
+            log.info("rebuilding the learner state for start %s (%s)", spec.start_version, why)
+            self.release()
+        t0 = time.perf_counter()
+        self.build()
+        self.build_key = key
+        self.timings["setup_s"] = time.perf_counter() - t0
+        status = self.restore()
+        return {"learner_loaded": True, **status}
+
+    def build(self) -> None:
+        """Distributed group, policy (+ reference) and the DeepSpeed engine, from the spec's start weights."""
+        spec = self.spec
         import deepspeed
         import torch
+        import torch.distributed as dist
 
         from pettingflow.training import model as M
-        from pettingflow.training.data import collate, filler, plan_windows
 
         torch.manual_seed(spec.seed)
-        ensure_dist_env()
-        disable_shm_comm()
-        logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-        deepspeed.init_distributed(dist_backend=dist_backend())
-        self.rank = torch.distributed.get_rank()
-        self.world_size = torch.distributed.get_world_size()
+        if not dist.is_initialized():
+            ensure_dist_env()
+            disable_shm_comm()
+            logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+            deepspeed.init_distributed(dist_backend=dist_backend())
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
 
         dtype = M.torch_dtype(spec.training.dtype)
         base = M.load_causal_lm(spec.init_model_dir, dtype)
@@ -210,10 +278,22 @@ class UpdateWorker:
         self.engine, _, _, _ = deepspeed.initialize(
             model=model, optimizer=self.client_optimizer, config=self.deepspeed_config()
         )
-
-        device = self.engine.device
         if self.reference is not None and not isinstance(self.reference, str):
-            self.reference.to(device)
+            self.reference.to(self.engine.device)
+        log.info(
+            "rank %d/%d: built %s from %s",
+            self.rank,
+            self.world_size,
+            "LoRA " + ",".join(spec.agents) if spec.uses_lora else "full weights",
+            spec.init_model_dir,
+        )
+
+    def plan(self) -> None:
+        """Optimizer-step windows over the rows, and this rank's micro-batches on the engine's device."""
+        from pettingflow.training.data import collate, filler, plan_windows
+
+        spec = self.spec
+        device = self.engine.device
         self.windows = plan_windows(
             self.rows.samples,
             spec.training.micro_batch_size,
@@ -230,15 +310,13 @@ class UpdateWorker:
                     for s in mine
                 ]
             )
-        self.timings["setup_s"] = time.perf_counter() - t0
         log.info(
-            "rank %d/%d: %d rows, %d windows, %d micro-steps per window, %s",
+            "rank %d/%d: %d rows, %d windows, %d micro-steps per window",
             self.rank,
             self.world_size,
             len(self.rows.samples),
             len(self.windows),
             spec.training.gradient_accumulation_steps,
-            "LoRA " + ",".join(spec.agents) if spec.uses_lora else "full weights",
         )
 
     def deepspeed_config(self) -> dict[str, Any]:
@@ -258,10 +336,18 @@ class UpdateWorker:
             "wall_clock_breakdown": False,
         }
 
-    def load_checkpoint(self) -> None:
+    def restore(self) -> dict[str, Any]:
+        """Optimizer state for the freshly built engine, and what it is: never a silent Adam restart."""
         spec = self.spec
         if not spec.resume_dir:
-            return
+            if spec.start_version in (None, BASE_VERSION):
+                return {"optimizer_state": "new", "optimizer_age": 0}
+            log.warning(
+                "optimizer state RESET: the weights of %s were trained, but no optimizer snapshot exists "
+                "(training.save_optimizer_every); Adam moments restart at zero",
+                spec.start_version,
+            )
+            return {"optimizer_state": "reset", "optimizer_age": None}
         t0 = time.perf_counter()
         path, client_state = self.engine.load_checkpoint(
             spec.resume_dir,
@@ -278,8 +364,42 @@ class UpdateWorker:
                 "the agents (and their order) must match to restore the optimizer state"
             )
         self.resumed_from = str(path)
+        age = spec.optimizer_age or 0
+        if age > 0:
+            self._reset_weights_to_start()
         self.timings["load_checkpoint_s"] = time.perf_counter() - t0
-        log.info("resumed from %s (global step %d)", path, self.engine.global_steps)
+        if age:
+            log.warning(
+                "optimizer state STALE: moments from %s, %d update(s) older than the weights of %s",
+                path,
+                age,
+                spec.start_version,
+            )
+            return {"optimizer_state": "stale", "optimizer_age": age}
+        log.info("optimizer state restored exactly from %s (global step %d)", path, self.engine.global_steps)
+        return {"optimizer_state": "restored", "optimizer_age": 0}
+
+    def _reset_weights_to_start(self) -> None:
+        """After loading an older snapshot: weights back to the spec's start weights, its moments kept."""
+        import torch
+
+        from pettingflow.training import model as M
+
+        spec, module = self.spec, self.engine.module
+        if spec.training.zero_stage == 3:
+            raise ValueError(
+                "a stale optimizer snapshot cannot be combined with newer weights under ZeRO-3; "
+                "set training.save_optimizer_every=1 (or use ZeRO 0-2)"
+            )
+        with torch.no_grad():
+            if spec.uses_lora:
+                M.load_adapter_weights(module, spec.adapters_in or {})
+            else:
+                fresh = M.load_causal_lm(spec.init_model_dir, M.torch_dtype(spec.training.dtype))
+                module.load_state_dict(fresh.state_dict())
+        refresh = getattr(self.engine.optimizer, "refresh_fp32_params", None)
+        if refresh is not None:  # mixed precision: the fp32 master weights follow the module's weights
+            refresh()
 
     def train(self) -> None:
         import torch
@@ -290,13 +410,19 @@ class UpdateWorker:
         t0 = time.perf_counter()
         module = engine.module
         module.eval()
+        # one epoch: no optimizer step precedes the first window, so its old log-probs are the current ones
+        first_is_current = spec.training.epochs == 1 and not algo.use_sampler_logprobs
         diff_sum, diff_n = 0.0, 0
-        for slots in self.my_slots:
+        forwards_skipped = 0
+        for w, slots in enumerate(self.my_slots):
             for mb in slots:
                 if mb.adapter is not None:
                     M.activate_adapter(module, mb.adapter)
                 if algo.use_sampler_logprobs:
                     mb.old_logprobs = mb.sampler_logprobs
+                elif w == 0 and first_is_current:
+                    mb.old_logprobs = None
+                    forwards_skipped += 1
                 else:
                     mb.old_logprobs = M.micro_batch_logprobs(module, mb)
                     if not mb.is_padding:
@@ -310,22 +436,22 @@ class UpdateWorker:
                     else:
                         mb.ref_logprobs = M.micro_batch_logprobs(self.reference, mb)
         self.timings["logprob_s"] = time.perf_counter() - t0
+        self.metrics["old_logprob_forwards_skipped"] = forwards_skipped
 
         acc = _Accumulator()
-        if diff_n:
-            acc.add("sampler_logprob_abs_diff", diff_sum, diff_n)
         engine.train()
         t1 = time.perf_counter()
         steps = 0
         for epoch in range(spec.training.epochs):
-            for window, slots in zip(self.windows, self.my_slots, strict=True):
+            for w, (window, slots) in enumerate(zip(self.windows, self.my_slots, strict=True)):
                 self._set_active_groups(window.adapter)
                 scale = window.loss_scale()
                 manual_norm = None
+                current_is_old = first_is_current and epoch == 0 and w == 0
                 for i, mb in enumerate(slots):
                     if mb.adapter is not None:
                         M.activate_adapter(module, mb.adapter)
-                    loss, m = M.micro_batch_loss(engine, mb, algo)
+                    loss, m = M.micro_batch_loss(engine, mb, algo, old_is_current=current_is_old)
                     engine.backward(loss * scale)
                     if i == len(slots) - 1 and spec.training.zero_stage == 0 and spec.training.dtype == "fp32":
                         # DeepSpeed does not report the norm for plain fp32 without ZeRO; grads are reduced here
@@ -334,12 +460,17 @@ class UpdateWorker:
                     engine.step()
                     if not mb.is_padding:
                         self._record(acc, m, epoch, window.adapter, mb)
+                        if "sampler_abs_diff_sum" in m:
+                            diff_sum += m["sampler_abs_diff_sum"]
+                            diff_n += int(m["model_tokens"])
                 norm = engine.get_global_grad_norm()
                 norm = manual_norm if norm is None else float(norm)
                 if norm is not None and math.isfinite(norm):
                     acc.add("grad_norm", norm)
                     self._grad_norms.append(norm)
                 steps += 1
+        if diff_n:
+            acc.add("sampler_logprob_abs_diff", diff_sum, diff_n)
         self.timings["train_s"] = time.perf_counter() - t1
         self.metrics.update(self._loss_metrics(acc, steps))
 
@@ -350,7 +481,7 @@ class UpdateWorker:
 
         spec, engine = self.spec, self.engine
         t0 = time.perf_counter()
-        ds_dir = self.out / "deepspeed"
+        ds_dir = self.out / DEEPSPEED_SUBDIR
         client_state = {
             "policy": spec.policy,
             "specialization": spec.specialization.value,
@@ -372,23 +503,30 @@ class UpdateWorker:
             if spec.uses_lora:
                 outputs["adapters"] = {}
                 for agent in spec.agents:
-                    folder = self.out / "adapters" / agent
+                    folder = self.out / ADAPTERS_SUBDIR / agent
                     M.save_adapter(module, state, agent, folder)
                     outputs["adapters"][agent] = str(folder)
             else:
-                M.save_full_model(module, state, self.out / "model", spec.init_model_dir)
-                outputs["model"] = str(self.out / "model")
+                M.save_full_model(module, state, self.out / MODEL_SUBDIR, spec.init_model_dir)
+                outputs["model"] = str(self.out / MODEL_SUBDIR)
         dist.barrier()
         self.timings["save_s"] = time.perf_counter() - t0
         self.metrics["outputs"] = outputs
+        self.metrics["optimizer_saved"] = spec.save_resume_state
 
-    def cleanup(self) -> None:
+    def release(self) -> None:
+        """Drop the model, engine and optimizer (the process group stays)."""
         self.engine = None
         self.reference = None
-        self.my_slots = []
         self.client_optimizer = None
         self.trainable = []
+        self.build_key = None
+        self.version = None
         gc.collect()
+
+    def cleanup(self) -> None:
+        self.my_slots = []
+        self.release()
 
     # ------------------------------------------------------------------------------------------------ helpers
     def _check_rows(self) -> None:

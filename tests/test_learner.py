@@ -1,0 +1,175 @@
+"""The resident learner: ranks in Ray actors keep the model and Adam moments across updates; a killed learner
+restarts from the newest committed checkpoint and says how old its optimizer state is.
+
+Tiny random Llama, bf16 + ZeRO-0 (the shipped configs' engine: DeepSpeed's BF16_Optimizer with fp32 master
+weights), one thread per rank.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import test_training_worker
+import torch
+from safetensors.torch import load_file
+from test_training_worker import load_model, make_rows, spec_for, write_batch
+
+from pettingflow.training import UpdateError
+from pettingflow.training.checkpoint import BASE_VERSION
+from pettingflow.training.launch import UpdateSpec
+
+tiny_model_dir = test_training_worker.tiny_model_dir  # the same session fixture (one tiny model per test run)
+in_process = test_training_worker.in_process
+
+TRAIN = {"dtype": "bf16", "zero_stage": 0, "micro_batch_size": 2, "gradient_accumulation_steps": 2, "lr": 1e-2}
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    import ray
+
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+def batches(tmp: Path, n: int) -> list[str]:
+    """``n`` different batches of 4 rows (one optimizer step each: 2 micro-batches of 2)."""
+    out = []
+    for k in range(n):
+        rows = make_rows(4, seed=10 + k)
+        out.append(write_batch(tmp / f"batch-{k}.parquet", rows, [1.0, -1.0, 0.5, -0.5]))
+    return out
+
+
+def chain_spec(batch: str, out: Path, init: Path, k: int, prev: dict | None, **kw) -> UpdateSpec:
+    """Update k of a chain: starts from update k-1's outputs (named v<k-1>), produces v<k>."""
+    start_dir = Path(prev["outputs"]["model"]) if prev else init
+    return spec_for(
+        batch,
+        out,
+        start_dir,
+        training=TRAIN,
+        base_model_dir=str(init),
+        start_version=f"v{k - 1}" if prev else BASE_VERSION,
+        version=f"v{k}",
+        resume_dir=kw.pop("resume_dir", None),
+        save_resume_state=kw.pop("save_resume_state", True),
+        seed=k,
+        **kw,
+    )
+
+
+def safetensors_of(metrics: dict) -> dict[str, torch.Tensor]:
+    return load_file(str(Path(metrics["outputs"]["model"]) / "model.safetensors"))
+
+
+@pytest.mark.slow
+def test_resident_updates_equal_updates_with_a_kill_and_resume(local_ray, tiny_model_dir, tmp_path):
+    from pettingflow.training.learner import Learner
+
+    data = batches(tmp_path, 3)
+
+    # A: three updates on one resident learner
+    a = Learner("shared", 1, tmp_path / "logs-a").start()
+    ma: list[dict] = []
+    try:
+        for k in range(3):
+            ma.append(a.update(chain_spec(data[k], tmp_path / f"a{k}", tiny_model_dir, k, ma[-1] if ma else None)))
+            if k == 0:
+                steps_after_first = {float(s["step"]) for s in a.call("optimizer_state")["state"].values()}
+        state_a = a.call("state_summary")
+        opt_a = a.call("optimizer_state")
+    finally:
+        a.stop()
+    assert [m["optimizer_state"] for m in ma] == ["new", "resident", "resident"]
+    assert [m["learner_loaded"] for m in ma] == [True, False, False]
+    assert a.starts == 1 and state_a["version"] == "v2" and state_a["updates_done"] == 3
+    # Adam was not reset between updates: its step count went on by one per update
+    steps = {float(s["step"]) for s in opt_a["state"].values()}
+    assert len(steps_after_first) == 1 and steps == {steps_after_first.pop() + 2} and state_a["global_steps"] == 3
+    # the first window's old log-probs came from the training forward itself (one epoch): no extra pass
+    assert all(m["old_logprob_forwards_skipped"] == 2 for m in ma)
+    assert (tmp_path / "a2" / "worker.log").read_text().count("rank0") > 0
+
+    # B: two updates, kill -9 the rank, the next update fails with the log tail, the retry restores exactly
+    b = Learner("shared", 1, tmp_path / "logs-b").start()
+    mb: list[dict] = []
+    try:
+        for k in range(2):
+            mb.append(b.update(chain_spec(data[k], tmp_path / f"b{k}", tiny_model_dir, k, mb[-1] if mb else None)))
+        os.kill(b.pids[0], signal.SIGKILL)
+        spec2 = chain_spec(
+            data[2], tmp_path / "b2", tiny_model_dir, 2, mb[-1], resume_dir=mb[-1]["outputs"]["deepspeed"]
+        )
+        with pytest.raises(UpdateError, match="resident learner") as info:
+            b.update(spec2)
+        assert "learner-shared-rank0.log" in str(info.value) and not b.alive
+        m2 = b.update(spec2)  # what the Prefect task's retry does
+        opt_b = b.call("optimizer_state")
+    finally:
+        b.stop()
+    assert b.starts == 2 and m2["learner_loaded"] and m2["optimizer_state"] == "restored"
+    assert m2["learner"]["started_for_this_update"] is True
+    wa, wb = safetensors_of(ma[2]), safetensors_of(m2)
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert any(not torch.equal(wa[k], safetensors_of(ma[1])[k]) for k in wa)  # the last update changed weights
+    for i, state in opt_a["state"].items():
+        for key, value in state.items():
+            assert torch.allclose(value, opt_b["state"][i][key], rtol=0, atol=1e-7), (i, key)
+
+
+@pytest.mark.slow
+def test_a_failing_update_reports_the_log_tail_and_the_next_one_restarts(local_ray, tiny_model_dir, tmp_path):
+    from pettingflow.training.learner import Learner
+
+    rows = make_rows(2)
+    for r in rows:
+        r["policy_name"] = "other"
+    bad = write_batch(tmp_path / "bad.parquet", rows, [1.0, -1.0])
+    learner = Learner("shared", 1, tmp_path / "logs").start()
+    try:
+        with pytest.raises(UpdateError, match="holds rows of policies") as info:
+            learner.update(chain_spec(bad, tmp_path / "bad", tiny_model_dir, 0, None))
+        assert "--- " in str(info.value) and not learner.alive
+        good = batches(tmp_path, 1)[0]
+        m = learner.update(chain_spec(good, tmp_path / "good", tiny_model_dir, 0, None))
+    finally:
+        learner.stop()
+    assert learner.starts == 2 and m["skipped"] is False and m["optimizer_state"] == "new"
+
+
+def test_stale_snapshot_keeps_its_moments_and_the_newer_weights(tiny_model_dir, tmp_path, in_process):
+    """A restart whose newest snapshot is one update older than the weights: weights = the newer checkpoint,
+    moments = the snapshot's, and the metrics say 'stale', age 1."""
+    from pettingflow.training.worker import UpdateWorker
+
+    data = batches(tmp_path, 3)
+    m0 = in_process(chain_spec(data[0], tmp_path / "u0", tiny_model_dir, 0, None))
+    m1 = in_process(chain_spec(data[1], tmp_path / "u1", tiny_model_dir, 1, m0, save_resume_state=False))
+    assert m0["outputs"]["deepspeed"] and m1["outputs"]["deepspeed"] is None and m1["optimizer_state"] == "reset"
+
+    spec = chain_spec(
+        data[2], tmp_path / "u2", tiny_model_dir, 2, m1, resume_dir=m0["outputs"]["deepspeed"], optimizer_age=1
+    )
+    worker = UpdateWorker()
+    try:
+        worker._begin(spec)
+        worker.read_rows()
+        status = worker.prepare()
+        assert status == {"learner_loaded": True, "optimizer_state": "stale", "optimizer_age": 1}
+        want = load_model(Path(m1["outputs"]["model"]), torch.bfloat16).state_dict()
+        got = worker.engine.module.state_dict()
+        assert all(torch.equal(got[k], want[k]) for k in want)
+        # the fp32 master weights follow the newer weights too (else the next step would jump back to v0)
+        opt = worker.engine.optimizer  # bf16 + ZeRO-0: DeepSpeed's FP16_UnfusedOptimizer, fp32 master per param
+        pairs = [(m, p) for mg, pg in zip(opt.fp32_groups, opt.fp16_groups, strict=True) for m, p in zip(mg, pg)]
+        assert pairs and all(torch.equal(master, param.detach().float()) for master, param in pairs)
+        # the snapshot's Adam moments (a fresh optimizer's are all zero)
+        state = list(worker.engine.optimizer.optimizer.state.values())
+        assert state and all(float(s["exp_avg"].abs().sum()) > 0 for s in state)
+    finally:
+        worker.cleanup()

@@ -1,0 +1,313 @@
+"""The resident learner of one policy: its training ranks as Ray actors that live for a whole run.
+
+Why: a cold update process per iteration spends most of its time starting Python, importing torch and
+DeepSpeed, loading the model, building the engine and saving an optimizer state it then throws away (≈45 s
+of a 58 s update here), and Adam restarts every iteration. verl and OpenRLHF keep the policy resident in Ray
+actors that host the training ranks; so does this module.
+
+Process picture (one policy, ``training.num_processes = N``)::
+
+    flow process (driver)  --ray-->  LearnerRank actor 0  (UpdateWorker: model, engine, Adam moments, reference)
+                                      LearnerRank actor 1  ...  one torch.distributed group (gloo on CPU, NCCL on GPU)
+
+- Placement uses Ray resources: each rank asks for ``num_cpus`` CPUs (and one GPU when the cluster has GPUs),
+  in one placement group (PACK: on one node when it fits, spread over nodes when not). Rank 0's node address
+  and a free port there become the group's ``MASTER_ADDR``/``MASTER_PORT``, so ranks on several nodes of an
+  attached cluster (``rollout.ray_address``) form one group without new code.
+- Each rank runs ``UpdateWorker.update(spec)`` (``training/worker.py``), the same code as the one-shot process.
+  The worker keeps the engine while the next spec starts from the weights it holds (``start_version``).
+- Every rank logs to its own file (``learner-<policy>-rank<r>.log``); when a rank dies (kill -9, out of memory)
+  the update fails with ``UpdateError`` carrying the tails of those logs, the learner is marked dead, and the
+  next ``update`` (the Prefect task's retry) starts fresh ranks that load the newest committed checkpoint.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from pettingflow.training.launch import LOG_FILE, StagedOutput, UpdateError, UpdateSpec
+
+log = logging.getLogger(__name__)
+
+ACTOR_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "PYTHONUNBUFFERED": "1",
+}
+
+
+class LearnerRank:
+    """One training rank inside a Ray actor: an ``UpdateWorker`` kept alive between updates."""
+
+    def __init__(self, rank: int, world_size: int, log_path: str, omp_threads: int) -> None:
+        os.environ.update(ACTOR_ENV)
+        os.environ["OMP_NUM_THREADS"] = str(omp_threads)  # before torch is imported in this process
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+        self.rank = rank
+        self.log_path = log_path
+        Path(log_path).parent.mkdir(parents=True, exist_ok=True)
+        handler = logging.FileHandler(log_path)
+        handler.setFormatter(logging.Formatter(f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s"))
+        root = logging.getLogger()
+        root.addHandler(handler)
+        root.setLevel(logging.INFO)
+        logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+        self.worker: Any = None
+
+    def address(self) -> tuple[str, int]:
+        """This rank's node address and a free port on it (rank 0's become the group's master)."""
+        import socket
+
+        import ray
+
+        host = ray.util.get_node_ip_address()
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            return host, int(s.getsockname()[1])
+
+    def join(self, master_addr: str, master_port: int) -> int:
+        """Join the torch.distributed group (all ranks call this together); returns this process's pid."""
+        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+        import deepspeed
+
+        from pettingflow.training.worker import UpdateWorker, disable_shm_comm, dist_backend
+
+        disable_shm_comm()
+        deepspeed.init_distributed(dist_backend=dist_backend())
+        self.worker = UpdateWorker()
+        logging.getLogger(__name__).info(
+            "rank %d joined %s:%d (pid %d)", self.rank, master_addr, master_port, os.getpid()
+        )
+        return os.getpid()
+
+    def update(self, spec_json: str) -> dict[str, Any]:
+        spec = UpdateSpec.model_validate_json(spec_json)
+        try:
+            return self.worker.update(spec)
+        except BaseException:
+            logging.getLogger(__name__).exception("update of %s failed", spec.policy)
+            self.worker.release()  # half-trained state must never pass for committed weights
+            raise
+
+    def state_summary(self) -> dict[str, Any]:
+        """What the rank holds (tests and ``runs show``): version, updates done, optimizer step count."""
+        w = self.worker
+        engine = w.engine if w is not None else None
+        return {
+            "version": w.version if w is not None else None,
+            "updates_done": w.updates_done if w is not None else 0,
+            "global_steps": int(engine.global_steps) if engine is not None else None,
+            "pid": os.getpid(),
+        }
+
+    def optimizer_state(self) -> dict[str, Any]:
+        """The optimizer's state tensors on CPU (tests compare them across restarts)."""
+        opt = self.worker.engine.optimizer
+        inner = getattr(opt, "optimizer", opt)
+        return {
+            "state": {
+                i: {k: v.detach().float().cpu().clone() for k, v in s.items() if hasattr(v, "detach")}
+                for i, s in enumerate(inner.state.values())
+            }
+        }
+
+    def weights(self) -> dict[str, Any]:
+        """The module's trainable weights on CPU (tests)."""
+        module = self.worker.engine.module
+        return {n: p.detach().float().cpu().clone() for n, p in module.named_parameters() if p.requires_grad}
+
+
+class Learner:
+    """The driver side of one policy's resident learner: start the ranks, hand them updates, restart them.
+
+    ``update(spec)`` is what the ``update_policy`` task calls: it stages the output folder, runs the update
+    on every rank, waits (optionally with a timeout) and returns rank 0's metrics plus ``wall_s``,
+    ``log_path`` and ``learner`` (start count, pids). A dead or timed-out rank raises ``UpdateError`` with
+    the log tails and marks the learner dead; the next call starts new ranks.
+    """
+
+    def __init__(
+        self,
+        policy: str,
+        num_processes: int,
+        log_dir: str | Path,
+        *,
+        num_cpus_per_rank: float = 1.0,
+        omp_threads: int | None = None,
+        name: str | None = None,
+    ) -> None:
+        self.policy = policy
+        self.num_processes = num_processes
+        self.log_dir = Path(log_dir)
+        self.num_cpus_per_rank = num_cpus_per_rank
+        self.omp_threads = omp_threads or int(os.environ.get("OMP_NUM_THREADS", "1") or 1)
+        self.name = name or f"learner-{policy}"
+        self.actors: list[Any] = []
+        self.pids: list[int] = []
+        self.placement_group: Any = None
+        self.starts = 0
+        self._joined = False
+
+    # ------------------------------------------------------------------ lifecycle
+    @property
+    def alive(self) -> bool:
+        return bool(self.actors)
+
+    def log_paths(self) -> list[Path]:
+        return [self.log_dir / f"{self.name}-rank{r}.log" for r in range(self.num_processes)]
+
+    def start(self) -> Learner:
+        """Create the rank actors (they start importing in the background; ``join`` happens on first use)."""
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        if self.actors:
+            return self
+        gpus = 1 if ray.cluster_resources().get("GPU", 0) >= self.num_processes else 0
+        bundle = {"CPU": self.num_cpus_per_rank, **({"GPU": gpus} if gpus else {})}
+        self.placement_group = placement_group([bundle] * self.num_processes, strategy="PACK")
+        ray.get(self.placement_group.ready(), timeout=120)
+        remote_cls = ray.remote(LearnerRank)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        for rank, path in enumerate(self.log_paths()):
+            strategy = PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=rank)
+            actor = remote_cls.options(
+                num_cpus=self.num_cpus_per_rank,
+                num_gpus=gpus,
+                scheduling_strategy=strategy,
+                max_restarts=0,
+                name=f"{self.name}-rank{rank}-{os.getpid()}-{self.starts}",
+            ).remote(rank, self.num_processes, str(path), self.omp_threads)
+            self.actors.append(actor)
+        self.starts += 1
+        self._joined = False
+        log.info("learner %s: started %d rank actor(s) (start #%d)", self.policy, self.num_processes, self.starts)
+        return self
+
+    def _join(self) -> None:
+        import ray
+
+        host, port = ray.get(self.actors[0].address.remote())
+        self.pids = ray.get([a.join.remote(host, port) for a in self.actors], timeout=600)
+        self._joined = True
+        log.info(
+            "learner %s: %d rank(s) joined at %s:%d, pids %s", self.policy, len(self.actors), host, port, self.pids
+        )
+
+    def stop(self) -> None:
+        """Kill the rank actors and free their placement (their memory goes with them)."""
+        import ray
+
+        for actor in self.actors:
+            with contextlib.suppress(Exception):  # already dead
+                ray.kill(actor, no_restart=True)
+        self.actors = []
+        self.pids = []
+        self._joined = False
+        if self.placement_group is not None:
+            with contextlib.suppress(Exception):
+                ray.util.remove_placement_group(self.placement_group)
+            self.placement_group = None
+
+    # ------------------------------------------------------------------ work
+    def update(self, spec: UpdateSpec, timeout_s: float | None = None) -> dict[str, Any]:
+        """Run ``spec`` on the resident ranks; returns rank 0's metrics (see the class docstring)."""
+        if spec.training.num_processes != self.num_processes:
+            raise ValueError(
+                f"learner {self.policy} has {self.num_processes} rank(s), the spec asks for "
+                f"{spec.training.num_processes}; start a new learner for a new training.num_processes"
+            )
+        started_now = not self.actors
+        if started_now:
+            self.start()
+        stage = StagedOutput(spec)
+        spec_json = stage.spec.model_dump_json()
+        offsets = [p.stat().st_size if p.is_file() else 0 for p in self.log_paths()]
+        started = time.perf_counter()
+        try:
+            if not self._joined:
+                self._join()
+            refs = [a.update.remote(spec_json) for a in self.actors]
+            results = self._wait(refs, timeout_s)
+        except UpdateError:
+            self.stop()
+            raise
+        except Exception as exc:  # a rank died (RayActorError) or raised inside the update (RayTaskError)
+            self.stop()
+            raise UpdateError(
+                f"update of policy {spec.policy!r} failed in the resident learner: {_short(exc)}\n{self.log_tails()}",
+                None,
+                str(self.log_paths()[0]),
+            ) from exc
+        wall = time.perf_counter() - started
+        self._copy_update_log(offsets, stage.local_out / LOG_FILE)
+        metrics = stage.finish(results[0], log_name=LOG_FILE)
+        metrics["wall_s"] = round(wall, 3)
+        metrics["learner"] = {"starts": self.starts, "started_for_this_update": started_now, "pids": self.pids}
+        log.info(
+            "learner %s: update done in %.1f s (%s, optimizer %s)",
+            self.policy,
+            wall,
+            "skipped: no trainable rows" if metrics.get("skipped") else f"loss={metrics.get('loss')}",
+            metrics.get("optimizer_state"),
+        )
+        return metrics
+
+    def _wait(self, refs: list[Any], timeout_s: float | None) -> list[dict[str, Any]]:
+        """All ranks' results; the first failure (or the timeout) stops waiting at once, so a dead rank never
+        leaves the others blocked in a collective with nobody noticing."""
+        import ray
+
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        pending = list(refs)
+        while pending:
+            wait_s = 5.0 if deadline is None else max(0.0, min(5.0, deadline - time.monotonic()))
+            done, pending = ray.wait(pending, num_returns=1, timeout=wait_s)
+            for ref in done:
+                ray.get(ref)  # raises the rank's error
+            if pending and deadline is not None and time.monotonic() >= deadline:
+                raise UpdateError(
+                    f"update of policy {self.policy!r} timed out after {timeout_s} s in the resident learner\n"
+                    f"{self.log_tails()}",
+                    None,
+                    str(self.log_paths()[0]),
+                )
+        return ray.get(refs)
+
+    def _copy_update_log(self, offsets: list[int], target: Path) -> None:
+        """This update's lines of every rank's log (those on this machine) into the step's ``worker.log``."""
+        with open(target, "w") as out:
+            for path, offset in zip(self.log_paths(), offsets, strict=True):
+                if path.is_file():
+                    with open(path, errors="replace") as f:
+                        f.seek(offset)
+                        out.write(f.read())
+
+    def call(self, method: str, rank: int = 0) -> Any:
+        """Call a ``LearnerRank`` method on one rank (inspection and tests)."""
+        import ray
+
+        return ray.get(getattr(self.actors[rank], method).remote())
+
+    def log_tails(self, lines: int = 30) -> str:
+        out = []
+        for path in self.log_paths():
+            tail: collections.deque[str] = collections.deque(maxlen=lines)
+            if path.is_file():
+                with open(path, errors="replace") as f:
+                    tail.extend(line.rstrip("\n") for line in f)
+            out.append(f"--- {path} (last {len(tail)} lines)\n" + "\n".join(tail))
+        return "\n".join(out)
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[-1] if text else type(exc).__name__
