@@ -3,6 +3,7 @@
     .venv/bin/python bench/rollout.py                      # starts its own vLLM server; ~5 min on 2 cores
     .venv/bin/python bench/rollout.py --tasks 16 --rounds 4
     .venv/bin/python bench/rollout.py --url URL            # attach to a running server serving --served-name
+    .venv/bin/python bench/rollout.py --workload w         # workload W: the code agent alone, 4 rounds
 
 Engine arm: ``run_episodes`` on the shipped ``code-env`` config (two agents, ``env.max_turns`` turns, G samples
 per task, in-process bubblewrap sandbox, no Ray), timed around the call. Raw arm: every turn that the engine
@@ -13,6 +14,13 @@ the same tokens from the same prompts; the ratio engine/raw shows what the engin
 server: turn sequencing (turn 2 waits for turn 1 and for the env), env/sandbox time (running the
 model-written code and tests), prompt building and tokenization, and the tail of each wave (fewer requests
 in flight at the end of a turn). Rounds alternate which arm runs first; each round uses new seeds.
+
+Workload W (``--workload w``): ``code-env-learn-solo`` (the code agent alone, one turn, 128 new tokens,
+temperature 1, concurrency 32) on the first 8 HumanEval problems (file order) x G=4, 4 rounds; goal 0.9.
+
+Each round also prints where the engine's wall time went (``rollout.engine.timeline``): time to the
+first request, until the first wave was sent, until the last token, the wall time after the last token
+(env steps: the sandbox), the tail with few requests in flight, and the same figures of the raw arm.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+import time
 from typing import Any
 
 import common
@@ -27,6 +36,11 @@ import httpx
 
 from pettingflow.envs import EnvCache
 from pettingflow.iteration.rollouts import select_train_tasks
+from pettingflow.rollout.engine import EngineStats, timeline
+
+#: the issue's workload W: the code agent alone, one turn, 128 new tokens, 8 HumanEval tasks x G=4
+W_CONFIG = "code-env-learn-solo"
+W_OVERRIDES = ("env.dataset.source=humaneval", "env.group_size=4", "env.tasks_per_iteration=8")
 
 
 def turn_requests(records: list[Any]) -> list[tuple[list[int], int]]:
@@ -35,69 +49,143 @@ def turn_requests(records: list[Any]) -> list[tuple[list[int], int]]:
 
 
 async def raw_replay(
-    url: str, model: str, requests: list[tuple[list[int], int]], concurrency: int
+    url: str,
+    model: str,
+    requests: list[tuple[list[int], int]],
+    concurrency: int,
+    seeded: bool = True,
+    spans: list[tuple[float, float]] | None = None,
 ) -> tuple[int, float]:
+    """All requests at once (bounded by ``concurrency``); (generated tokens, wall s). ``spans`` gets each
+    request's (sent, answered) in seconds after the start."""
     sem = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
 
     async with httpx.AsyncClient(timeout=600, limits=limits) as http:
+        started = time.perf_counter()
 
         async def one(i: int, prompt: list[int], n: int) -> int:
             body = common.request_body(model, prompt, n, seed=1000 + i)
+            if not seeded:
+                del body["seed"]
             async with sem:
+                sent = time.perf_counter() - started
                 resp = await http.post(f"{url}/v1/completions", json=body)
+            if spans is not None:
+                spans.append((sent, time.perf_counter() - started))
             resp.raise_for_status()
             return len(resp.json()["choices"][0]["token_ids"])
 
         with common.Timer() as t:
+            started = t.started
             counts = await asyncio.gather(*(one(i, p, n) for i, (p, n) in enumerate(requests)))
     return sum(counts), t.s
+
+
+def timeline_line(name: str, spans: list[tuple[float, float]], wall: float, env_spans=()) -> str:
+    tl = timeline(EngineStats(wall_s=wall, llm_spans=list(spans), env_spans=list(env_spans)))
+    line = (
+        f"    {name:<6} first request {tl['first_request_s']:5.2f} s, wave sent {tl['all_sent_s']:5.2f} s, "
+        f"last token {tl['last_token_s']:6.2f} s, after it {tl['after_last_token_s']:5.2f} s, "
+        f"tail (<= 1/4 of peak in flight) {tl['tail_s']:5.2f} s, in flight mean {tl['mean_in_flight']:4.1f}"
+        f" / peak {tl['peak_in_flight']:.0f}"
+    )
+    if env_spans:
+        line += f"; env: {len(env_spans)} steps, {tl['env_after_last_token_s']:.2f} s after the last token"
+    return line
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--url", help="attach to this running server instead of starting one")
     parser.add_argument("--served-name", default=common.DEFAULT_MODEL)
-    parser.add_argument("--tasks", type=int, default=8, help="HumanEval tasks per round")
-    parser.add_argument("--group-size", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument(
+        "--workload",
+        choices=["code-env", "w"],
+        default="code-env",
+        help="code-env: the shipped two-agent config (default); w: the code agent alone (code-env-learn-solo), "
+        "the first 8 HumanEval problems x G=4, 128 new tokens, 4 rounds",
+    )
+    parser.add_argument("--tasks", type=int, default=None, help="HumanEval tasks per round (default 8)")
+    parser.add_argument("--group-size", type=int, default=None, help="default 2 (code-env), 4 (w)")
+    parser.add_argument("--rounds", type=int, default=None, help="default 2 (code-env), 4 (w)")
     parser.add_argument("--kv-cache-gib", type=int, default=2)
+    parser.add_argument(
+        "--chunked-prefill",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="of the server this bench starts (auto: off on CPU, see docs/inference.md)",
+    )
+    parser.add_argument(
+        "--dtype", default="bfloat16", help="of the server this bench starts (float32 is faster on CPUs without bf16)"
+    )
+    parser.add_argument(
+        "--raw-unseeded", action="store_true", help="the raw arm sends no seeds (needed with chunked prefill on CPU)"
+    )
     parser.add_argument("overrides", nargs="*", help="extra config overrides, e.g. env.max_turns=4")
     args = common.parse_args(parser, argv)
 
+    solo = args.workload == "w"
+    n_tasks = args.tasks or 8
+    group_size = args.group_size or (4 if solo else 2)
+    rounds = args.rounds or (4 if solo else 2)
+    goal = 0.9 if solo else 0.95
     model = common.model_dir()
-    config = common.code_env_config(
-        model, f"env.tasks_per_iteration={args.tasks}", f"env.group_size={args.group_size}", *args.overrides
-    )
-    tasks = select_train_tasks(config, 0)
+    if solo:
+        from pettingflow.configs import load_config
+        from pettingflow.envs.humaneval import load_humaneval
+
+        config = load_config(
+            W_CONFIG,
+            [
+                f"policies.0.model={model}",
+                "rollout.use_ray=false",
+                *W_OVERRIDES,
+                f"env.group_size={group_size}",
+                *args.overrides,
+            ],
+        )
+        tasks = load_humaneval()[:n_tasks]
+    else:
+        config = common.code_env_config(
+            model, f"env.tasks_per_iteration={n_tasks}", f"env.group_size={group_size}", *args.overrides
+        )
+        tasks = select_train_tasks(config, 0)
     concurrency = config.rollout.max_concurrent_requests
     print(
-        f"{len(tasks)} tasks x G={args.group_size}, max_turns={config.env.max_turns}, concurrency {concurrency}, "
-        f"max_tokens {[a.sampling.max_tokens for a in config.agents]}, sandbox {config.env.sandbox.backend}",
+        f"workload {args.workload}: {len(tasks)} tasks x G={group_size}, max_turns={config.env.max_turns}, "
+        f"concurrency {concurrency}, max_tokens {[a.sampling.max_tokens for a in config.agents]}, "
+        f"sandbox {config.env.sandbox.backend} (max_concurrency {config.env.sandbox.max_concurrency}), "
+        f"{rounds} rounds, raw arm {'unseeded' if args.raw_unseeded else 'seeded'}",
         flush=True,
     )
     cache = EnvCache()
     rows = []
     ratios = []
-    with common.vllm_server(model, args.served_name, url=args.url, kv_cache_gib=args.kv_cache_gib) as server:
+    server_kwargs: dict[str, Any] = {"dtype": args.dtype}
+    if args.chunked_prefill != "auto":
+        server_kwargs["chunked_prefill"] = args.chunked_prefill == "on"
+    with common.vllm_server(
+        model, args.served_name, url=args.url, kv_cache_gib=args.kv_cache_gib, **server_kwargs
+    ) as server:
         endpoints = common.rollout_endpoints(config, server, args.served_name, model)
         common.run_rollouts(config, endpoints, tasks[:2], 1, "bench/warmup/", cache)  # warm-up: env, connections
-        for r in range(args.rounds):
+        for r in range(rounds):
             result: dict[str, Any] = {}
 
             def engine(r: int = r, result: dict[str, Any] = result) -> None:
-                records, stats, wall = common.run_rollouts(
-                    config, endpoints, tasks, args.group_size, f"bench/{r}/", cache
-                )
+                records, stats, wall = common.run_rollouts(config, endpoints, tasks, group_size, f"bench/{r}/", cache)
                 result.update(records=records, stats=stats, wall=wall)
 
             def raw(result: dict[str, Any] = result) -> None:
                 records = result.get("records") or result["prev"]
                 reqs = turn_requests(records)
+                spans: list[tuple[float, float]] = []
                 result["raw_tokens"], result["raw_wall"] = asyncio.run(
-                    raw_replay(server.url, args.served_name, reqs, concurrency)
+                    raw_replay(server.url, args.served_name, reqs, concurrency, not args.raw_unseeded, spans)
                 )
                 result["raw_requests"] = len(reqs)
+                result["raw_spans"] = spans
 
             if r % 2 == 0:
                 engine()
@@ -117,9 +205,12 @@ def main(argv: list[str] | None = None) -> int:
                 f"  round {r + 1}: engine {eng_tps:6.1f} tok/s ({tokens} tok, {stats.turns} turns, "
                 f"{result['wall']:.1f} s;"
                 f" llm {stats.llm_s:.1f} s env {stats.env_s:.1f} s summed over episodes)   raw {raw_tps:6.1f} tok/s"
-                f" ({result['raw_tokens']} tok, {result['raw_requests']} req, {result['raw_wall']:.1f} s)",
+                f" ({result['raw_tokens']} tok, {result['raw_requests']} req, {result['raw_wall']:.1f} s)"
+                f"   ratio {ratios[-1]:.3f}",
                 flush=True,
             )
+            print(timeline_line("engine", stats.llm_spans, result["wall"], stats.env_spans), flush=True)
+            print(timeline_line("raw", result["raw_spans"], result["raw_wall"]), flush=True)
 
     med = common.median
     common.print_table(
@@ -142,14 +233,14 @@ def main(argv: list[str] | None = None) -> int:
                 1.0,
             ),
         ],
-        title=f"medians over {args.rounds} alternating rounds",
+        title=f"medians over {rounds} alternating rounds",
     )
     print(
         "engine env time (summed over episodes, overlaps LLM time of other episodes): "
         f"median {med([x['stats'].env_s for x in rows]):.1f} s; engine LLM time summed: "
         f"{med([x['stats'].llm_s for x in rows]):.1f} s"
     )
-    print(common.ratio_line("engine/raw generated-tokens/s ratio", ratios, 0.95))
+    print(common.ratio_line("engine/raw generated-tokens/s ratio", ratios, goal))
     return 0
 
 

@@ -123,6 +123,10 @@ class EngineStats:
     llm_s: float = 0.0
     env_s: float = 0.0
     per_agent: dict[str, dict[str, float]] = field(default_factory=dict)
+    # where the wall time went: (start, end) of every LLM call and every env step, in seconds after the
+    # start of ``run`` (``timeline()`` summarizes them); not part of any stored output
+    llm_spans: list[tuple[float, float]] = field(default_factory=list, repr=False)
+    env_spans: list[tuple[float, float]] = field(default_factory=list, repr=False)
 
 
 class ExecutionEngine:
@@ -152,6 +156,9 @@ class ExecutionEngine:
         self.show_progress = show_progress
         self._llm_s = 0.0
         self._env_s = 0.0
+        self._t0 = time.perf_counter()
+        self._llm_spans: list[tuple[float, float]] = []
+        self._env_spans: list[tuple[float, float]] = []
 
     # ------------------------------------------------------------------ one episode
     async def run_episode(self, spec: EpisodeSpec) -> EpisodeRecord:
@@ -194,12 +201,16 @@ class ExecutionEngine:
             completion = await binding.client.complete_one(
                 prompt_ids, model=binding.served_model, **self._sampling(agent, max_tokens, spec, turn)
             )
-            self._llm_s += time.perf_counter() - started
+            ended = time.perf_counter()
+            self._llm_s += ended - started
+            self._llm_spans.append((started - self._t0, ended - self._t0))
             record.tokens_generated += len(completion.token_ids)
             agent.update_from_model(turn, env, completion.text)
             started = time.perf_counter()
             await agent.step(env)
-            self._env_s += time.perf_counter() - started
+            ended = time.perf_counter()
+            self._env_s += ended - started
+            self._env_spans.append((started - self._t0, ended - self._t0))
             turn_record = TurnRecord(
                 turn_idx=turn,
                 agent_idx=agents.index(agent),
@@ -273,7 +284,8 @@ class ExecutionEngine:
     async def run(self, specs: Sequence[EpisodeSpec]) -> tuple[list[EpisodeRecord], EngineStats]:
         """All episodes concurrently; results in the order of ``specs``."""
         self._llm_s = self._env_s = 0.0
-        started = time.perf_counter()
+        self._llm_spans, self._env_spans = [], []
+        started = self._t0 = time.perf_counter()
         progress = _Progress(len(specs), enabled=self.show_progress)
 
         async def one(spec: EpisodeSpec) -> EpisodeRecord:
@@ -288,7 +300,55 @@ class ExecutionEngine:
         stats = summarize(records)
         stats.wall_s = time.perf_counter() - started
         stats.llm_s, stats.env_s = self._llm_s, self._env_s
+        stats.llm_spans, stats.env_spans = list(self._llm_spans), list(self._env_spans)
         return list(records), stats
+
+
+def timeline(stats: EngineStats) -> dict[str, float]:
+    """Where a round's wall time went, from the spans ``run`` recorded (seconds after its start).
+
+    ``first_request_s``: until the first LLM call was made (env and agent set-up, prompt building,
+    tokenization). ``all_sent_s``: until the last call of the first wave was made (one per episode
+    started in the first 10 % of the round). ``last_token_s``: until the last LLM call returned.
+    ``after_last_token_s``: wall time after it (the env steps of the last episodes, e.g. the sandbox).
+    ``tail_s``: the stretch before the last token during which at most a quarter of the peak number of
+    requests was in flight. ``mean_in_flight``: time-weighted mean of requests in flight between the first
+    call and the last token; ``peak_in_flight``. ``env_after_last_token_s``: env time (summed over
+    episodes) that ran after the last token.
+    """
+    spans = sorted(stats.llm_spans)
+    if not spans:
+        return {}
+    first = spans[0][0]
+    last = max(end for _, end in spans)
+    events = sorted([(s, 1) for s, _ in spans] + [(e, -1) for _, e in spans])
+    in_flight = peak = 0
+    area = 0.0
+    prev = first
+    profile: list[tuple[float, int]] = []  # (time, requests in flight from then on)
+    for t, delta in events:
+        area += in_flight * (t - prev)
+        prev = t
+        in_flight += delta
+        peak = max(peak, in_flight)
+        profile.append((t, in_flight))
+    low = peak / 4
+    tail_start = last
+    for t, n in reversed(profile):
+        if n > low:
+            break
+        tail_start = t
+    window = first + 0.1 * (last - first)
+    return {
+        "first_request_s": first,
+        "all_sent_s": max((s for s, _ in spans if s <= window), default=first),
+        "last_token_s": last,
+        "after_last_token_s": max(stats.wall_s - last, 0.0),
+        "tail_s": last - tail_start,
+        "mean_in_flight": area / (last - first) if last > first else float(peak),
+        "peak_in_flight": float(peak),
+        "env_after_last_token_s": sum(max(0.0, e - max(s, last)) for s, e in stats.env_spans),
+    }
 
 
 def summarize(records: Sequence[EpisodeRecord]) -> EngineStats:
