@@ -19,10 +19,13 @@ costs one sandbox call however many asserts it checks, and the pass ratios are p
 from __future__ import annotations
 
 import ast
+import asyncio
 import functools
 import json
+import logging
 import re
 import secrets
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -34,6 +37,8 @@ from pettingflow.envs.base import Env, EnvConfig
 
 if TYPE_CHECKING:
     from pettingflow.envs.sandbox import ExecResult, Sandbox
+
+log = logging.getLogger(__name__)
 
 TASK_KEYS: tuple[str, ...] = ("task_id", "prompt", "canonical_solution", "test", "entry_point")
 
@@ -346,12 +351,10 @@ def _collect(job, lines, deadline):
     return {"setup_error": setup_error, "cases": cases}
 
 
-def _main():
-    end = time.monotonic() + SPEC["budget_s"]
-    jobs = SPEC["jobs"]
+def _run_group(jobs, budget_s, results):
+    end = time.monotonic() + budget_s
     counts = [sum(1 for s in j["steps"] if s["case"]) for j in jobs]
     remaining = sum(counts)
-    results = []
     for job, n in zip(jobs, counts):
         now = time.monotonic()
         share = (end - now) * n / remaining if remaining else 0.0
@@ -362,6 +365,44 @@ def _main():
             lines = []
             _run_job(job, deadline, lambda obj: lines.append(json.dumps(obj)))
         results.append(_collect(job, lines, deadline))
+
+
+def _clean_slate():
+    # Between the episodes of a merged run: what one left behind must not reach the next, as if each
+    # had its own sandbox. Kill every other process we may signal (not us, not the namespace's init),
+    # then empty the scratch folders.
+    import shutil
+
+    try:
+        os.kill(-1, signal.SIGKILL)
+    except OSError:
+        pass
+    for root in (os.getcwd(), "/tmp", "/dev/shm"):
+        try:
+            names = os.listdir(root)
+        except OSError:
+            continue
+        for name in names:
+            path = os.path.join(root, name)
+            try:
+                if os.path.isdir(path) and not os.path.islink(path):
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    os.unlink(path)
+            except OSError:
+                pass
+
+
+def _main():
+    jobs = SPEC["jobs"]
+    groups = SPEC.get("groups") or [[len(jobs), SPEC["budget_s"]]]
+    results = []
+    start = 0
+    for g, (n, budget_s) in enumerate(groups):
+        if g:
+            _clean_slate()
+        _run_group(jobs[start : start + n], budget_s, results)
+        start += n
     os.write(_OUT, (SPEC["marker"] + json.dumps(results) + "\n").encode())
 
 
@@ -369,14 +410,30 @@ _main()
 """
 
 
-def build_program(jobs: Sequence[Job], *, case_timeout_s: float, budget_s: float, marker: str | None = None) -> str:
-    """The complete Python program that runs ``jobs`` and prints ``marker + json(results)``."""
-    spec = {
+def build_program(
+    jobs: Sequence[Job],
+    *,
+    case_timeout_s: float,
+    budget_s: float,
+    marker: str | None = None,
+    groups: Sequence[int] | None = None,
+) -> str:
+    """The complete Python program that runs ``jobs`` and prints ``marker + json(results)``.
+
+    ``groups`` (job counts, summing to ``len(jobs)``) merges the evaluations of several episodes into one
+    run: each group gets its own ``budget_s``, and between groups the harness kills every process the
+    previous one left and empties the scratch folders. The summary stays one flat list, one per job.
+    """
+    spec: dict[str, Any] = {
         "marker": marker or f"__PETTINGFLOW_RESULT_{secrets.token_hex(8)}__ ",
         "case_timeout_s": case_timeout_s,
         "budget_s": budget_s,
         "jobs": [j.to_json() for j in jobs],
     }
+    if groups is not None:
+        if sum(groups) != len(jobs) or any(n < 1 for n in groups):
+            raise ValueError(f"groups {list(groups)} do not partition {len(jobs)} jobs")
+        spec["groups"] = [[n, budget_s] for n in groups]
     return HARNESS.replace(_SPEC_PLACEHOLDER, repr(json.dumps(spec)), 1)
 
 
@@ -629,17 +686,12 @@ class CodeEnv(Env):
         return UnitTestEvaluation(on_golden, on_code, code_ratio)
 
     async def evaluate(self, jobs: Sequence[Job]) -> list[SuiteResult]:
-        """Run ``jobs`` in one sandbox call. Sandbox infrastructure errors propagate (not a model failure)."""
-        cfg = self.config
-        marker = f"__PETTINGFLOW_RESULT_{secrets.token_hex(8)}__ "
-        program = build_program(
-            jobs,
-            case_timeout_s=cfg.case_timeout_s,
-            budget_s=cfg.sandbox.timeout_s * cfg.budget_fraction,
-            marker=marker,
-        )
-        result = await self.sandbox.run_async(program)
-        return parse_program_output(result, jobs, marker)
+        """Run ``jobs`` in one sandbox call. Sandbox infrastructure errors propagate (not a model failure).
+
+        Calls that queue up behind a busy sandbox (many episodes finishing at once) are merged into fewer
+        runs by ``SandboxBatcher``; each result is the one a run of its own would give.
+        """
+        return await SandboxBatcher.get(self.sandbox, self.config).evaluate(jobs)
 
     def _code_job(self, code: str, suite: AssertSuite) -> Job:
         return Job(code, self.state.entry_point, suite, context=self.state.problem)
@@ -655,3 +707,146 @@ class CodeEnv(Env):
                 "mismatches": [{"test": c.source, "error": c.error} for c in result.cases if not c.passed],
             }
         )
+
+
+# --------------------------------------------------------------------------------------------------
+# merging queued evaluations: the sandbox off the critical path of a round
+# --------------------------------------------------------------------------------------------------
+#: Most episodes merged into one sandbox run.
+MAX_MERGED_EPISODES = 16
+
+
+_BATCHERS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[tuple[Any, ...], SandboxBatcher]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _summary(result: ExecResult, marker: str, n_jobs: int) -> list[Any] | None:
+    for line in reversed(result.stdout.splitlines()):
+        if line.startswith(marker):
+            try:
+                summary = json.loads(line[len(marker) :])
+            except ValueError:
+                return None
+            return summary if isinstance(summary, list) and len(summary) == n_jobs else None
+    return None
+
+
+class SandboxBatcher:
+    """Runs the evaluations of many episodes on one sandbox, merging those that wait for a free slot.
+
+    Why: when a round's requests finish together (a one-turn workload ends every episode in the same
+    decode step), 32 evaluations queue behind ``sandbox.max_concurrency`` slots, and each pays a sandbox
+    start (bubblewrap, two interpreter starts: most of a run's time for a short test). The wall time of
+    the round then ends with that queue, after the last token. Here a call that finds a free slot runs
+    alone, exactly as before; calls that arrive while every slot is busy wait, and a slot that frees takes
+    its share of the queue (at most ``MAX_MERGED_EPISODES``) as ONE program whose episodes run one after
+    the other, each with its own time budget, the scratch folders emptied and leftover processes killed
+    in between (``build_program(groups=...)``). The wall-clock limit of a merged run is ``timeout_s``
+    per episode. If a merged run gives no complete summary (a program that killed the harness, a
+    timeout), each of its episodes is run again on its own, so a misbehaving episode never changes
+    another one's result.
+
+    One batcher per (sandbox, limits, event loop): ``asyncio.run`` per round gets a fresh one.
+    """
+
+    def __init__(self, sandbox: Sandbox, config: CodeEnvConfig, slots: int, max_batch: int = MAX_MERGED_EPISODES):
+        self.sandbox = sandbox
+        self.config = config
+        self.slots = max(1, slots)
+        self.max_batch = max(1, max_batch)
+        self.free = self.slots
+        self.running = 0  # episodes in the runs now in flight
+        self.pending: list[tuple[list[Job], asyncio.Future[list[SuiteResult]]]] = []
+        self.runs = 0  # sandbox runs made (merged ones count once)
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    @classmethod
+    def get(cls, sandbox: Sandbox, config: CodeEnvConfig) -> SandboxBatcher:
+        loop = asyncio.get_running_loop()
+        per_loop = _BATCHERS.setdefault(loop, {})
+        cfg = config
+        key = (id(sandbox), cfg.case_timeout_s, cfg.budget_fraction, cfg.sandbox.timeout_s)
+        batcher = per_loop.get(key)
+        if batcher is None or batcher.sandbox is not sandbox:
+            batcher = per_loop[key] = cls(sandbox, config, slots=cfg.sandbox.max_concurrency)
+        return batcher
+
+    async def evaluate(self, jobs: Sequence[Job]) -> list[SuiteResult]:
+        future: asyncio.Future[list[SuiteResult]] = asyncio.get_running_loop().create_future()
+        self.pending.append((list(jobs), future))
+        self._dispatch()
+        return await future
+
+    def _dispatch(self) -> None:
+        self.pending = [(jobs, fut) for jobs, fut in self.pending if not fut.done()]  # drop cancelled calls
+        while self.free > 0 and self.pending:
+            # an even share of all the work not yet done (queued + running), so that the busy slots, which
+            # free soon, get work too: 2 slots, 1 episode running and 18 queued -> 10 now, 8 at the next
+            share = -(-(len(self.pending) + self.running) // self.slots)
+            n = max(1, min(self.max_batch, len(self.pending), share))
+            batch, self.pending = self.pending[:n], self.pending[n:]
+            self.free -= 1
+            self.running += n
+            task = asyncio.get_running_loop().create_task(self._run(batch))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _run(self, batch: list[tuple[list[Job], asyncio.Future[list[SuiteResult]]]]) -> None:
+        try:
+            if len(batch) == 1:
+                results = [await self._alone(batch[0][0])]
+            else:
+                results = await self._merged([jobs for jobs, _ in batch])
+        except Exception as exc:  # a sandbox infrastructure error reaches every caller of the batch
+            for _, fut in batch:
+                if not fut.done():
+                    fut.set_exception(exc)
+        except BaseException:  # cancelled (the loop is closing): so are the callers
+            for _, fut in batch:
+                fut.cancel()
+            raise
+        else:
+            for (_, fut), res in zip(batch, results, strict=True):
+                if not fut.done():
+                    fut.set_result(res)
+        finally:
+            self.free += 1
+            self.running -= len(batch)
+            self._dispatch()
+
+    def _budget(self) -> float:
+        return self.config.sandbox.timeout_s * self.config.budget_fraction
+
+    async def _alone(self, jobs: list[Job]) -> list[SuiteResult]:
+        marker = f"__PETTINGFLOW_RESULT_{secrets.token_hex(8)}__ "
+        program = build_program(jobs, case_timeout_s=self.config.case_timeout_s, budget_s=self._budget(), marker=marker)
+        self.runs += 1
+        result = await self.sandbox.run_async(program)
+        return parse_program_output(result, jobs, marker)
+
+    async def _merged(self, groups: list[list[Job]]) -> list[list[SuiteResult]]:
+        flat = [job for jobs in groups for job in jobs]
+        marker = f"__PETTINGFLOW_RESULT_{secrets.token_hex(8)}__ "
+        program = build_program(
+            flat,
+            case_timeout_s=self.config.case_timeout_s,
+            budget_s=self._budget(),
+            marker=marker,
+            groups=[len(jobs) for jobs in groups],
+        )
+        self.runs += 1
+        result = await self.sandbox.run_async(program, timeout_s=self.config.sandbox.timeout_s * len(groups))
+        if _summary(result, marker, len(flat)) is None:
+            log.warning(
+                "a merged sandbox run of %d episodes gave no complete summary (%s); running each on its own",
+                len(groups),
+                result.killed_reason or f"exit code {result.exit_code}",
+            )
+            return [await self._alone(jobs) for jobs in groups]
+        results = parse_program_output(result, flat, marker)
+        out, start = [], 0
+        for jobs in groups:
+            out.append(results[start : start + len(jobs)])
+            start += len(jobs)
+        return out
