@@ -77,6 +77,7 @@ def update_step(ctx: IterationContext, config: ExperimentConfig, policy: str, ru
             else:
                 metrics = run_update(spec, timeout_s=config.training.update_timeout_s)
         metrics["servers_paused"] = servers_paused
+        metrics.update(_flat_timings(metrics))
         step.add_tree(out_dir)
         meta = {"metrics": _small(metrics), "starts_from": start.source, "skipped": bool(metrics.get("skipped"))}
         manifest = step.commit(meta)
@@ -110,6 +111,17 @@ def _log_optimizer_state(policy: str, iteration: int, metrics: dict[str, Any]) -
         "reset": "RESET: no snapshot of the trained weights exists, Adam restarts",
     }.get(state, state)
     log.info("update %s, iteration %d: optimizer state %s", policy, iteration, detail)
+
+
+def _flat_timings(metrics: dict[str, Any]) -> dict[str, Any]:
+    """The update's own breakdown (read, setup, load, log-probs, train, save) and whether its optimizer state is
+    exact, as scalars for the manifest and the report (``update/<policy>/time/train_s``, ...)."""
+    out: dict[str, Any] = {f"time/{k}": v for k, v in (metrics.get("timings") or {}).items()}
+    if "optimizer_state" in metrics:
+        out["optimizer_exact"] = int(metrics["optimizer_state"] in ("new", "resident", "restored"))
+    if "learner" in metrics:
+        out["learner_starts"] = metrics["learner"]["starts"]
+    return out
 
 
 def _small(metrics: dict[str, Any]) -> dict[str, Any]:

@@ -130,8 +130,11 @@ def test_train_two_iterations_then_resume_then_rerun(tmp_path, prefect_env, tiny
     reloaded = [r["kwargs"]["weights_path"] for r in scripted.reloads if r.get("method") == "reload_weights"]
     assert reloaded[0].endswith("iter-0/update-shared/model")
     assert reloaded[-1].endswith("iter-1/update-shared/model")
-    # iteration 1 started from iteration 0's checkpoint
+    # iteration 1 started from iteration 0's checkpoint, in the same resident learner (started once per run)
     assert layout.step(1, "update-shared").manifest().metadata["starts_from"].endswith("iter-0/update-shared")
+    upd = [layout.step(k, "update-shared").manifest().metadata["metrics"] for k in (0, 1)]
+    assert [m["optimizer_state"] for m in upd] == ["new", "resident"]
+    assert [m["learner_loaded"] for m in upd] == [True, False]
     # the report holds metrics for every agent and the update
     metrics = layout.step(1, "report").read_json("metrics.json")
     assert "rollout/code_generator/reward_mean" in metrics and "validation/code_generator/success_rate" in metrics
@@ -156,6 +159,9 @@ def test_train_two_iterations_then_resume_then_rerun(tmp_path, prefect_env, tiny
     assert layout.step(0, "report", attempt=1).is_committed()
     assert [f.sha256 for f in layout.step(0, "filtered").manifest().files] == before
     assert not layout.step(0, "rollouts", attempt=1).is_committed()  # rollouts were reused, not collected
+    # no servers in a re-run: the update ran in its own process, from the base weights like the original
+    rerun_metrics = layout.step(0, "update-shared", attempt=1).manifest().metadata["metrics"]
+    assert rerun_metrics["optimizer_state"] == "new" and "learner_loaded" in rerun_metrics
 
 
 def test_resumed_run_with_other_config_is_refused(tmp_path, prefect_env, tiny_model, scripted) -> None:
