@@ -166,7 +166,9 @@ def test_stale_snapshot_keeps_its_moments_and_the_newer_weights(tiny_model_dir, 
         assert all(torch.equal(got[k], want[k]) for k in want)
         # the fp32 master weights follow the newer weights too (else the next step would jump back to v0)
         opt = worker.engine.optimizer  # bf16 + ZeRO-0: DeepSpeed's FP16_UnfusedOptimizer, fp32 master per param
-        pairs = [(m, p) for mg, pg in zip(opt.fp32_groups, opt.fp16_groups, strict=True) for m, p in zip(mg, pg)]
+        pairs = [
+            (m, p) for mg, pg in zip(opt.fp32_groups, opt.fp16_groups, strict=True) for m, p in zip(mg, pg, strict=True)
+        ]
         assert pairs and all(torch.equal(master, param.detach().float()) for master, param in pairs)
         # the snapshot's Adam moments (a fresh optimizer's are all zero)
         state = list(worker.engine.optimizer.optimizer.state.values())
