@@ -196,7 +196,9 @@ def collect_step(
             endpoints,
             tasks,
             group_size=config.env.group_size,
-            seed_namespace=f"{ctx.layout.run_id}/{ctx.iteration}/",
+            # seeds follow run.seed and the iteration only (not the run id, which holds the clock): a config
+            # reproduces its samples, and tests do not depend on when they run
+            seed_namespace=f"iter-{ctx.iteration}/",
             env_cache=env_cache or EnvCache(),
             show_progress=show_progress,
         )
