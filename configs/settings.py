@@ -243,6 +243,16 @@ class InferenceSettings(_Strict):
     startup_timeout_s: float = Field(600.0, gt=0.0)
     request_timeout_s: float = Field(300.0, gt=0.0)
     max_retries: int = Field(3, ge=0)
+    weight_sync: Literal["disk", "nccl", "gloo"] = Field(
+        "disk",
+        description="How new full weights reach a managed server. disk: vLLM reloads the committed model/ folder "
+        "(written once, where vLLM reads it). nccl (GPU) / gloo (CPU): the resident learner's rank 0 broadcasts "
+        "its tensors into the vLLM workers (inference/weight_broadcast.py); the committed folder is still written. "
+        "LoRA adapters are always loaded from their folders.",
+    )
+    weight_sync_host: str = Field(
+        "127.0.0.1", description="Address at which the vLLM workers reach learner rank 0 (nccl/gloo weight sync)."
+    )
     between_updates: Literal["keep", "pause"] = Field(
         "keep",
         description="What a managed server on this machine does while a policy trains. keep: it stays up (idle, "

@@ -30,7 +30,7 @@ from pettingflow.envs import EnvCache
 from pettingflow.envs.registry import EnvFactory, EnvSpec
 from pettingflow.inference.models import resolve_model
 from pettingflow.inference.server import server_from_settings
-from pettingflow.inference.weight_sync import base_model_name, load_lora_adapter, sync_full_weights
+from pettingflow.inference.weight_sync import base_model_name, fingerprint, load_lora_adapter, sync_full_weights
 from pettingflow.iteration.rollouts import PolicyEndpoint
 from pettingflow.iteration.weights import PolicyWeights
 
@@ -92,6 +92,11 @@ class Runtime:
             base = resolve_model(policy.model)
             self.base_dirs[name] = str(base)
             lora = cfg.specialization is Specialization.lora
+            extra: list[str] = []
+            if cfg.inference.weight_sync != "disk":
+                from pettingflow.inference.weight_broadcast import weight_broadcast_server_args
+
+                extra = weight_broadcast_server_args()
             server = server_from_settings(
                 cfg.inference,
                 base,
@@ -101,6 +106,7 @@ class Runtime:
                 max_loras=max(len(cfg.agents_of(name)), 1),
                 dev_mode=True,
                 log_path=logs / f"vllm-{self.run_id}-{name}.log",
+                **({"extra_args": extra} if extra else {}),
             )
             log.info("starting inference server for policy %s (%s)", name, base)
             server.start()
@@ -242,9 +248,19 @@ class Runtime:
                     self.served_adapters[name][agent] = path
                     done["synced"].append({"adapter": lora_name(agent), "path": path, "probe": fp.digest})
         elif self.served_model[name] != weights.model_dir:
-            fp = sync_full_weights(server, weights.model_dir, model=self.served_names[name])
+            entry: dict[str, Any] = {"model": self.served_names[name], "path": weights.model_dir}
+            learner = self.learners.get(name)
+            backend = self.config.inference.weight_sync
+            if backend != "disk" and learner is not None and learner.alive and learner.version == weights.source:
+                entry.update(
+                    via=backend, **learner.push_weights(server.url, backend, self.config.inference.weight_sync_host)
+                )
+                fp = fingerprint(server, model=self.served_names[name])
+            else:  # disk (also the fallback when the learner does not hold these weights, e.g. after a restart)
+                entry["via"] = "disk"
+                fp = sync_full_weights(server, weights.model_dir, model=self.served_names[name])
             self.served_model[name] = weights.model_dir
-            done["synced"].append({"model": self.served_names[name], "path": weights.model_dir, "probe": fp.digest})
+            done["synced"].append({**entry, "probe": fp.digest})
         return done
 
 

@@ -60,6 +60,7 @@ class LearnerRank:
         root.setLevel(logging.INFO)
         logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
         self.worker: Any = None
+        self.broadcaster: Any = None
 
     def address(self) -> tuple[str, int]:
         """This rank's node address and a free port on it (rank 0's become the group's master)."""
@@ -95,6 +96,26 @@ class LearnerRank:
             logging.getLogger(__name__).exception("update of %s failed", spec.policy)
             self.worker.release()  # half-trained state must never pass for committed weights
             raise
+
+    def push_weights(self, url: str, backend: str, host: str) -> dict[str, Any]:
+        """Broadcast the weights this rank holds into the vLLM server's workers (rank 0 only, full weights).
+
+        The group with the server is formed once and reused; a failed push closes it (the next push reconnects).
+        """
+        from pettingflow.inference.weight_broadcast import WeightBroadcaster
+
+        engine = self.worker.engine
+        if self.broadcaster is None:
+            device = engine.device if backend == "nccl" else "cpu"
+            self.broadcaster = WeightBroadcaster(url, backend=backend, host=host, device=device).connect()
+        try:
+            # named_parameters lists a tied weight once, under its checkpoint name (embed_tokens for SmolLM2)
+            report = self.broadcaster.push([(n, p.detach()) for n, p in engine.module.named_parameters()])
+        except BaseException:
+            self.broadcaster.close()
+            self.broadcaster = None
+            raise
+        return {"tensors": report.tensors, "bytes": report.bytes, "seconds": round(report.seconds, 3)}
 
     def state_summary(self) -> dict[str, Any]:
         """What the rank holds (tests and ``runs show``): version, updates done, optimizer step count."""
@@ -153,6 +174,7 @@ class Learner:
         self.pids: list[int] = []
         self.placement_group: Any = None
         self.starts = 0
+        self.version: str | None = None  # the weights the ranks hold, once an update of them succeeded
         self._joined = False
 
     # ------------------------------------------------------------------ lifecycle
@@ -211,6 +233,7 @@ class Learner:
                 ray.kill(actor, no_restart=True)
         self.actors = []
         self.pids = []
+        self.version = None
         self._joined = False
         if self.placement_group is not None:
             with contextlib.suppress(Exception):
@@ -248,6 +271,8 @@ class Learner:
                 str(self.log_paths()[0]),
             ) from exc
         wall = time.perf_counter() - started
+        if not results[0].get("skipped"):
+            self.version = spec.version
         self._copy_update_log(offsets, stage.local_out / LOG_FILE)
         metrics = stage.finish(results[0], log_name=LOG_FILE)
         metrics["wall_s"] = round(wall, 3)
@@ -281,6 +306,14 @@ class Learner:
                     str(self.log_paths()[0]),
                 )
         return ray.get(refs)
+
+    def push_weights(self, url: str, backend: str, host: str = "127.0.0.1") -> dict[str, Any]:
+        """Broadcast rank 0's weights into the server at ``url`` (see ``LearnerRank.push_weights``)."""
+        import ray
+
+        if self.num_processes != 1:
+            raise ValueError("weight broadcast is wired for one training rank; use inference.weight_sync=disk")
+        return ray.get(self.actors[0].push_weights.remote(url, backend, host), timeout=600)
 
     def _copy_update_log(self, offsets: list[int], target: Path) -> None:
         """This update's lines of every rank's log (those on this machine) into the step's ``worker.log``."""
