@@ -19,6 +19,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -189,6 +190,7 @@ class Runtime:
         for proc in procs:
             with contextlib.suppress(psutil.NoSuchProcess):
                 proc.send_signal(signal.SIGSTOP)
+        _wait_stopped(procs)
         try:
             yield bool(procs)
         finally:
@@ -262,6 +264,15 @@ class Runtime:
             self.served_model[name] = weights.model_dir
             done["synced"].append({**entry, "probe": fp.digest})
         return done
+
+
+def _wait_stopped(procs: list[psutil.Process], timeout_s: float = 5.0) -> None:
+    """Signals are delivered asynchronously: wait (briefly) until every process really is stopped."""
+    deadline = time.monotonic() + timeout_s
+    for proc in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            while proc.status() not in (psutil.STATUS_STOPPED, psutil.STATUS_ZOMBIE) and time.monotonic() < deadline:
+                time.sleep(0.01)
 
 
 def active_runtime(run_id: str) -> Runtime | None:
