@@ -189,7 +189,12 @@ class TrainingSettings(_Strict):
 
     num_processes: int = Field(1, ge=1, description="Ranks per update job (gloo on CPU).")
     zero_stage: Literal[0, 1, 2, 3] = 2
-    dtype: Literal["bf16", "fp32"] = "bf16"
+    dtype: Literal["auto", "bf16", "fp32"] = Field(
+        "auto",
+        description="Training precision. auto: bf16 where the hardware computes it natively (CUDA; CPUs with "
+        "AVX-512/AMX bf16 kernels), else fp32: on an AVX2-only CPU a bf16 backward pass was measured ~20x slower "
+        "than fp32 (docs/training.md). The served weights are bf16 either way (vLLM casts on load).",
+    )
     micro_batch_size: int = Field(2, ge=1)
     gradient_accumulation_steps: int = Field(1, ge=1)
     lr: float = Field(1e-5, gt=0.0)

@@ -556,7 +556,7 @@ def default_model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.mark.slow
-def test_default_model_lora_bf16_update_raises_positive_logprobs(default_model_dir, tmp_path):
+def test_default_model_lora_update_raises_positive_logprobs(default_model_dir, tmp_path):
     from peft import PeftModel
     from transformers import AutoTokenizer
 
@@ -592,12 +592,14 @@ def test_default_model_lora_bf16_update_raises_positive_logprobs(default_model_d
         init_model_dir=str(default_model_dir),
         specialization="lora",
         agents=agents,
-        training={"dtype": "bf16", "zero_stage": 2, "micro_batch_size": 2, "lr": 2e-4, "epochs": 2},
+        training={"dtype": "auto", "zero_stage": 2, "micro_batch_size": 2, "lr": 2e-4, "epochs": 2},
         algorithm={"kl_coef": 0.01},
     )
     metrics = run_update(spec, timeout_s=900)
     # per agent 4 rows = 2 micro-batches = 2 windows, x 2 agents x 2 epochs
-    assert metrics["dtype"] == "bf16" and metrics["optimizer_steps"] == 8
+    from pettingflow.training.model import resolve_dtype
+
+    assert metrics["dtype"] == resolve_dtype("auto") and metrics["optimizer_steps"] == 8
     keys = ("step_s", "tokens_per_s", "model_tokens_per_s", "duration_s", "timings", "tokens")
     print("default model LoRA bf16:", json.dumps({k: metrics[k] for k in keys}))
 

@@ -45,12 +45,23 @@ TOKENIZER_FILES = (
 )
 
 
+def resolve_dtype(name: str) -> str:
+    """``training.dtype`` -> ``bf16`` | ``fp32`` on this machine. ``auto`` is bf16 where it is computed natively
+    (CUDA, or a CPU whose oneDNN has bf16 kernels: AVX-512 / AMX) and fp32 elsewhere: on an AVX2-only CPU torch
+    falls back to slow bf16 kernels (a SmolLM2 backward pass was 20x slower than in fp32 here)."""
+    if name != "auto":
+        return name
+    if torch.cuda.is_available():
+        return "bf16"
+    return "bf16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "fp32"
+
+
 def torch_dtype(name: str) -> torch.dtype:
-    """``training.dtype`` (``bf16`` | ``fp32``) -> torch dtype."""
+    """``training.dtype`` (``auto`` | ``bf16`` | ``fp32``) -> torch dtype."""
     try:
-        return DTYPES[name]
+        return DTYPES[resolve_dtype(name)]
     except KeyError:
-        raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(DTYPES)}") from None
+        raise ValueError(f"unknown dtype {name!r}; expected auto or one of {sorted(DTYPES)}") from None
 
 
 def load_causal_lm(path: str | Path, dtype: torch.dtype) -> Any:

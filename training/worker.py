@@ -148,6 +148,7 @@ class UpdateWorker:
         self.client_optimizer: Any = None
         self.trainable: list[Any] = []
         self.build_key: str | None = None
+        self.dtype = "fp32"  # training.dtype resolved on this machine (build)
         self.version: str | None = None  # which committed weights the engine holds; None = unknown/dirty
         self.updates_done = 0
         # per update
@@ -176,6 +177,7 @@ class UpdateWorker:
         self.read_rows()
         if not self.skipped:
             self.metrics.update(self.prepare())
+            self.metrics["dtype"] = self.dtype  # as resolved on this machine (training.dtype may be auto)
             self.version = None  # from here on the engine holds weights that are not committed anywhere
             self.plan()
             self.train()
@@ -251,7 +253,8 @@ class UpdateWorker:
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
 
-        dtype = M.torch_dtype(spec.training.dtype)
+        self.dtype = M.resolve_dtype(spec.training.dtype)
+        dtype = M.torch_dtype(self.dtype)
         base = M.load_causal_lm(spec.init_model_dir, dtype)
         if spec.uses_lora:
             model = M.build_lora_model(base, spec.agents, spec.lora, spec.adapters_in)
@@ -330,7 +333,7 @@ class UpdateWorker:
             "train_batch_size": t.micro_batch_size * t.gradient_accumulation_steps * self.world_size,
             "gradient_clipping": t.max_grad_norm,
             "zero_optimization": zero,
-            "bf16": {"enabled": t.dtype == "bf16"},
+            "bf16": {"enabled": self.dtype == "bf16"},
             "zero_allow_untested_optimizer": True,
             "steps_per_print": 2**31 - 1,
             "wall_clock_breakdown": False,
@@ -395,7 +398,7 @@ class UpdateWorker:
             if spec.uses_lora:
                 M.load_adapter_weights(module, spec.adapters_in or {})
             else:
-                fresh = M.load_causal_lm(spec.init_model_dir, M.torch_dtype(spec.training.dtype))
+                fresh = M.load_causal_lm(spec.init_model_dir, M.torch_dtype(self.dtype))
                 module.load_state_dict(fresh.state_dict())
         refresh = getattr(self.engine.optimizer, "refresh_fp32_params", None)
         if refresh is not None:  # mixed precision: the fp32 master weights follow the module's weights
@@ -453,7 +456,7 @@ class UpdateWorker:
                         M.activate_adapter(module, mb.adapter)
                     loss, m = M.micro_batch_loss(engine, mb, algo, old_is_current=current_is_old)
                     engine.backward(loss * scale)
-                    if i == len(slots) - 1 and spec.training.zero_stage == 0 and spec.training.dtype == "fp32":
+                    if i == len(slots) - 1 and spec.training.zero_stage == 0 and self.dtype == "fp32":
                         # DeepSpeed does not report the norm for plain fp32 without ZeRO; grads are reduced here
                         grads = [p.grad for p in self.trainable if p.grad is not None]
                         manual_norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
