@@ -49,7 +49,7 @@ def train(config: str = "code-env", overrides: list[str] | None = None, run_id: 
     ref, resumed = start_or_resume(cfg, config, overrides, run_id or _default_run_id(cfg.run.name), {})
     logger.info("%s run %s at %s", "resuming" if resumed else "starting", ref.run_id, ref.layout().run_uri)
     results = []
-    with Runtime(cfg, ref.run_id):
+    with Runtime(cfg, ref.run_id, start_learners=True):
         for k in range(cfg.run.iterations):
             results.append(iteration(ref, k))
     logger.info("run %s finished: %s", ref.run_id, ref.layout().run_uri)

@@ -54,9 +54,12 @@ def lora_name(agent: str) -> str:
 class Runtime:
     """Servers per served policy (one for L0-L2, one per policy for L3), Ray and the sandbox pool."""
 
-    def __init__(self, config: ExperimentConfig, run_id: str):
+    def __init__(self, config: ExperimentConfig, run_id: str, *, start_learners: bool = False):
+        """``start_learners``: create the resident learners' rank actors at ``start`` (the ``train`` flow does,
+        so they import torch while vLLM starts); otherwise a learner starts at its first update, if any."""
         self.config = config
         self.run_id = run_id
+        self.start_learners = start_learners and config.training.learner == "resident"
         self.servers: dict[str, Any] = {}
         self.base_dirs: dict[str, str] = {}
         self.served_names: dict[str, str] = {}  # policy -> the base model's name on its server
@@ -118,11 +121,11 @@ class Runtime:
                 (pids / f"vllm-{name}.pid").write_text(str(server.pid))
             self.served_model[name] = str(base)
             self.served_adapters[name] = {}
-        if cfg.rollout.use_ray or cfg.training.learner == "resident":
+        if cfg.rollout.use_ray or self.start_learners:
             self._ensure_ray()
         if cfg.rollout.use_ray:
             self._start_sandbox_pool()
-        if cfg.training.learner == "resident":
+        if self.start_learners:
             for name in used:
                 self.learner(name)
         with _LOCK:
