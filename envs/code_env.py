@@ -769,7 +769,9 @@ class SandboxBatcher:
         key = (id(sandbox), cfg.case_timeout_s, cfg.budget_fraction, cfg.sandbox.timeout_s)
         batcher = per_loop.get(key)
         if batcher is None or batcher.sandbox is not sandbox:
-            batcher = per_loop[key] = cls(sandbox, config, slots=cfg.sandbox.max_concurrency)
+            batcher = per_loop[key] = cls(
+                sandbox, config, slots=cfg.sandbox.max_concurrency, max_batch=MAX_MERGED_EPISODES
+            )
         return batcher
 
     async def evaluate(self, jobs: Sequence[Job]) -> list[SuiteResult]:
