@@ -49,7 +49,11 @@ def train(config: str = "code-env", overrides: list[str] | None = None, run_id: 
     ref, resumed = start_or_resume(cfg, config, overrides, run_id or _default_run_id(cfg.run.name), {})
     logger.info("%s run %s at %s", "resuming" if resumed else "starting", ref.run_id, ref.layout().run_uri)
     results = []
-    with Runtime(cfg, ref.run_id, start_learners=True):
+    with Runtime(cfg, ref.run_id, start_learners=True) as runtime:
+        for name, learner in runtime.learners.items():  # once per run: the learners live across iterations
+            logger.info(
+                "resident learner of %s: %d rank(s) up (start #%d)", name, learner.num_processes, learner.starts
+            )
         for k in range(cfg.run.iterations):
             results.append(iteration(ref, k))
     logger.info("run %s finished: %s", ref.run_id, ref.layout().run_uri)

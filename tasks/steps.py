@@ -88,7 +88,18 @@ def update_policy(
     A learner that dies mid-update fails this attempt with its log tail; the retry starts new ranks that
     load the newest committed checkpoint (the metrics say how old the optimizer state then is)."""
     ctx = context(run, iteration, attempt, from_step)
-    return finished(updates.update_step(ctx, load_run_config(run), policy, runtime))
+    outcome = updates.update_step(ctx, load_run_config(run), policy, runtime)
+    m = outcome.metrics.get("metrics") or {}
+    if not outcome.skipped and "optimizer_state" in m:
+        get_run_logger().info(
+            "update %s: optimizer state %s (age %s), learner %s, start #%s",
+            policy,
+            m["optimizer_state"],
+            m.get("optimizer_age"),
+            "loaded the committed weights" if m.get("learner_loaded") else "resident",
+            m.get("learner_starts", "-"),
+        )
+    return finished(outcome)
 
 
 @task(name="sync_weights", retries=2, retry_delay_seconds=[5, 15], cache_policy=NO_CACHE)

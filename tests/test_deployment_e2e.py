@@ -81,6 +81,7 @@ def stack(tmp_path_factory, pettingflow_home, default_model_dir):
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "PREFECT_CLI_PROMPT": "false",
         "PREFECT_WORKER_QUERY_SECONDS": "1",
+        "PREFECT_LOGGING_EXTRA_LOGGERS": "pettingflow",  # as make run: library lines (learner starts) in the log
         "OMP_NUM_THREADS": "1",
         "HF_HUB_OFFLINE": "1",
         "RAY_USAGE_STATS_ENABLED": "0",
@@ -183,8 +184,9 @@ def read_flow_run(env, flow_run_id: str):
 
 
 def test_deployment_run_two_iterations(stack, tmp_path, vllm_server, default_model_dir, restore_base_weights) -> None:
-    env, start_worker, _ = stack
+    env, start_worker, state_dir = stack
     worker = start_worker()
+    worker_log = state_dir / f"worker-{len(list(state_dir.glob('worker-*.log'))) - 1}.log"
     try:
         out, flow_run_id = deployment_run(env, run_overrides(tmp_path, vllm_server, default_model_dir), watch=True)
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -208,6 +210,13 @@ def test_deployment_run_two_iterations(stack, tmp_path, vllm_server, default_mod
 
     model = AutoModelForCausalLM.from_pretrained(layout.step(1, "update-shared").local_path / "model")
     assert model.config.num_hidden_layers == 30
+    # one learner start per run, not per iteration: iteration 1 trained in the ranks iteration 0 loaded
+    text = worker_log.read_text()
+    assert len(re.findall(r"resident learner of shared: 1 rank\(s\) up \(start #1\)", text)) == 1, text[-3000:]
+    assert len(re.findall(r"update shared: optimizer state new \(age 0\), learner loaded", text)) == 1
+    assert len(re.findall(r"update shared: optimizer state resident \(age 0\), learner resident, start #1", text)) == 1
+    upd = [layout.step(k, "update-shared").manifest().metadata["metrics"] for k in (0, 1)]
+    assert [(m["optimizer_state"], m["learner_loaded"]) for m in upd] == [("new", True), ("resident", False)]
     assert any(k.endswith("-metrics") for k in artifacts) and any(k.endswith("-curve") for k in artifacts)
     assert any(k.endswith("-samples") for k in artifacts)
 
@@ -236,11 +245,12 @@ def test_worker_crash_during_update_then_resume(
     rows_before = read_step_trajectories(layout.step(0, "rollouts")).num_rows
     kill_tree(worker)  # SIGKILL the worker and everything under it, mid-update
 
-    def update_jobs() -> list[psutil.Process]:
+    def update_jobs() -> list[psutil.Process]:  # one-shot update processes and resident learner ranks
+        marks = ("pettingflow.training.worker", "ray::LearnerRank")
         return [
             p
             for p in psutil.process_iter(["cmdline"])
-            if p.info["cmdline"] and "pettingflow.training.worker" in " ".join(p.info["cmdline"])
+            if p.info["cmdline"] and any(m in " ".join(p.info["cmdline"]) for m in marks)
         ]
 
     # a job spawned just as the worker died is not in kill_tree's list; its death signal ends it
@@ -263,3 +273,6 @@ def test_worker_crash_during_update_then_resume(
     for k in (0, 1):
         assert layout.step(k, "report").is_committed()
     assert first_id != second_id
+    # the new worker's learner started from the committed state and says what its optimizer state is
+    upd = [layout.step(k, "update-shared").manifest().metadata["metrics"] for k in (0, 1)]
+    assert [(m["optimizer_state"], m["learner_loaded"]) for m in upd] == [("new", True), ("resident", False)]
