@@ -10,7 +10,6 @@ commits its outputs (checkpoint, metrics) as the ``update-<policy>`` step.
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import shutil
 import tempfile
@@ -29,8 +28,6 @@ from pettingflow.iteration.weights import (
 )
 from pettingflow.storage.fs import join, uri_of
 from pettingflow.training.launch import run_update, spec_from_config
-
-log = logging.getLogger(__name__)
 
 
 def update_step(ctx: IterationContext, config: ExperimentConfig, policy: str, runtime: Any = None) -> StepOutcome:
@@ -84,7 +81,6 @@ def update_step(ctx: IterationContext, config: ExperimentConfig, policy: str, ru
     finally:
         if local is None:
             shutil.rmtree(out_dir, ignore_errors=True)
-    _log_optimizer_state(policy, ctx.iteration, metrics)
     return StepOutcome(name, step.uri, manifest.rows, False, meta)
 
 
@@ -98,19 +94,22 @@ def update_threads(config: ExperimentConfig, servers_paused: bool) -> int | None
     return None
 
 
-def _log_optimizer_state(policy: str, iteration: int, metrics: dict[str, Any]) -> None:
+def optimizer_state_line(policy: str, metrics: dict[str, Any]) -> str | None:
+    """One readable line on the optimizer state and the learner of an update (None for a skipped update)."""
     state = metrics.get("optimizer_state")
     if state is None:
-        return
+        return None
     age = metrics.get("optimizer_age")
     detail = {
         "new": "new (starts from the base weights)",
         "resident": "resident (moments carried over in memory)",
         "restored": "restored exactly from the snapshot of the starting weights",
-        "stale": f"restored from a snapshot {age} update(s) older than the starting weights",
+        "stale": f"STALE: restored from a snapshot {age} update(s) older than the starting weights",
         "reset": "RESET: no snapshot of the trained weights exists, Adam restarts",
     }.get(state, state)
-    log.info("update %s, iteration %d: optimizer state %s", policy, iteration, detail)
+    learner = "learner loaded the committed weights" if metrics.get("learner_loaded") else "learner resident"
+    starts = metrics.get("learner_starts")
+    return f"update {policy}: optimizer state {detail}; {learner}" + (f", start #{starts}" if starts else "")
 
 
 def _flat_timings(metrics: dict[str, Any]) -> dict[str, Any]:

@@ -89,16 +89,8 @@ def update_policy(
     load the newest committed checkpoint (the metrics say how old the optimizer state then is)."""
     ctx = context(run, iteration, attempt, from_step)
     outcome = updates.update_step(ctx, load_run_config(run), policy, runtime)
-    m = outcome.metrics.get("metrics") or {}
-    if not outcome.skipped and "optimizer_state" in m:
-        get_run_logger().info(
-            "update %s: optimizer state %s (age %s), learner %s, start #%s",
-            policy,
-            m["optimizer_state"],
-            m.get("optimizer_age"),
-            "loaded the committed weights" if m.get("learner_loaded") else "resident",
-            m.get("learner_starts", "-"),
-        )
+    if not outcome.skipped and (line := updates.optimizer_state_line(policy, outcome.metrics.get("metrics") or {})):
+        get_run_logger().info(line)
     return finished(outcome)
 
 

@@ -213,8 +213,9 @@ def test_deployment_run_two_iterations(stack, tmp_path, vllm_server, default_mod
     # one learner start per run, not per iteration: iteration 1 trained in the ranks iteration 0 loaded
     text = worker_log.read_text()
     assert len(re.findall(r"resident learner of shared: 1 rank\(s\) up \(start #1\)", text)) == 1, text[-3000:]
-    assert len(re.findall(r"update shared: optimizer state new \(age 0\), learner loaded", text)) == 1
-    assert len(re.findall(r"update shared: optimizer state resident \(age 0\), learner resident, start #1", text)) == 1
+    new = "update shared: optimizer state new (starts from the base weights); learner loaded the committed weights"
+    resident = "update shared: optimizer state resident (moments carried over in memory); learner resident, start #1"
+    assert text.count(new) == 1 and text.count(resident) == 1, text[-3000:]
     upd = [layout.step(k, "update-shared").manifest().metadata["metrics"] for k in (0, 1)]
     assert [(m["optimizer_state"], m["learner_loaded"]) for m in upd] == [("new", True), ("resident", False)]
     assert any(k.endswith("-metrics") for k in artifacts) and any(k.endswith("-curve") for k in artifacts)
