@@ -165,6 +165,7 @@ class Runtime:
                 self.config.training.num_processes,
                 state_dir() / "logs",
                 name=f"learner-{self.run_id}-{policy}",
+                master_host=None if self.config.rollout.ray_address else "127.0.0.1",
             )
             self.learners[policy] = learner
         if not learner.alive:

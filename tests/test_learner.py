@@ -74,7 +74,7 @@ def test_resident_updates_equal_updates_with_a_kill_and_resume(local_ray, tiny_m
     data = batches(tmp_path, 3)
 
     # A: three updates on one resident learner
-    a = Learner("shared", 1, tmp_path / "logs-a").start()
+    a = Learner("shared", 1, tmp_path / "logs-a", master_host="127.0.0.1").start()
     ma: list[dict] = []
     try:
         for k in range(3):
@@ -96,7 +96,7 @@ def test_resident_updates_equal_updates_with_a_kill_and_resume(local_ray, tiny_m
     assert (tmp_path / "a2" / "worker.log").read_text().count("rank0") > 0
 
     # B: two updates, kill -9 the rank, the next update fails with the log tail, the retry restores exactly
-    b = Learner("shared", 1, tmp_path / "logs-b").start()
+    b = Learner("shared", 1, tmp_path / "logs-b", master_host="127.0.0.1").start()
     mb: list[dict] = []
     try:
         for k in range(2):
@@ -130,7 +130,7 @@ def test_a_failing_update_reports_the_log_tail_and_the_next_one_restarts(local_r
     for r in rows:
         r["policy_name"] = "other"
     bad = write_batch(tmp_path / "bad.parquet", rows, [1.0, -1.0])
-    learner = Learner("shared", 1, tmp_path / "logs").start()
+    learner = Learner("shared", 1, tmp_path / "logs", master_host="127.0.0.1").start()
     try:
         with pytest.raises(UpdateError, match="holds rows of policies") as info:
             learner.update(chain_spec(bad, tmp_path / "bad", tiny_model_dir, 0, None))

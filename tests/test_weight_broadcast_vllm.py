@@ -47,7 +47,7 @@ def test_broadcast_sync_serves_the_same_weights_as_a_disk_reload(broadcast_serve
     batch = write_batch(tmp_path / "batch.parquet", rows, [1.0, -1.0, 1.0, -1.0])
     spec = spec_for(batch, tmp_path / "u0", default_model_dir, training=TRAIN | {"max_seq_len": 64}, version="v0")
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    learner = Learner("shared", 1, tmp_path / "logs")
+    learner = Learner("shared", 1, tmp_path / "logs", master_host="127.0.0.1")
     try:
         metrics = learner.update(spec)
         before = fingerprint(broadcast_server, model=DEFAULT_MODEL)

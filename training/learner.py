@@ -62,13 +62,13 @@ class LearnerRank:
         self.worker: Any = None
         self.broadcaster: Any = None
 
-    def address(self) -> tuple[str, int]:
-        """This rank's node address and a free port on it (rank 0's become the group's master)."""
+    def address(self, host: str | None = None) -> tuple[str, int]:
+        """This rank's node address (or ``host``) and a free port on it (rank 0's become the group's master)."""
         import socket
 
         import ray
 
-        host = ray.util.get_node_ip_address()
+        host = host or ray.util.get_node_ip_address()
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind((host, 0))
             return host, int(s.getsockname()[1])
@@ -163,8 +163,12 @@ class Learner:
         num_cpus_per_rank: float = 1.0,
         omp_threads: int | None = None,
         name: str | None = None,
+        master_host: str | None = None,
     ) -> None:
+        """``master_host``: the address of the ranks' process group; None: rank 0's node address (a cluster).
+        A local Ray passes 127.0.0.1 so that training traffic stays on loopback."""
         self.policy = policy
+        self.master_host = master_host
         self.num_processes = num_processes
         self.log_dir = Path(log_dir)
         self.num_cpus_per_rank = num_cpus_per_rank
@@ -217,7 +221,7 @@ class Learner:
     def _join(self) -> None:
         import ray
 
-        host, port = ray.get(self.actors[0].address.remote())
+        host, port = ray.get(self.actors[0].address.remote(self.master_host))
         self.pids = ray.get([a.join.remote(host, port) for a in self.actors], timeout=600)
         self._joined = True
         log.info(
