@@ -28,6 +28,22 @@ def wrap(cmd: list[str], sig: signal.Signals = signal.SIGTERM) -> list[str]:
     return [sys.executable, "-m", "pettingflow.deathsig", sig.name, str(os.getpid()), "--", *cmd]
 
 
+def die_with_parent(sig: signal.Signals = signal.SIGKILL) -> None:
+    """Make *this* process receive ``sig`` when its parent dies (Linux; a no-op elsewhere).
+
+    For processes we do not start ourselves, e.g. Ray actor workers (children of the raylet): a learner rank
+    in the middle of a long torch computation does not notice its raylet's death for a long time.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os.kill(os.getpid(), sig)
+
+
 def main(argv: list[str]) -> None:
     if len(argv) < 4 or argv[2] != "--" or not argv[1].isdigit():
         raise SystemExit("usage: python -m pettingflow.deathsig SIGNAL PARENT_PID -- CMD [ARGS...]")

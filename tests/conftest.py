@@ -25,6 +25,10 @@ import pytest
 
 from pettingflow.inference.models import DEFAULT_MODEL, prepare_model
 
+# Several tests start and stop a local Ray in this process (flows, learners, the sandbox pool). Ray caches its
+# token-auth mode per process, so a later ray.init with another mode starts actors that die at once: use one.
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
 VLLM_KV_CACHE_GIB = 2  # small: other test sessions may share this 24 GiB machine
 VLLM_MAX_LORA_RANK = 16
 VLLM_MAX_LORAS = 4

@@ -31,9 +31,12 @@ TRAIN = {"dtype": "bf16", "zero_stage": 0, "micro_batch_size": 2, "gradient_accu
 def local_ray():
     import ray
 
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     yield ray
-    ray.shutdown()
+    if started:
+        ray.shutdown()
 
 
 def batches(tmp: Path, n: int) -> list[str]:

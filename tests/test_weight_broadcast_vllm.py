@@ -46,7 +46,9 @@ def test_broadcast_sync_serves_the_same_weights_as_a_disk_reload(broadcast_serve
     rows = make_rows(4, seed=7)
     batch = write_batch(tmp_path / "batch.parquet", rows, [1.0, -1.0, 1.0, -1.0])
     spec = spec_for(batch, tmp_path / "u0", default_model_dir, training=TRAIN | {"max_seq_len": 64}, version="v0")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     learner = Learner("shared", 1, tmp_path / "logs", master_host="127.0.0.1")
     try:
         metrics = learner.update(spec)
@@ -56,7 +58,8 @@ def test_broadcast_sync_serves_the_same_weights_as_a_disk_reload(broadcast_serve
         again = learner.push_weights(broadcast_server.url, "gloo")  # the group is reused
     finally:
         learner.stop()
-        ray.shutdown()
+        if started:
+            ray.shutdown()
     assert pushed["tensors"] == again["tensors"] > 100 and pushed["bytes"] > 200e6  # every tensor of 135M bf16
     after_disk = sync_full_weights(broadcast_server, metrics["outputs"]["model"], model=DEFAULT_MODEL)
     assert after_push.digest == after_disk.digest  # the broadcast served exactly the committed weights

@@ -47,6 +47,9 @@ class LearnerRank:
     """One training rank inside a Ray actor: an ``UpdateWorker`` kept alive between updates."""
 
     def __init__(self, rank: int, world_size: int, log_path: str, omp_threads: int) -> None:
+        from pettingflow.deathsig import die_with_parent
+
+        die_with_parent()  # the raylet died (the flow process was killed): stop training at once, mid-step too
         os.environ.update(ACTOR_ENV)
         os.environ["OMP_NUM_THREADS"] = str(omp_threads)  # before torch is imported in this process
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
