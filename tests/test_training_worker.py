@@ -453,21 +453,9 @@ def test_cli_builds_the_spec_from_a_config(tmp_path, monkeypatch, tiny_model_dir
         return {"skipped": False, "loss": 0.5, "outputs": {"model": f"{spec.out_dir}/model", "deepspeed": "d"}}
 
     monkeypatch.setattr(cli, "run_update", fake_run_update)
+    args = ["code-env", "--batch", "b.parquet", "--policy", "shared", "--init", str(tiny_model_dir)]
     result = CliRunner().invoke(
-        cli.update_app,
-        [
-            "code-env",
-            "--batch",
-            "b.parquet",
-            "--policy",
-            "shared",
-            "--out",
-            str(tmp_path / "o"),
-            "--init",
-            str(tiny_model_dir),
-            "training.lr=0.001",
-            "specialization=lora",
-        ],
+        cli.update_app, [*args, "--out", str(tmp_path / "o"), "training.lr=0.001", "specialization=lora"]
     )
     assert result.exit_code == 0, result.output
     spec = seen["spec"]
@@ -478,17 +466,7 @@ def test_cli_builds_the_spec_from_a_config(tmp_path, monkeypatch, tiny_model_dir
     # the seed and the optimizer-snapshot cadence are those the flow uses for iteration 0 (one spec builder)
     assert spec.seed == 0 and spec.save_resume_state is False
 
-    args = [
-        "code-env",
-        "--batch",
-        "b.parquet",
-        "--policy",
-        "shared",
-        "--out",
-        str(tmp_path / "o3"),
-        "--init",
-        str(tiny_model_dir),
-    ]
+    args = [*args, "--out", str(tmp_path / "o3")]
     assert CliRunner().invoke(cli.update_app, [*args, "--iteration", "3", "run.seed=5"]).exit_code == 0
     assert seen["spec"].seed == 8 and seen["spec"].save_resume_state is True  # every 4th update: 3, 7, ...
 
