@@ -46,10 +46,14 @@ ACTOR_ENV = {
 class LearnerRank:
     """One training rank inside a Ray actor: an ``UpdateWorker`` kept alive between updates."""
 
-    def __init__(self, rank: int, world_size: int, log_path: str, omp_threads: int) -> None:
+    def __init__(
+        self, rank: int, world_size: int, log_path: str, omp_threads: int, driver_pid: int | None = None
+    ) -> None:
         from pettingflow.deathsig import die_with_parent
 
         die_with_parent()  # the raylet died (the flow process was killed): stop training at once, mid-step too
+        if driver_pid is not None:
+            _watch_driver(driver_pid)
         os.environ.update(ACTOR_ENV)
         os.environ["OMP_NUM_THREADS"] = str(omp_threads)  # before torch is imported in this process
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
@@ -148,6 +152,27 @@ class LearnerRank:
         return {n: p.detach().float().cpu().clone() for n, p in module.named_parameters() if p.requires_grad}
 
 
+def _watch_driver(pid: int, interval_s: float = 1.0) -> None:
+    """Exit this rank when the driver process on this machine is gone (a local Ray only).
+
+    A killed flow process does not always take Ray's raylet with it at once, and a rank busy in a torch step
+    would keep training (and holding memory) for minutes. A daemon thread polls the driver's pid.
+    """
+    import threading
+
+    def watch() -> None:
+        while True:
+            time.sleep(interval_s)
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                os._exit(1)
+            except PermissionError:  # alive, another user's: keep watching
+                pass
+
+    threading.Thread(target=watch, name="pettingflow-driver-watch", daemon=True).start()
+
+
 class Learner:
     """The driver side of one policy's resident learner: start the ranks, hand them updates, restart them.
 
@@ -214,12 +239,16 @@ class Learner:
                 scheduling_strategy=strategy,
                 max_restarts=0,
                 name=f"{self.name}-rank{rank}-{os.getpid()}-{self.starts}",
-            ).remote(rank, self.num_processes, str(path), self.omp_threads)
+            ).remote(rank, self.num_processes, str(path), self.omp_threads, self._local_driver_pid())
             self.actors.append(actor)
         self.starts += 1
         self._joined = False
         log.info("learner %s: started %d rank actor(s) (start #%d)", self.policy, self.num_processes, self.starts)
         return self
+
+    def _local_driver_pid(self) -> int | None:
+        """This process's pid when the ranks run on this machine (local Ray: master_host 127.0.0.1)."""
+        return os.getpid() if self.master_host == "127.0.0.1" else None
 
     def _join(self) -> None:
         import ray
