@@ -146,11 +146,6 @@ class LearnerRank:
             }
         }
 
-    def weights(self) -> dict[str, Any]:
-        """The module's trainable weights on CPU (tests)."""
-        module = self.worker.engine.module
-        return {n: p.detach().float().cpu().clone() for n, p in module.named_parameters() if p.requires_grad}
-
 
 def _watch_driver(pid: int, interval_s: float = 1.0) -> None:
     """Exit this rank when the driver process on this machine is gone (a local Ray only).
