@@ -107,11 +107,15 @@ class AgentSettings(_Strict):
 class DatasetSettings(_Strict):
     """Which tasks the env draws from."""
 
-    source: Literal["humaneval", "basic-python", "file"] = Field(
+    source: Literal["humaneval", "basic-python", "plan-path", "file"] = Field(
         "humaneval",
-        description="humaneval (164 problems), basic-python (100 one-line tasks, envs/basic_python.py) or file.",
+        description="humaneval (164 problems), basic-python (100 one-line tasks, envs/basic_python.py), "
+        "plan-path (generated grids, one seed per task, envs/plan_path.py) or file.",
     )
     path: str | None = Field(None, description="JSONL or Parquet of HumanEval-shaped rows when source=file.")
+    num_tasks: int = Field(
+        200, ge=2, description="Tasks of a generated source (plan-path: seeds 0..num_tasks-1), before the split."
+    )
     validation_fraction: float = Field(0.2, gt=0.0, lt=1.0, description="Held-out share, split deterministically.")
     split_seed: int = 0
 
@@ -196,6 +200,11 @@ class TrainingSettings(_Strict):
         "than fp32 (docs/training.md). The served weights are bf16 either way (vLLM casts on load).",
     )
     micro_batch_size: int = Field(2, ge=1)
+    share_prompts: bool = Field(
+        True,
+        description="Rows of a micro-batch with an identical prompt (a GRPO group's samples) run the prompt once "
+        "and their responses on its KV cache: same log-probs and gradients, fewer tokens (docs/training.md).",
+    )
     gradient_accumulation_steps: int = Field(1, ge=1)
     lr: float = Field(1e-5, gt=0.0)
     weight_decay: float = Field(0.0, ge=0.0)
@@ -275,6 +284,11 @@ class ValidationSettings(_Strict):
     """Held-out evaluation cadence."""
 
     frequency: int = Field(1, ge=0, description="Validate at iteration 0 and every N iterations; 0 disables.")
+    at_start: bool = Field(
+        True,
+        description="Also score the base weights before the first update (iter-0/baseline/), so the run's "
+        "validation curve starts from the model it trains. Ignored when frequency is 0 (no validation at all).",
+    )
     num_tasks: int = Field(4, ge=1)
     temperature: float = Field(0.0, ge=0.0)
     samples_per_task: int = Field(

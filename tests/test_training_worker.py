@@ -587,3 +587,74 @@ def test_default_model_lora_update_raises_positive_logprobs(default_model_dir, t
     tuned = PeftModel.from_pretrained(base, metrics["outputs"]["adapters"]["code_generator"]).eval()
     after = mean_logprob(tuned, pos)
     assert after > before
+
+
+# ------------------------------------------------------------------------------------------------ shared prompts
+def shared_prompt_rows() -> list[dict]:
+    """Two GRPO-like groups (3 and 2 rows with one prompt each) between rows with prompts of their own."""
+    rng = random.Random(7)
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(1, VOCAB) for _ in range(n)]
+
+    group_a, group_c = tokens(5), tokens(8)
+    prompts = [group_a, group_a, tokens(3), group_a, group_c, tokens(6), group_c]
+    rows = []
+    for i, prompt in enumerate(prompts):
+        response = tokens(rng.randint(3, 9))
+        mask = [1] * len(response)
+        if i in (1, 4):  # an env-token run inside the response
+            mask[1] = 0
+        rows.append(
+            trajectory_row(
+                sample_idx=i,
+                policy_name="shared",
+                prompt_ids=prompt,
+                response_ids=response,
+                response_mask=mask,
+                sampler_logprobs=[-math.log(VOCAB)] * len(response),
+            )
+        )
+    return rows
+
+
+def test_shared_prompts_give_the_padded_forward_results_on_fewer_tokens(tiny_model_dir):
+    """Rows sharing a prompt run it once (KV cache repeated per row); log-probs, loss, metrics and every gradient
+    equal the padded forward over full rows, and the model sees fewer tokens."""
+    model = load_model(tiny_model_dir)
+    rows = shared_prompt_rows()
+    advantages = [1.0, -0.5, 0.3, 2.0, -1.0, 0.7, 0.1]
+    table = trajectories_to_table(rows).append_column("advantage", pa.array(advantages, pa.float32()))
+    mb = collate(samples_from_table(table, 64).samples)
+    assert mb.prompt_groups == [[0, 1, 3], [2], [4, 6], [5]]
+
+    seen: list[int] = []
+
+    def forward(**kw):
+        seen.append(int(kw["input_ids"].numel()))
+        return model(**kw)
+
+    padded = micro_batch_logprobs(model, mb, share_prompts=False)
+    shared = micro_batch_logprobs(forward, mb, share_prompts=True)
+    torch.testing.assert_close(shared, padded, rtol=0, atol=1e-5)
+    assert sum(seen) < mb.input_ids.numel()  # prompts computed once per group, no padding to the longest row
+
+    mb.old_logprobs = padded - 0.05 * mb.loss_mask
+    mb.ref_logprobs = padded + 0.1 * mb.loss_mask
+    algo = AlgorithmSettings(kl_coef=0.1, entropy_coef=0.01, clip_ratio_low=0.02, clip_ratio_high=0.03)
+
+    def loss_and_grads(share: bool):
+        model.zero_grad()
+        loss, metrics = micro_batch_loss(model, mb, algo, share_prompts=share)
+        loss.backward()
+        return loss.detach(), metrics, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    loss1, metrics1, grads1 = loss_and_grads(False)
+    loss2, metrics2, grads2 = loss_and_grads(True)
+    torch.testing.assert_close(loss2, loss1, rtol=1e-5, atol=1e-6)
+    assert metrics2.keys() == metrics1.keys()
+    for key in metrics1:
+        assert metrics2[key] == pytest.approx(metrics1[key], rel=1e-4, abs=1e-6), key
+    assert any(torch.count_nonzero(g) for g in grads1.values())
+    for name in grads1:
+        torch.testing.assert_close(grads2[name], grads1[name], rtol=1e-4, atol=1e-6, msg=name)

@@ -214,6 +214,8 @@ class MicroBatch:
     old_logprobs: torch.Tensor | None = None  # filled before training
     ref_logprobs: torch.Tensor | None = None  # filled before training when kl_coef > 0
     is_padding: bool = False  # a filler micro-batch with an all-zero loss mask (see plan_windows)
+    prompt_lens: list[int] = field(default_factory=list)  # P_b per row
+    prompt_groups: list[list[int]] = field(default_factory=list)  # rows (b) with identical prompts, first-seen order
 
     @property
     def logits_to_keep(self) -> int:
@@ -286,6 +288,8 @@ def collate(samples: Sequence[Sample], pad_id: int = 0, adapter: str | None = No
         sampler_logprobs[b, lo : lo + R] = torch.from_numpy(s.sampler_logprobs) * mask
     targets = input_ids[:, start + 1 :].clone()
     return MicroBatch(
+        prompt_lens=[len(s.prompt_ids) for s in samples],
+        prompt_groups=prompt_groups(samples),
         input_ids=input_ids,
         attention_mask=attention_mask,
         start=start,
@@ -296,6 +300,18 @@ def collate(samples: Sequence[Sample], pad_id: int = 0, adapter: str | None = No
         rows=[s.row for s in samples],
         adapter=adapter,
     )
+
+
+def prompt_groups(samples: Sequence[Sample]) -> list[list[int]]:
+    """Positions of ``samples`` grouped by identical prompt ids, groups in order of first appearance.
+
+    The G samples of a GRPO group drawn from one prompt share it token for token; the update computes that
+    prompt once per group (``model.response_logits``).
+    """
+    groups: dict[bytes, list[int]] = {}
+    for b, s in enumerate(samples):
+        groups.setdefault(np.ascontiguousarray(s.prompt_ids, dtype=np.int64).tobytes(), []).append(b)
+    return list(groups.values())
 
 
 def response_values(mb: MicroBatch, values: torch.Tensor, b: int, prompt_len: int, response_len: int) -> torch.Tensor:

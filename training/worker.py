@@ -415,6 +415,7 @@ class UpdateWorker:
         module.eval()
         # one epoch: no optimizer step precedes the first window, so its old log-probs are the current ones
         first_is_current = spec.training.epochs == 1 and not algo.use_sampler_logprobs
+        share = spec.training.share_prompts
         diff_sum, diff_n = 0.0, 0
         forwards_skipped = 0
         for w, slots in enumerate(self.my_slots):
@@ -427,7 +428,7 @@ class UpdateWorker:
                     mb.old_logprobs = None
                     forwards_skipped += 1
                 else:
-                    mb.old_logprobs = M.micro_batch_logprobs(module, mb)
+                    mb.old_logprobs = M.micro_batch_logprobs(module, mb, share)
                     if not mb.is_padding:
                         valid = mb.loss_mask != 0
                         diff_sum += float((mb.old_logprobs - mb.sampler_logprobs).abs()[valid].sum())
@@ -435,9 +436,9 @@ class UpdateWorker:
                 if algo.kl_coef > 0:
                     if spec.uses_lora:
                         with M.adapters_disabled(module):
-                            mb.ref_logprobs = M.micro_batch_logprobs(module, mb)
+                            mb.ref_logprobs = M.micro_batch_logprobs(module, mb, share)
                     else:
-                        mb.ref_logprobs = M.micro_batch_logprobs(self.reference, mb)
+                        mb.ref_logprobs = M.micro_batch_logprobs(self.reference, mb, share)
         self.timings["logprob_s"] = time.perf_counter() - t0
         self.metrics["old_logprob_forwards_skipped"] = forwards_skipped
 
@@ -454,7 +455,7 @@ class UpdateWorker:
                 for i, mb in enumerate(slots):
                     if mb.adapter is not None:
                         M.activate_adapter(module, mb.adapter)
-                    loss, m = M.micro_batch_loss(engine, mb, algo, old_is_current=current_is_old)
+                    loss, m = M.micro_batch_loss(engine, mb, algo, old_is_current=current_is_old, share_prompts=share)
                     engine.backward(loss * scale)
                     if i == len(slots) - 1 and spec.training.zero_stage == 0 and self.dtype == "fp32":
                         # DeepSpeed does not report the norm for plain fp32 without ZeRO; grads are reduced here
