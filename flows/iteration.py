@@ -1,7 +1,8 @@
 """The ``iteration`` flow: one training iteration as a Prefect flow run.
 
-    collect_rollouts -> filter_and_group -> compute_advantages -> update_policy[per policy]
-        -> sync_weights -> validate (every validation.frequency) -> report
+    [validate_baseline (iteration 0, validation.at_start)] -> collect_rollouts -> filter_and_group
+        -> compute_advantages -> update_policy[per policy] -> sync_weights
+        -> validate (every validation.frequency) -> report
 
 Every step writes a committed folder under ``runs/<run_id>/iter-<k>/``; a step that is already
 committed is skipped (and says so in the UI), so re-running an iteration after a crash redoes only
@@ -17,6 +18,7 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 
+from pettingflow.configs.settings import ExperimentConfig
 from pettingflow.iteration.context import STEP_ORDER, step_kind
 from pettingflow.iteration.run import RunRef, load_run_config
 from pettingflow.iteration.runtime import Runtime, active_runtime
@@ -28,6 +30,7 @@ from pettingflow.tasks.steps import (
     sync_weights,
     update_policy,
     validate,
+    validate_baseline,
     value,
 )
 
@@ -37,6 +40,12 @@ def validation_due(frequency: int, iteration: int, iterations: int) -> bool:
     return frequency > 0 and (iteration % frequency == 0 or iteration == iterations - 1)
 
 
+def baseline_due(config: ExperimentConfig, iteration: int, attempt: int) -> bool:
+    """The base weights are scored once per run, at the start of iteration 0 (not in re-runs), unless validation
+    is off (``frequency: 0``) or ``validation.at_start`` is false."""
+    return iteration == 0 and attempt == 0 and config.validation.at_start and config.validation.frequency > 0
+
+
 @flow(name="iteration", flow_run_name="{run.run_id} iter-{iteration}", log_prints=True)
 def iteration(
     run: RunRef, iteration: int, attempt: int = 0, from_step: str = "rollouts", validate_now: bool | None = None
@@ -44,7 +53,7 @@ def iteration(
     """Run (or resume, or re-run from ``from_step``) one iteration of ``run``."""
     flow_started = time.perf_counter()
     logger = get_run_logger()
-    config = load_run_config(run)
+    config = load_run_config(run, iteration, attempt)
     first = STEP_ORDER.index(step_kind(from_step))
     due = validation_due(config.validation.frequency, iteration, config.run.iterations)
     validate_now = due if validate_now is None else validate_now
@@ -66,6 +75,8 @@ def iteration(
             logger.info("no running servers for %s in this process: starting them for this iteration", run.run_id)
             runtime = stack.enter_context(Runtime(config, run.run_id))
         upstream: Any = None
+        if first == 0 and baseline_due(config, iteration, attempt):
+            timed("baseline", validate_baseline, run, iteration, runtime)
         if first == 0:
             upstream = timed("rollouts", collect_rollouts, run, iteration, runtime)
         if first <= STEP_ORDER.index("filtered"):

@@ -13,6 +13,9 @@ from dataclasses import dataclass
 from pettingflow.storage import RunLayout, Step
 
 STEP_ORDER = ("rollouts", "filtered", "advantages", "update", "sync", "validation", "report")
+# the base weights' validation (``validation.at_start``): iteration 0 only, before its rollouts; a step of the
+# run, not of an attempt, so a re-run never writes one and always reads the original's
+BASELINE_STEP = "baseline"
 
 
 def step_kind(name: str) -> str:
@@ -41,6 +44,8 @@ class IterationContext:
 
     def step(self, name: str) -> Step:
         """The folder of step ``name`` as this attempt sees it."""
+        if name == BASELINE_STEP:
+            return self.layout.step(self.iteration, name)
         own = STEP_ORDER.index(step_kind(name)) >= STEP_ORDER.index(step_kind(self.from_step))
         return self.layout.step(self.iteration, name, attempt=self.attempt if own else None)
 

@@ -12,8 +12,9 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from pettingflow.iteration.context import STEP_ORDER
+from pettingflow.iteration.context import BASELINE_STEP, STEP_ORDER
 from pettingflow.iteration.report import REPORT_STEP
+from pettingflow.iteration.run import format_change
 from pettingflow.storage import RunLayout, list_runs, read_step_trajectories
 
 
@@ -44,6 +45,8 @@ def step_status(layout: RunLayout, iteration: int) -> dict[str, str]:
     """Each step of an iteration (attempt 0): committed, or missing."""
     status = {}
     names = [n for n in STEP_ORDER if n != "update"]
+    if layout.fs.exists(layout.step(iteration, BASELINE_STEP).path):  # iteration 0 with validation.at_start
+        names.insert(0, BASELINE_STEP)
     names += sorted(
         p.rstrip("/").rsplit("/", 1)[-1]
         for p in (
@@ -86,11 +89,29 @@ def show_run(layout: RunLayout, console: Console) -> None:
                 size = f"{manifest.rows} rows" if has_rows else f"{n} file" + ("s" if n != 1 else "")
             table.add_row(name, state, size)
         console.print(table)
+        for line in attempt_lines(layout, k):
+            console.print(line, markup=False)
         report = layout.step(k, REPORT_STEP)
         if report.is_committed():
             metrics = report.read_json("metrics.json")
             for key in [m for m in sorted(metrics) if _headline(m)]:
                 console.print(f"  {key:<48} {metrics[key]:.4f}")
+
+
+def attempt_lines(layout: RunLayout, iteration: int) -> list[str]:
+    """One line per re-run of ``iteration``: where it started and what its config changed versus run.json."""
+    lines = []
+    for attempt in layout.attempts(iteration)[1:]:
+        info = layout.read_attempt_info(iteration, attempt) or {}
+        changes = info.get("config_changes")
+        changed = "; ".join(format_change(c) for c in changes) if changes else "no config changes"
+        if changes is None:
+            changed = "config not recorded (a re-run stored before attempt.json existed)"
+        report = (
+            "report committed" if layout.step(iteration, REPORT_STEP, attempt=attempt).is_committed() else "no report"
+        )
+        lines.append(f"  attempt {attempt} (from {info.get('from_step', '?')}, {report}): {changed}")
+    return lines
 
 
 HEADLINE_UPDATE = (
@@ -107,7 +128,7 @@ HEADLINE_UPDATE = (
 
 def _headline(metric: str) -> bool:
     """The metrics `runs show` prints: rewards and success, and the main update numbers."""
-    if metric.startswith(("rollout/", "validation/")):
+    if metric.startswith(("rollout/", "validation/", "baseline/")):
         return metric.endswith(("/reward_mean", "/success_rate"))
     return metric.startswith("update/") and metric.rsplit("/", 1)[-1] in HEADLINE_UPDATE
 

@@ -80,7 +80,10 @@ def history(layout: RunLayout) -> list[dict[str, Any]]:
 
 
 def curve_png(points: list[dict[str, Any]]) -> bytes:
-    """Reward mean and success rate per agent over iterations (rollouts and validation)."""
+    """Reward mean and success rate per agent over iterations (rollouts and validation).
+
+    Validation at iteration k scores the weights after k's update; the baseline (``baseline/...``, the base
+    weights, stored with iteration 0) is drawn as the validation line's first point, at x = -1 ("base")."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -91,15 +94,22 @@ def curve_png(points: list[dict[str, Any]]) -> bytes:
     for point in points:
         for key, value in point.items():
             for kind, suffix in (("reward", "/reward_mean"), ("success", "/success_rate")):
-                if key.endswith(suffix) and key.startswith(("rollout/", "validation/")):
-                    label = key[: -len(suffix)]
-                    series[kind].setdefault(label, []).append((point["iteration"], value))
+                if key.endswith(suffix) and key.startswith(("rollout/", "validation/", "baseline/")):
+                    x = point["iteration"]
+                    if key.startswith("baseline/"):
+                        key, x = "validation/" + key.removeprefix("baseline/"), x - 1
+                    series[kind].setdefault(key[: -len(suffix)], []).append((x, value))
+    with_base = any(x < 0 for lines in series.values() for values in lines.values() for x, _ in values)
     for ax, (kind, lines) in zip(axes, series.items(), strict=True):
         for label, values in sorted(lines.items()):
-            xs, ys = zip(*values, strict=True)
+            xs, ys = zip(*sorted(values), strict=True)
             ax.plot(xs, ys, marker="o", label=label, linestyle="--" if label.startswith("validation") else "-")
         ax.set_title("reward mean" if kind == "reward" else "success rate")
         ax.set_xlabel("iteration")
+        if with_base:
+            last = max(int(p["iteration"]) for p in points)
+            ticks = list(range(-1, last + 1, max(1, (last + 2) // 10)))
+            ax.set_xticks(ticks, ["base" if t < 0 else str(t) for t in ticks])
         ax.grid(alpha=0.3)
         if lines:
             ax.legend(fontsize=7)

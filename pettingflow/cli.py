@@ -231,7 +231,7 @@ def trajectories_show(
     iteration: Annotated[int, typer.Option("--iteration", "-k", help="Iteration to show.")] = 0,
     agent: Annotated[str | None, typer.Option("--agent", help="Only this agent's samples.")] = None,
     limit: Annotated[int, typer.Option("--limit", help="At most this many rows.")] = 20,
-    step: Annotated[str, typer.Option("--step", help="rollouts, filtered or validation.")] = "rollouts",
+    step: Annotated[str, typer.Option("--step", help="rollouts, filtered, validation or baseline.")] = "rollouts",
     root: RootOpt = "",
 ) -> None:
     """A readable table of an iteration's samples."""
@@ -258,17 +258,36 @@ def rerun(
         bool, typer.Option("--validate", help="Also sync and validate (starts a vLLM server).")
     ] = False,
     root: RootOpt = "",
+    overrides: Annotated[
+        list[str] | None,
+        typer.Argument(help="Overrides of algorithm.*, training.* or validation.*, e.g. training.lr=1e-6."),
+    ] = None,
 ) -> None:
     """Re-run an iteration's later steps from its stored trajectories into a new attempt folder.
 
-    Runs the `rerun` flow here (against PREFECT_API_URL if set, else a temporary local Prefect).
+    Overrides may change what the stored trajectories do not depend on (algorithm, training, validation):
+    e.g. `algorithm.filter_method=std algorithm.filter_ratio=0.5 training.lr=1e-6`. Runs the `rerun` flow here
+    (against PREFECT_API_URL if set, else a temporary local Prefect).
     """
     from pettingflow.flows.rerun import rerun as rerun_flow
+    from pettingflow.iteration.run import RerunOverrideError, RunRef, format_change, rerun_config
 
+    root = root or _default_root()
+    try:  # refuse bad overrides before a Prefect server is started
+        _, changes = rerun_config(RunRef(root=root, run_id=run_id), overrides or [], from_step)
+    except (ConfigError, RerunOverrideError, FileNotFoundError, ValueError) as exc:
+        fail(str(exc))
+    for change in changes:
+        typer.echo(f"  {format_change(change)}")
     if os.environ.get("PREFECT_API_URL") is None:
         typer.secho("PREFECT_API_URL is not set: running with a temporary local Prefect server", err=True)
     result = rerun_flow(
-        run_id=run_id, iteration=iteration, from_step=from_step, root=root or _default_root(), with_validation=validate
+        run_id=run_id,
+        iteration=iteration,
+        from_step=from_step,
+        root=root,
+        with_validation=validate,
+        overrides=overrides or [],
     )
     typer.echo(f"re-ran iteration {iteration} of {run_id} as attempt {result['attempt']}: {result['report']}")
 

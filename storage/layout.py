@@ -93,6 +93,25 @@ class RunLayout:
         with self.fs.open(path, "rb") as f:
             return json.loads(f.read())
 
+    def write_attempt_info(self, iteration: int, attempt: int, info: dict[str, Any]) -> None:
+        """``iter-<k>/attempt-<a>/attempt.json``: the resolved config a re-run ran under and what it changed.
+
+        Written before the attempt's first step, so it also reserves the attempt number."""
+        if attempt < 1:
+            raise ValueError(f"attempt 0 is the original iteration (its config is run.json); got attempt {attempt}")
+        path = join(self.iteration_path(iteration, attempt), "attempt.json")
+        write_bytes_atomic(self.fs, path, json.dumps(info, indent=2, default=str).encode())
+
+    def read_attempt_info(self, iteration: int, attempt: int) -> dict[str, Any] | None:
+        """The re-run's ``attempt.json``, or None (attempt 0, or an attempt stored before re-runs had one)."""
+        if attempt < 1:
+            return None
+        path = join(self.iteration_path(iteration, attempt), "attempt.json")
+        if not self.fs.exists(path):
+            return None
+        with self.fs.open(path, "rb") as f:
+            return json.loads(f.read())
+
 
 def list_runs(root: str, storage_options: dict[str, Any] | None = None) -> list[str]:
     """Run ids under ``root``, oldest first (ids start with a sortable timestamp after the name)."""

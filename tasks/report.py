@@ -43,9 +43,10 @@ def iteration_metrics(
             report.flatten(
                 name.replace("update-", "update/", 1), (outcome.get("metrics") or {}).get("metrics", {}), flat
             )
-    validation = (outcomes.get("validation") or {}).get("metrics") or {}
-    for agent, values in (validation.get("agents") or {}).items():
-        report.flatten(f"validation/{agent}", values, flat)
+    for step in ("baseline", "validation"):  # baseline: the base weights, before iteration 0's update
+        scored = (outcomes.get(step) or {}).get("metrics") or {}
+        for agent, values in (scored.get("agents") or {}).items():
+            report.flatten(f"{step}/{agent}", values, flat)
     for step, seconds in durations.items():
         flat[f"duration/{step}_s"] = round(seconds, 3)
     if iteration_s:
@@ -68,7 +69,7 @@ def report_iteration(
 ) -> dict[str, Any]:
     """Commit the report step and publish it: a metrics table, sample trajectories, links, the curve."""
     ctx = context(run, iteration, attempt, from_step)
-    config = load_run_config(run)
+    config = load_run_config(run, iteration, attempt)
     metrics = iteration_metrics(outcomes, durations, iteration_s)
     links = {name: o["uri"] for name, o in outcomes.items() if isinstance(o, dict) and "uri" in o}
     result = report.write_report(ctx, metrics, links)

@@ -20,7 +20,7 @@ from prefect.states import Completed, State
 
 from pettingflow.iteration import batches, rollouts, updates
 from pettingflow.iteration.batches import StepOutcome
-from pettingflow.iteration.context import IterationContext
+from pettingflow.iteration.context import BASELINE_STEP, IterationContext
 from pettingflow.iteration.run import RunRef, load_run_config
 from pettingflow.iteration.runtime import Runtime
 from pettingflow.iteration.weights import weights_before
@@ -58,13 +58,15 @@ def collect_rollouts(run: RunRef, iteration: int, runtime: Runtime) -> dict[str,
 @task(name="filter_and_group", cache_policy=NO_CACHE)
 def filter_and_group(run: RunRef, iteration: int, attempt: int, from_step: str, upstream: Any = None):
     """UID groups (seed 000) and the configured filter (mean/std/dapo/uid)."""
-    return finished(batches.filter_step(context(run, iteration, attempt, from_step), load_run_config(run)))
+    config = load_run_config(run, iteration, attempt)
+    return finished(batches.filter_step(context(run, iteration, attempt, from_step), config))
 
 
 @task(name="compute_advantages", cache_policy=NO_CACHE)
 def compute_advantages(run: RunRef, iteration: int, attempt: int, from_step: str, upstream: Any = None):
     """Group-relative advantages; one batch file per policy."""
-    return finished(batches.advantage_step(context(run, iteration, attempt, from_step), load_run_config(run)))
+    config = load_run_config(run, iteration, attempt)
+    return finished(batches.advantage_step(context(run, iteration, attempt, from_step), config))
 
 
 @task(
@@ -88,7 +90,7 @@ def update_policy(
     A learner that dies mid-update fails this attempt with its log tail; the retry starts new ranks that
     load the newest committed checkpoint (the metrics say how old the optimizer state then is)."""
     ctx = context(run, iteration, attempt, from_step)
-    outcome = updates.update_step(ctx, load_run_config(run), policy, runtime)
+    outcome = updates.update_step(ctx, load_run_config(run, iteration, attempt), policy, runtime)
     if not outcome.skipped and (line := updates.optimizer_state_line(policy, outcome.metrics.get("metrics") or {})):
         get_run_logger().info(line)
     return finished(outcome)
@@ -97,12 +99,29 @@ def update_policy(
 @task(name="sync_weights", retries=2, retry_delay_seconds=[5, 15], cache_policy=NO_CACHE)
 def sync_weights(run: RunRef, iteration: int, attempt: int, from_step: str, runtime: Runtime, upstream: Any = None):
     """Full weights: reload in place; LoRA: load adapters by name. Probes confirm the change."""
-    return updates.sync_step(context(run, iteration, attempt, from_step), load_run_config(run), runtime)
+    config = load_run_config(run, iteration, attempt)
+    return updates.sync_step(context(run, iteration, attempt, from_step), config, runtime)
 
 
 @task(name="validate", retries=1, retry_delay_seconds=[10], cache_policy=NO_CACHE)
 def validate(run: RunRef, iteration: int, attempt: int, from_step: str, runtime: Runtime, upstream: Any = None):
     """Greedy episodes on held-out tasks; success rate per agent."""
     ctx = context(run, iteration, attempt, from_step)
-    outcome = rollouts.validation_step(ctx, load_run_config(run), runtime.endpoints(), env_cache=runtime.env_cache)
+    config = load_run_config(run, iteration, attempt)
+    outcome = rollouts.validation_step(ctx, config, runtime.endpoints(), env_cache=runtime.env_cache)
+    return finished(outcome)
+
+
+@task(name="validate_baseline", retries=1, retry_delay_seconds=[10], cache_policy=NO_CACHE)
+def validate_baseline(run: RunRef, iteration: int, runtime: Runtime) -> dict[str, Any] | State:
+    """``validate`` on the weights ``iteration`` starts from (the base model at iteration 0), before any update
+    (``validation.at_start``): the first point of the run's validation curve. Committed as ``baseline``."""
+    config = load_run_config(run)
+    ctx = context(run, iteration)
+    if not ctx.step(BASELINE_STEP).is_committed():
+        for policy in runtime.servers:
+            runtime.ensure_serving(weights_before(ctx.layout, config, policy, iteration))
+    outcome = rollouts.validation_step(
+        ctx, config, runtime.endpoints(), env_cache=runtime.env_cache, step_name=BASELINE_STEP
+    )
     return finished(outcome)

@@ -1,0 +1,158 @@
+"""Re-run overrides and the baseline validation, without servers: what is accepted, refused, stored and shown.
+
+The re-run itself (filter, advantages, update on stored rollouts under the overrides) runs end to end in
+``test_flows.py``; here are the rules and the records around it.
+"""
+
+from __future__ import annotations
+
+import pytest
+from rich.console import Console
+from typer.testing import CliRunner
+
+from pettingflow.configs.loader import ConfigError, load_config
+from pettingflow.iteration.context import BASELINE_STEP, IterationContext
+from pettingflow.iteration.inspect import show_run
+from pettingflow.iteration.run import (
+    RerunOverrideError,
+    RunRef,
+    load_run_config,
+    rerun_config,
+    start_or_resume,
+)
+from pettingflow.storage import RunLayout
+
+
+@pytest.fixture
+def stored_run(tmp_path) -> RunRef:
+    config = load_config("code-env", [f"run.storage_root={tmp_path}"])
+    ref, resumed = start_or_resume(config, "code-env", [f"run.storage_root={tmp_path}"], "run-a", {})
+    assert not resumed
+    return ref
+
+
+def test_overrides_of_algorithm_training_validation_are_applied_and_diffed(stored_run) -> None:
+    overrides = [
+        "algorithm.filter_method=std",
+        "algorithm.filter_ratio=0.5",
+        "training.lr=1e-6",
+        "validation.num_tasks=3",
+    ]
+    config, changes = rerun_config(stored_run, overrides, "filtered")
+    assert (config.algorithm.filter_method, config.algorithm.filter_ratio, config.training.lr) == ("std", 0.5, 1e-6)
+    assert changes == [
+        {"key": "algorithm.filter_method", "old": "none", "new": "std"},
+        {"key": "algorithm.filter_ratio", "old": 0.0, "new": 0.5},
+        {"key": "training.lr", "old": 1e-5, "new": 1e-6},
+        {"key": "validation.num_tasks", "old": 2, "new": 3},
+    ]
+    assert rerun_config(stored_run, [], "update")[1] == []  # no overrides: the run's own config
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "env.group_size=4",
+        "agents.code_generator.sampling.temperature=0.5",
+        "policies.0.model=other",
+        "rollout.max_concurrent_requests=2",
+        "inference.max_model_len=4096",
+        "run.seed=3",
+        "specialization=lora",
+    ],
+)
+def test_overrides_that_describe_the_stored_trajectories_are_refused(stored_run, override) -> None:
+    with pytest.raises(RerunOverrideError) as err:
+        rerun_config(stored_run, ["training.lr=1e-6", override], "filtered")
+    message = str(err.value)
+    assert override.split("=")[0] in message and "training.lr" not in message.split("\n", 1)[1]
+    assert "stored trajectories were produced under" in message and "start a new run" in message
+    assert "algorithm.*, training.*, validation.*" in message
+
+
+def test_an_override_the_reused_steps_already_applied_is_refused(stored_run) -> None:
+    with pytest.raises(
+        RerunOverrideError, match=r"algorithm\.filter_method: read by the 'filtered' step.*--from-step filtered"
+    ):
+        rerun_config(stored_run, ["algorithm.filter_method=std"], "advantages")
+    with pytest.raises(RerunOverrideError, match=r"--from-step advantages"):
+        rerun_config(stored_run, ["algorithm.advantage_estimator=rloo"], "update")
+    assert rerun_config(stored_run, ["algorithm.advantage_estimator=rloo"], "advantages")[0]
+    with pytest.raises(RerunOverrideError, match="reuses the stored rollouts"):
+        rerun_config(stored_run, [], "rollouts")
+
+
+def test_invalid_override_values_are_config_errors(stored_run) -> None:
+    with pytest.raises(ConfigError, match=r"training\.lr"):
+        rerun_config(stored_run, ["training.lr=-1"], "filtered")
+    with pytest.raises(ConfigError, match=r"algorithm\.filter_methd"):
+        rerun_config(stored_run, ["algorithm.filter_methd=std"], "filtered")
+
+
+def test_an_attempt_reads_its_own_stored_config_and_runs_show_prints_the_diff(stored_run) -> None:
+    layout = stored_run.layout()
+    config, changes = rerun_config(stored_run, ["training.lr=1e-6"], "filtered")
+    layout.write_attempt_info(0, 1, {"from_step": "filtered", "config_changes": changes, "config": config.model_dump()})
+    assert layout.attempts(0) == [0, 1] and layout.next_attempt(0) == 2  # attempt.json reserves the number
+    assert load_run_config(stored_run, 0, 1).training.lr == 1e-6
+    assert load_run_config(stored_run, 0, 0).training.lr == 1e-5  # the original attempt: run.json
+    assert load_run_config(stored_run).training.lr == 1e-5
+    console = Console(record=True, width=200)
+    show_run(layout, console)
+    assert "attempt 1 (from filtered, no report): training.lr: 1e-05 -> 1e-06" in console.export_text()
+
+
+def test_a_run_stored_before_a_setting_existed_still_resumes(tmp_path) -> None:
+    """A new field with a default (validation.at_start) must not make every older run.json a mismatch."""
+    config = load_config("code-env", [f"run.storage_root={tmp_path}"])
+    layout = RunLayout(str(tmp_path), "run-old")
+    stored = config.model_dump(mode="json")
+    del stored["validation"]["at_start"]
+    layout.write_run_info({"run_id": "run-old", "config": stored, "overrides": []})
+    _, resumed = start_or_resume(config, "code-env", [], "run-old", {})
+    assert resumed
+
+
+def test_the_baseline_belongs_to_the_run_not_to_an_attempt(tmp_path) -> None:
+    layout = RunLayout(str(tmp_path), "run-b")
+    original = IterationContext(layout, 0)
+    rerun = IterationContext(layout, 0, attempt=2, from_step="filtered")
+    assert (
+        original.step(BASELINE_STEP).path == rerun.step(BASELINE_STEP).path == f"{tmp_path}/runs/run-b/iter-0/baseline"
+    )
+    assert rerun.step("filtered").path.endswith("iter-0/attempt-2/filtered")
+
+
+def test_baseline_is_due_once_at_the_start_unless_validation_is_off() -> None:
+    from pettingflow.flows.iteration import baseline_due
+
+    config = load_config("code-env")
+    assert config.validation.at_start
+    assert baseline_due(config, 0, 0)
+    assert not baseline_due(config, 1, 0) and not baseline_due(config, 0, 1)  # later iterations, re-runs
+    assert not baseline_due(load_config("code-env", ["validation.at_start=false"]), 0, 0)
+    assert not baseline_due(load_config("code-env", ["validation.frequency=0"]), 0, 0)
+
+
+def test_baseline_metrics_are_reported_and_start_the_validation_curve() -> None:
+    from pettingflow.iteration.report import curve_png
+    from pettingflow.tasks.report import iteration_metrics
+
+    scored = {"agents": {"code_generator": {"success_rate": 0.25, "reward_mean": 0.5}}}
+    after = {"agents": {"code_generator": {"success_rate": 0.5, "reward_mean": 0.75}}}
+    flat = iteration_metrics({"baseline": {"metrics": scored}, "validation": {"metrics": after}}, {})
+    assert flat["baseline/code_generator/success_rate"] == 0.25
+    assert flat["validation/code_generator/success_rate"] == 0.5
+    png = curve_png([{"iteration": 0, **flat}, {"iteration": 1, "validation/code_generator/success_rate": 0.75}])
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_rerun_refuses_an_env_override_before_starting_anything(stored_run) -> None:
+    from pettingflow.cli import app
+
+    result = CliRunner().invoke(
+        app, ["rerun", "run-a", "--iteration", "0", "--root", stored_run.root, "training.lr=1e-6", "env.group_size=4"]
+    )
+    assert result.exit_code == 2, result.output
+    assert "env.group_size" in result.output and "start a new run" in result.output
+    assert stored_run.layout().attempts(0) == [0]  # nothing was written
