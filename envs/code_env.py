@@ -461,6 +461,8 @@ def parse_program_output(result: ExecResult, jobs: Sequence[Job], marker: str) -
             reason = "timed out (the sandbox killed the run)"
         elif getattr(result, "killed_reason", None):
             reason = f"killed by the sandbox: {result.killed_reason}"
+        elif getattr(result, "stdout_truncated", False):  # the summary line was past the output cap
+            reason = f"the test run's output was cut at the sandbox's cap (exit code {result.exit_code})"
         else:
             tail = (result.stderr or "").strip().splitlines()[-1:] or ["no output"]
             reason = f"the test run produced no result (exit code {result.exit_code}): {tail[0][:200]}"

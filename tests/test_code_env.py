@@ -180,6 +180,9 @@ def test_missing_summary_fails_every_case_with_a_reason() -> None:
     crashed = FakeExecResult(1, False, "", stderr="Traceback ...\nMemoryError")
     [res] = parse_program_output(crashed, [job], "@@M@@ ")
     assert "MemoryError" in (res.setup_error or "")
+    cut = FakeExecResult(0, False, "x" * 100, stdout_truncated=True)  # ran to the end, summary cut off
+    [res] = parse_program_output(cut, [job], "@@M@@ ")
+    assert res.passed == 0 and "cut at the sandbox's cap" in (res.setup_error or "")
 
 
 def test_summary_line_is_found_after_other_output() -> None:

@@ -25,6 +25,7 @@ from pettingflow.configs.settings import SandboxSettings
 from pettingflow.envs.sandbox import ExecResult, Sandbox, SandboxUnavailableError, make_sandbox
 from pettingflow.envs.sandbox.bubblewrap import BubblewrapSandbox
 from pettingflow.envs.sandbox.docker_backend import docker_run_argv
+from pettingflow.envs.sandbox.tree_limits import DEFAULT_MAX_INODES, find_delegated_cgroup
 
 needs_bwrap = pytest.mark.skipif(
     shutil.which("bwrap") is None, reason="bubblewrap not installed (`make test` installs it)"
@@ -73,6 +74,21 @@ def test_exec_result_passed_needs_clean_timely_exit():
     assert not ExecResult(1, False, "", "", False, False, 0.1).passed
     assert not ExecResult(None, True, "", "", False, False, 0.1, "timeout").passed
     assert not ExecResult(0, True, "", "", False, False, 0.1).passed
+
+
+def test_exec_result_status_names_the_outcome():
+    def result(exit_code, killed_reason=None, timed_out=False, **kw):
+        return ExecResult(exit_code, timed_out, "", "", False, False, 0.1, killed_reason, **kw)
+
+    assert result(0).status == "ok"
+    assert result(3).status == "failed"
+    assert result(None, "timeout", timed_out=True).status == "timeout"
+    assert result(None, "signal:SIGSEGV", signal="SIGSEGV").status == "signal"
+    for reason in ("output", "memory", "files", "cpu"):
+        assert result(None, reason).status == reason
+    assert result(1, "memory").status == "memory"  # MemoryError under RLIMIT_AS
+    assert not result(0).truncated
+    assert ExecResult(0, False, "", "", False, True, 0.1).truncated
 
 
 @needs_bwrap
@@ -397,9 +413,127 @@ def test_output_flood_is_truncated_and_stopped(stream):
     sb = make_sandbox(_settings(max_output_bytes=4096, timeout_s=10))
     result = sb.run(f"import sys\nwhile True:\n    sys.{stream}.write('x' * 1000)\n")
     text = getattr(result, stream)
-    assert getattr(result, f"{stream}_truncated") and len(text.encode()) == 4096
+    assert getattr(result, f"{stream}_truncated") and result.truncated and len(text.encode()) == 4096
     assert result.killed_reason == "output" and result.exit_code is None and not result.timed_out
+    assert result.status == "output"
     assert result.duration_s < 5
+
+
+@needs_bwrap
+def test_long_output_keeps_its_head_and_the_program_runs_on(sandbox):
+    """One line over the cap (64 KiB here) is cut, not fatal: the head and stderr are kept, the rest is
+    drained and dropped, and the program finishes with its own exit status."""
+    cap = sandbox.settings.max_output_bytes
+    code = (
+        "import sys\nprint('head', flush=True)\nsys.stderr.write('note on stderr\\n')\n"
+        f"print('x' * {4 * cap})\nprint('tail')\nsys.exit(3)\n"
+    )
+    result = sandbox.run(code)
+    assert result.exit_code == 3 and result.killed_reason is None and result.status == "failed"
+    assert result.stdout_truncated and result.truncated and not result.stderr_truncated
+    assert result.stdout.startswith("head\nxxx") and len(result.stdout.encode()) == cap
+    assert "tail" not in result.stdout
+    assert result.stderr == "note on stderr\n"
+    ok = sandbox.run(f"print('y' * {2 * cap})")
+    assert ok.passed and ok.truncated  # a truncated run is still judged on its exit status
+
+
+@needs_bwrap
+def test_many_files_are_stopped_by_the_inode_cap(sandbox):
+    fits = sandbox.run(
+        "import os\nfor d in ('.', '/tmp', '/dev/shm'):\n    for i in range(300):\n"
+        "        open(os.path.join(d, f'f{i}'), 'w').close()\nprint('ok')\n"
+    )
+    assert fits.passed and fits.stdout == "ok\n", fits  # positive control: 900 files are fine
+    assert sandbox.max_inodes == DEFAULT_MAX_INODES
+    result = sandbox.run(
+        "import os\nfor i in range(200_000):\n    open(f'f{i}', 'w').close()\n"
+        "    if i == 1000:\n        print('created 1000', flush=True)\nprint('all created')\n"
+    )
+    assert result.killed_reason == "files" and result.status == "files" and result.exit_code is None
+    assert "created 1000" in result.stdout and "all created" not in result.stdout
+    assert not result.timed_out
+
+
+# One child at a time allocates and reports, so the output shows how many held their memory at once.
+_MEMORY_HOG = """
+import os, time
+for _ in range(6):
+    r, w = os.pipe()
+    if os.fork() == 0:
+        held = b"x" * (150 << 20)
+        os.write(w, b"!")
+        time.sleep(30)
+        os._exit(0)
+    os.read(r, 1)
+    print("held", flush=True)
+print("all held")
+"""
+
+
+def _check_memory_hog_stopped(sb: BubblewrapSandbox, bound: str) -> None:
+    one = sb.run('held = b"x" * (150 << 20)\nprint("one fits")\n')
+    assert one.passed, one.stderr  # positive control: one process fits under memory_mb=256
+    result = sb.run(_MEMORY_HOG, timeout_s=20)
+    assert result.killed_reason == "memory" and result.status == "memory" and result.exit_code is None, result
+    assert result.memory_bound == bound and not result.timed_out
+    # stopped at the 2nd child (the watchdog may see it one poll late under load)
+    assert 1 <= result.stdout.count("held") <= 3 and "all held" not in result.stdout, result.stdout
+    assert result.duration_s < 15
+
+
+@needs_bwrap
+def test_multi_process_memory_hog_is_stopped_by_the_whole_run_bound():
+    """6 processes x 150 MiB each fit their per-process limit (256 MiB) but not the run's (256 MiB in all)."""
+    sb = make_sandbox(_settings(memory_mb=256, max_processes=16, timeout_s=20))
+    assert isinstance(sb, BubblewrapSandbox) and sb.memory_bound in ("cgroup", "watchdog")
+    _check_memory_hog_stopped(sb, sb.memory_bound)
+    if sb.memory_bound == "cgroup":  # also exercise the fallback
+        _check_memory_hog_stopped(
+            BubblewrapSandbox(_settings(memory_mb=256, max_processes=16), memory_bound="watchdog"), "watchdog"
+        )
+
+
+@needs_bwrap
+def test_cgroup_memory_bound_where_delegated():
+    if find_delegated_cgroup() is None:
+        pytest.skip("no delegated cgroup v2 subtree with the memory controller here (the watchdog is used)")
+    sb = BubblewrapSandbox(_settings(memory_mb=256, max_processes=16), memory_bound="cgroup")
+    _check_memory_hog_stopped(sb, "cgroup")
+
+
+def test_cgroup_memory_bound_refused_without_delegation(monkeypatch):
+    if shutil.which("bwrap") is None:
+        pytest.skip("bubblewrap not installed")
+    import pettingflow.envs.sandbox.bubblewrap as bubblewrap
+
+    monkeypatch.setattr(bubblewrap, "find_delegated_cgroup", lambda: None)
+    with pytest.raises(SandboxUnavailableError, match="memory_bound='watchdog'"):
+        BubblewrapSandbox(_settings(), memory_bound="cgroup", self_check=False)
+    assert BubblewrapSandbox(_settings(), self_check=False).memory_bound == "watchdog"
+
+
+def test_find_delegated_cgroup_takes_a_delegated_parent(tmp_path):
+    mountinfo = f"35 25 0:30 / {tmp_path} rw,relatime shared:9 - cgroup2 cgroup2 rw\n"
+    leaf = tmp_path / "svc" / "main"
+    leaf.mkdir(parents=True)
+    (leaf / "cgroup.subtree_control").write_text("\n")
+    (leaf.parent / "cgroup.subtree_control").write_text("cpu pids\n")
+    assert find_delegated_cgroup(mountinfo, "0::/svc/main\n", probe=False) is None  # no memory controller
+    (leaf.parent / "cgroup.subtree_control").write_text("cpu memory pids\n")
+    assert find_delegated_cgroup(mountinfo, "0::/svc/main\n") == leaf.parent
+    assert find_delegated_cgroup("", "0::/svc/main\n") is None  # no cgroup2 mount (v1 only)
+    assert find_delegated_cgroup(mountinfo, "4:memory:/x\n") is None  # not in the unified hierarchy
+
+
+@needs_bwrap
+def test_segfault_is_reported_as_a_signal(sandbox):
+    result = sandbox.run("import ctypes\nprint('before', flush=True)\nctypes.string_at(0)\n")
+    assert result.signal == "SIGSEGV" and result.status == "signal"
+    assert result.exit_code is None and result.killed_reason == "signal:SIGSEGV" and not result.passed
+    assert result.stdout == "before\n"
+    clean = sandbox.run("print('fine')")
+    assert clean.signal is None and clean.status == "ok"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -525,7 +659,7 @@ def test_docker_command_has_every_isolation_flag():
                  "--memory-swap 256m", "--pids-limit 16", "--pull never", "--log-driver none",
                  "--security-opt no-new-privileges", "--rm"):  # fmt: skip
         assert flag in joined, flag
-    assert "--tmpfs /workdir:rw,nosuid,nodev,size=4m,mode=1777" in joined
+    assert f"--tmpfs /workdir:rw,nosuid,nodev,size=4m,nr_inodes={DEFAULT_MAX_INODES},mode=1777" in joined
     assert argv[argv.index(s.docker_image) + 1 : argv.index(s.docker_image) + 3] == ["python3", "-I"]
     assert "--privileged" not in argv and "--network host" not in joined
 

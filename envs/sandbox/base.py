@@ -1,8 +1,10 @@
 """What every sandbox backend shares: the result type, the errors, the protocol and the supervisor.
 
 The supervisor (:func:`supervise`) is the one place where the host talks to a sandboxed process tree:
-it reads stdout/stderr incrementally (so a flood never reaches host memory), enforces the wall-clock
-deadline, and calls the backend's ``kill_tree`` when either is exceeded. It never interprets what
+it reads stdout/stderr incrementally (keeping at most ``max_output_bytes`` of each, draining and
+discarding the rest, so a flood never reaches host memory), enforces the wall-clock deadline, runs the
+backend's watchdog (whole-run memory, scratch inodes), and calls the backend's ``kill_tree`` when a
+limit is exceeded. It never interprets what
 the program printed as an instruction: a sandboxed program can at worst make its own result fail,
 never make the host raise, hang or skip a limit.
 """
@@ -29,6 +31,13 @@ from typing import Protocol, runtime_checkable
 KILL_GRACE_S = 5.0
 #: Seconds spent reading what is left in the pipes after a kill (the writers are dead by then).
 DRAIN_GRACE_S = 1.0
+#: Output past ``max_output_bytes`` is read and thrown away (the result is marked truncated); only a
+#: stream that exceeds this many times the cap gets the tree killed (``killed_reason="output"``). 16 x
+#: the default 64 KiB is 1 MiB: a program printing a long line or a big table keeps running and is
+#: judged on its exit status, while an endless flood still stops long before its deadline.
+HARD_OUTPUT_FACTOR = 16
+#: Seconds between two watchdog checks (memory of the tree, scratch inodes) while a program runs.
+WATCH_INTERVAL_S = 0.05
 _READ_CHUNK = 65536
 
 
@@ -37,9 +46,14 @@ class ExecResult:
     """Outcome of one sandboxed program.
 
     ``exit_code`` is ``None`` whenever the program did not exit on its own: killed by the sandbox
-    (``killed_reason`` "timeout" or "output") or terminated by a signal ("cpu" for RLIMIT_CPU's
-    SIGXCPU, "signal:SIGKILL", "signal:SIGSEGV", ...). ``killed_reason`` is "memory" (with the real
-    exit code, usually 1) when the interpreter died of ``MemoryError`` under the address-space limit.
+    (``killed_reason`` "timeout", "output" (far past the cap), "memory" (the whole-run bound), "files"
+    (the scratch inode cap)) or terminated by a signal ("cpu" for RLIMIT_CPU's SIGXCPU,
+    "signal:SIGKILL", "signal:SIGSEGV", ...). ``killed_reason`` is also "memory" (with the real exit
+    code, usually 1) when the interpreter died of ``MemoryError`` under the per-process limit.
+    ``signal`` names the signal that ended the program ("SIGSEGV"), ``None`` after a normal exit.
+    ``memory_bound`` says what bounds the memory of the whole run: "cgroup" (kernel-enforced
+    ``memory.max``), "watchdog" (the supervisor sums the tree's resident memory and kills it over the
+    limit) or ``None`` (per-process limit only).
     """
 
     exit_code: int | None
@@ -50,11 +64,30 @@ class ExecResult:
     stderr_truncated: bool
     duration_s: float
     killed_reason: str | None = None
+    signal: str | None = None
+    memory_bound: str | None = None
 
     @property
     def passed(self) -> bool:
         """True only for a clean, timely exit: the one outcome a reward may treat as success."""
         return self.exit_code == 0 and not self.timed_out
+
+    @property
+    def truncated(self) -> bool:
+        """Some output was dropped (more than ``max_output_bytes`` on stdout or stderr)."""
+        return self.stdout_truncated or self.stderr_truncated
+
+    @property
+    def status(self) -> str:
+        """One word for logs and reports: "ok", "failed" (non-zero exit), "timeout", "output",
+        "memory", "files", "cpu", "file_size" or "signal" (any other signal; see ``signal``)."""
+        if self.timed_out:
+            return "timeout"
+        if self.killed_reason:
+            return "signal" if self.killed_reason.startswith("signal:") else self.killed_reason
+        if self.exit_code == 0:
+            return "ok"
+        return "failed" if self.exit_code is not None else "signal"
 
 
 class SandboxError(RuntimeError):
@@ -153,15 +186,23 @@ def sealed_memfd(name: str, data: bytes) -> int:
 
 
 class _Capture:
-    """Bytes of one stream, kept up to ``limit``; ``overflow`` once more arrived than fits."""
+    """Bytes of one stream, kept up to ``limit``; ``overflow`` once more arrived than fits, ``flood``
+    once more than ``hard_limit`` arrived in all (the rest is counted, never kept)."""
 
-    def __init__(self, limit: int):
+    def __init__(self, limit: int, hard_limit: int):
         self.limit = limit
+        self.hard_limit = hard_limit
         self.chunks: list[bytes] = []
         self.size = 0
+        self.seen = 0
         self.overflow = False
 
+    @property
+    def flood(self) -> bool:
+        return self.seen > self.hard_limit
+
     def add(self, data: bytes) -> None:
+        self.seen += len(data)
         room = self.limit - self.size
         if len(data) > room:
             self.overflow = True
@@ -210,15 +251,24 @@ def supervise(
     max_output_bytes: int,
     kill_tree: Callable[[], None],
     side_channels: Mapping[int, Callable[[bytes], None]] | None = None,
+    watchdog: Callable[[], str | None] | None = None,
+    memory_bound: str | None = None,
 ) -> ExecResult:
-    """Watch ``proc`` (stdout/stderr are pipes) until it exits, its deadline passes or it floods output.
+    """Watch ``proc`` (stdout/stderr are pipes) until it exits, its deadline passes, it floods output
+    (``HARD_OUTPUT_FACTOR`` x the cap) or the watchdog names a reason to kill it.
 
     ``started`` is the ``time.monotonic()`` taken just before spawning. ``kill_tree`` must kill the
     whole tree and reap ``proc``. ``side_channels`` maps extra readable fds (owned by the caller) to
-    callbacks that get each chunk and ``b""`` at EOF (bubblewrap's --info-fd).
+    callbacks that get each chunk and ``b""`` at EOF (bubblewrap's --info-fd). ``watchdog`` is called
+    every ``WATCH_INTERVAL_S`` while the program runs and returns a ``killed_reason`` ("memory",
+    "files") or ``None``. ``memory_bound`` is copied into the result.
     """
     deadline = started + timeout_s
-    captures = {proc.stdout.fileno(): _Capture(max_output_bytes), proc.stderr.fileno(): _Capture(max_output_bytes)}
+    hard = max_output_bytes * HARD_OUTPUT_FACTOR
+    captures = {
+        proc.stdout.fileno(): _Capture(max_output_bytes, hard),
+        proc.stderr.fileno(): _Capture(max_output_bytes, hard),
+    }
     out, err = captures[proc.stdout.fileno()], captures[proc.stderr.fileno()]
     callbacks = dict(side_channels or {})
     killed_reason: str | None = None
@@ -241,24 +291,38 @@ def supervise(
                 elif fd in callbacks:
                     callbacks[fd](data)
 
+        tick = WATCH_INTERVAL_S if watchdog is not None else math.inf
+        next_watch = time.monotonic() + tick
+
+        def watch() -> str | None:
+            nonlocal next_watch
+            if watchdog is None or time.monotonic() < next_watch:
+                return None
+            next_watch = time.monotonic() + tick
+            return watchdog()
+
         # Phase 1: until both output pipes close (every process holding them is gone), the deadline
-        # passes, or one stream overflows.
+        # passes, one stream floods far past its cap, or the watchdog objects.
         while any(fd in sel.get_map() for fd in captures):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 killed_reason = "timeout"
                 break
-            pump(remaining)
-            if out.overflow or err.overflow:
+            pump(min(remaining, max(next_watch - time.monotonic(), 0.0)))
+            if out.flood or err.flood:
                 killed_reason = "output"
                 break
+            if (killed_reason := watch()) is not None:
+                break
 
-        if killed_reason is None:
-            # Phase 2: output closed (the program may have closed its fds and kept running).
+        # Phase 2: output closed (the program may have closed its fds and kept running).
+        while killed_reason is None:
+            remaining = deadline - time.monotonic()
             try:
-                proc.wait(timeout=max(deadline - time.monotonic(), 0))
+                proc.wait(timeout=max(min(remaining, next_watch - time.monotonic()), 0))
+                break
             except subprocess.TimeoutExpired:
-                killed_reason = "timeout"
+                killed_reason = "timeout" if remaining <= 0 else watch()
 
         if killed_reason is not None:
             kill_tree()
@@ -281,6 +345,8 @@ def supervise(
         stderr_truncated=err.overflow,
         duration_s=duration,
         killed_reason=reason,
+        signal=exit_signal(proc.returncode),
+        memory_bound=memory_bound,
     )
 
 
@@ -306,6 +372,18 @@ def classify_exit(returncode: int | None, killed_reason: str | None, stderr: str
     if returncode != 0 and _last_line(stderr).startswith("MemoryError"):
         return returncode, "memory"
     return returncode, None
+
+
+def exit_signal(returncode: int | None) -> str | None:
+    """The name of the signal that ended the program ("SIGSEGV"), read from the supervised process's
+    status as in :func:`classify_exit` (-N, or 128+N as bwrap and ``docker run`` report it)."""
+    if returncode is None or returncode == 0:
+        return None
+    if returncode < 0:
+        return _signal_name(-returncode)
+    if 128 < returncode <= 128 + 64:
+        return _signal_name(returncode - 128)
+    return None
 
 
 def _signal_name(signum: int) -> str:

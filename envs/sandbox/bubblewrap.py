@@ -1,4 +1,4 @@
-"""Bubblewrap backend: unprivileged namespaces plus rlimits, no daemon, no cgroups.
+"""Bubblewrap backend: unprivileged namespaces plus rlimits, no daemon; a cgroup only where delegated.
 
 Layers, outermost first (docs/sandbox.md has the full threat model):
 
@@ -19,9 +19,10 @@ Layers, outermost first (docs/sandbox.md has the full threat model):
    ``python3 -I /program/main.py``. The limits are set there, not in a ``preexec_fn`` on the host,
    because RLIMIT_NPROC counts per (user namespace, uid): set inside the sandbox's own user namespace
    it caps this sandbox alone, so a fork bomb in one run cannot starve a concurrent one.
-4. Supervisor (base.supervise): wall-clock deadline, incremental output caps, and at a kill SIGKILL to
-   the namespace's init (learned from ``--info-fd``), on which the kernel kills every process in the
-   pid namespace before the init can be reaped.
+4. Supervisor (base.supervise): wall-clock deadline, incremental output caps, the whole-run
+   watchdog (scratch inodes; tree memory unless a cgroup bounds it, see tree_limits.py), and at a
+   kill SIGKILL to the namespace's init (learned from ``--info-fd``), on which the kernel kills every
+   process in the pid namespace before the init can be reaped.
 
 Before the first run, a self-check program is run through exactly this path and must prove from the
 inside that it is isolated (uid != 0, no capabilities, only a loopback interface, no /etc, bwrap as
@@ -38,7 +39,9 @@ import shutil
 import signal
 import subprocess
 import time
+from dataclasses import replace
 from pathlib import Path
+from typing import Literal
 
 from pettingflow.configs.settings import SandboxSettings
 from pettingflow.envs.sandbox.base import (
@@ -49,6 +52,12 @@ from pettingflow.envs.sandbox.base import (
     sealed_memfd,
     supervise,
     terminate_process_tree,
+)
+from pettingflow.envs.sandbox.tree_limits import (
+    DEFAULT_MAX_INODES,
+    RunCgroup,
+    TreeWatchdog,
+    find_delegated_cgroup,
 )
 
 #: uid/gid the program runs as, inside the sandbox and (when we are root) on the host: "nobody".
@@ -69,6 +78,8 @@ MIN_BWRAP_VERSION = (0, 8, 0)
 
 WORKDIR = "/workdir"
 PROGRAM_PATH = "/program/main.py"
+#: The size-capped tmpfs mounts the program may write to; their inodes are counted together.
+SCRATCH_MOUNTS = (WORKDIR, "/tmp", "/dev/shm")
 _ENV = {
     "PATH": "/usr/bin:/bin",
     "LANG": "C.UTF-8",  # built into glibc >= 2.35: UTF-8 stdio without binding /usr/lib/locale or /etc
@@ -100,6 +111,21 @@ for spec in sys.argv[1:-1]:
         soft, hard = min(soft, cur_hard), min(hard, cur_hard)
     resource.setrlimit(res, (soft, hard))
 os.execv(sys.executable, [sys.executable, "-I", sys.argv[-1]])
+"""
+
+# Used only when a delegated cgroup bounds the run: the first process (started as our uid) enters the
+# run's cgroup itself, so bwrap and everything it starts are inside from their first instruction, then
+# drops to the sandbox uid (when we are root) and execs bwrap. argv: cgroup.procs uid gid bwrap-argv...
+_CGROUP_ENTER = """\
+import os, sys
+with open(sys.argv[1], "w") as f:
+    f.write("0")
+uid, gid = int(sys.argv[2]), int(sys.argv[3])
+if uid >= 0:
+    os.setgroups([])
+    os.setgid(gid)
+    os.setuid(uid)
+os.execv(sys.argv[4], sys.argv[4:])
 """
 
 _SELF_CHECK_OK = "PETTINGFLOW-SANDBOX-SELF-CHECK-OK"
@@ -138,8 +164,14 @@ class BubblewrapSandbox(BoundedSandbox):
         python: str = DEFAULT_PYTHON,
         max_open_files: int = DEFAULT_MAX_OPEN_FILES,
         scratch_mb: int | None = None,
+        max_inodes: int = DEFAULT_MAX_INODES,
+        memory_bound: Literal["auto", "cgroup", "watchdog"] = "auto",
         self_check: bool = True,
     ):
+        """``max_inodes``: files, directories and links the program may have at once on its scratch
+        mounts together. ``memory_bound``: how ``settings.memory_mb`` bounds the whole run (all its
+        processes together): "cgroup" needs a delegated cgroup v2 subtree (raises otherwise),
+        "watchdog" polls the tree's memory, "auto" takes a cgroup when one is available."""
         super().__init__(default_timeout_s=settings.timeout_s, max_concurrency=settings.max_concurrency)
         self.settings = settings
         self.bwrap = _find_bwrap(bwrap)
@@ -149,6 +181,21 @@ class BubblewrapSandbox(BoundedSandbox):
         self.scratch_mb = scratch_mb if scratch_mb is not None else SCRATCH_FACTOR * settings.max_file_mb
         if self.scratch_mb < 1:
             raise ValueError(f"scratch_mb must be >= 1, got {scratch_mb}")
+        if max_inodes < 1:
+            raise ValueError(f"max_inodes must be >= 1, got {max_inodes}")
+        self.max_inodes = max_inodes
+        if memory_bound not in ("auto", "cgroup", "watchdog"):
+            raise ValueError(f"memory_bound must be 'auto', 'cgroup' or 'watchdog', got {memory_bound!r}")
+        self.cgroup_parent = None if memory_bound == "watchdog" else find_delegated_cgroup()
+        if memory_bound == "cgroup" and self.cgroup_parent is None:
+            raise SandboxUnavailableError(
+                "memory_bound='cgroup' needs a cgroup v2 subtree delegated to this process (memory in the "
+                "cgroup.subtree_control of our cgroup or its parent, writable); none was found. Run under "
+                "`systemd-run --user -p Delegate=yes` (moving this process into a leaf cgroup) or use "
+                "memory_bound='watchdog'"
+            )
+        #: What bounds the memory of a whole run: "cgroup" or "watchdog" (also in every ExecResult).
+        self.memory_bound = "cgroup" if self.cgroup_parent is not None else "watchdog"
         # Drop to "nobody" before bwrap starts only when we can; a non-root caller is already unprivileged.
         self._host_ids = (SANDBOX_UID, SANDBOX_GID) if os.geteuid() == 0 else None
         if self_check:
@@ -256,14 +303,25 @@ class BubblewrapSandbox(BoundedSandbox):
     # ------------------------------------------------------------------------------------------
     def _run_one(self, code: str, stdin: str, timeout_s: float) -> ExecResult:
         program_fd = stdin_fd = info_r = info_w = -1
+        cgroup: RunCgroup | None = None
         try:
             program_fd = sealed_memfd("program", code.encode("utf-8"))
             stdin_fd = sealed_memfd("stdin", stdin.encode("utf-8"))
             info_r, info_w = os.pipe()
+            memory_bytes = self.settings.memory_mb * 1024 * 1024
+            argv, ids = self.command(program_fd, info_w), self._popen_ids()
+            if self.cgroup_parent is not None:
+                try:
+                    cgroup = RunCgroup(self.cgroup_parent, memory_bytes)
+                except OSError as exc:
+                    raise SandboxError(f"could not create a cgroup under {self.cgroup_parent}: {exc}") from exc
+                uid, gid = self._host_ids or (-1, -1)
+                argv = [self.python, "-I", "-S", "-c", _CGROUP_ENTER, str(cgroup.procs), str(uid), str(gid), *argv]
+                ids = {}
             started = time.monotonic()
             try:
                 proc = subprocess.Popen(
-                    self.command(program_fd, info_w),
+                    argv,
                     stdin=stdin_fd,
                     stdout=subprocess.PIPE,
                     stderr=subprocess.PIPE,
@@ -271,7 +329,7 @@ class BubblewrapSandbox(BoundedSandbox):
                     cwd="/",
                     env={"PATH": "/usr/bin:/bin"},  # bwrap never sees our secrets either
                     start_new_session=True,
-                    **self._popen_ids(),
+                    **ids,
                 )
             except OSError as exc:
                 raise SandboxError(f"could not start {self.bwrap}: {exc}") from exc
@@ -279,14 +337,23 @@ class BubblewrapSandbox(BoundedSandbox):
                 os.close(fd)
             program_fd = stdin_fd = info_w = -1
             init = _NamespaceInit(proc)
+            watchdog = TreeWatchdog(
+                proc.pid,
+                init_pid=init.pid,
+                mounts=SCRATCH_MOUNTS,
+                max_inodes=self.max_inodes,
+                memory_bytes=None if cgroup is not None else memory_bytes,
+            )
             try:
-                return supervise(
+                result = supervise(
                     proc,
                     started=started,
                     timeout_s=timeout_s,
                     max_output_bytes=self.settings.max_output_bytes,
                     kill_tree=lambda: terminate_process_tree(proc, init.kill),
                     side_channels={info_r: init.feed},
+                    watchdog=watchdog,
+                    memory_bound=self.memory_bound,
                 )
             except BaseException:  # a bug or KeyboardInterrupt here must not leave the program running
                 if proc.returncode is None:
@@ -294,7 +361,12 @@ class BubblewrapSandbox(BoundedSandbox):
                 raise
             finally:
                 init.close()
+            if cgroup is not None and not result.timed_out and cgroup.oom_killed():
+                result = replace(result, exit_code=None, killed_reason="memory")
+            return result
         finally:
+            if cgroup is not None:
+                cgroup.close()
             for fd in (program_fd, stdin_fd, info_r, info_w):
                 if fd >= 0:
                     with contextlib.suppress(OSError):
@@ -340,7 +412,12 @@ class _NamespaceInit:
         self._proc = proc
         self._buf = b""
         self._pidfd: int | None = None
+        self._pid: int | None = None
         self._done = False
+
+    def pid(self) -> int | None:
+        """The init's host pid while it is pinned (known and not yet killed by us), else ``None``."""
+        return self._pid if self._pidfd is not None else None
 
     def feed(self, data: bytes) -> None:
         if self._done:
@@ -362,7 +439,7 @@ class _NamespaceInit:
         except OSError:
             return
         if _parent_pid(pid) == self._proc.pid:
-            self._pidfd = pidfd
+            self._pidfd, self._pid = pidfd, pid
         else:
             os.close(pidfd)
 

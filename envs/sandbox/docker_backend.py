@@ -1,7 +1,8 @@
 """Docker backend: one throw-away container per program, for machines with a Docker engine.
 
 Differences from bubblewrap (docs/sandbox.md): memory and process limits are cgroup limits on the
-whole container (``--memory``, ``--pids-limit``), not per-process rlimits; the filesystem is the
+whole container (``--memory``, ``--pids-limit``), not per-process rlimits; the inode cap is the tmpfs
+``nr_inodes`` option (creating one file too many fails with ENOSPC instead of killing the run); the filesystem is the
 image's (read-only), not the host's /usr; the engine daemon runs as root, so a container escape is
 worse than a bubblewrap escape, and whoever can talk to the engine is root-equivalent on that host.
 
@@ -34,6 +35,7 @@ from pettingflow.envs.sandbox.base import (
     supervise,
     terminate_process_tree,
 )
+from pettingflow.envs.sandbox.tree_limits import DEFAULT_MAX_INODES
 
 SANDBOX_USER = "65534:65534"
 WORKDIR = "/workdir"
@@ -63,10 +65,21 @@ os.execv(sys.executable, [sys.executable, "-I", "/program/main.py"])
 class DockerSandbox(BoundedSandbox):
     """Runs each program in ``docker run --rm`` with no network, no capabilities and cgroup limits."""
 
-    def __init__(self, settings: SandboxSettings, *, docker_cli: str | None = None, max_open_files: int = 256):
+    #: The container's cgroup bounds the memory of the whole run.
+    memory_bound = "cgroup"
+
+    def __init__(
+        self,
+        settings: SandboxSettings,
+        *,
+        docker_cli: str | None = None,
+        max_open_files: int = 256,
+        max_inodes: int = DEFAULT_MAX_INODES,
+    ):
         super().__init__(default_timeout_s=settings.timeout_s, max_concurrency=settings.max_concurrency)
         self.settings = settings
         self.max_open_files = max_open_files
+        self.max_inodes = max_inodes
         _ping_engine(settings.docker_image)
         cli = docker_cli or shutil.which("docker")
         if not cli:
@@ -84,6 +97,7 @@ class DockerSandbox(BoundedSandbox):
             name=name,
             program_len=program_len,
             max_open_files=self.max_open_files,
+            max_inodes=self.max_inodes,
         )
 
     def _run_one(self, code: str, stdin: str, timeout_s: float) -> ExecResult:
@@ -119,6 +133,7 @@ class DockerSandbox(BoundedSandbox):
                 timeout_s=timeout_s,
                 max_output_bytes=self.settings.max_output_bytes,
                 kill_tree=lambda: terminate_process_tree(proc, kill_container),
+                memory_bound=self.memory_bound,
             )
         except BaseException:  # never leave a container running behind an exception
             if proc.returncode is None:
@@ -127,12 +142,18 @@ class DockerSandbox(BoundedSandbox):
 
 
 def docker_run_argv(
-    settings: SandboxSettings, *, docker_cli: str, name: str, program_len: int, max_open_files: int = 256
+    settings: SandboxSettings,
+    *,
+    docker_cli: str,
+    name: str,
+    program_len: int,
+    max_open_files: int = 256,
+    max_inodes: int = DEFAULT_MAX_INODES,
 ) -> list[str]:
     """``docker run`` argv: no network, read-only rootfs, no capabilities, uid 65534, cgroup limits,
-    size-capped tmpfs work dir, no log driver, never pulls. Pure function, so it is unit-tested."""
+    size- and inode-capped tmpfs work dir, no log driver, never pulls. Pure function, so it is unit-tested."""
     s = settings
-    tmpfs = f"rw,nosuid,nodev,size={s.max_file_mb}m,mode=1777"
+    tmpfs = f"rw,nosuid,nodev,size={s.max_file_mb}m,nr_inodes={max_inodes},mode=1777"
     return [
         docker_cli,
         "run",
