@@ -86,7 +86,9 @@ class Agent(ABC):
 
     Per-episode data (seed 002's AgentData): ``current_prompt``, ``current_action``,
     ``agent_reward`` (of the last step), ``success`` (of the last step; the engine reads it at episode
-    end), ``answer_history`` (raw responses), ``action_history`` (parsed actions), ``reward_history``.
+    end), ``answer_history`` (raw responses), ``action_history`` (parsed actions), ``reward_history``,
+    ``turn_info`` (optional details of the last step that ``apply_action`` sets, e.g. per-turn reward
+    parts; the engine copies it into the turn's row, ``info_json["turn"]``).
     """
 
     default_name: ClassVar[str] = "agent"
@@ -121,6 +123,7 @@ class Agent(ABC):
         self.answer_history: list[str] = []
         self.action_history: list[Any] = []
         self.reward_history: list[float] = []
+        self.turn_info: dict[str, Any] = {}
         self._conversation: list[dict[str, str]] = []
         self._awaiting: Literal["prompt", "response", "step"] = "prompt"
 
@@ -187,6 +190,7 @@ class Agent(ABC):
             raise RuntimeError(f"agent {self.name!r}: step() needs an action from update_from_model first")
         if env.done:
             raise RuntimeError(f"agent {self.name!r}: the episode is already over ({env!r})")
+        self.turn_info = {}
         reward, success = await self.apply_action(env)
         self.agent_reward = float(reward)
         self.success = bool(success)
@@ -212,6 +216,8 @@ class Agent(ABC):
 AGENT_REGISTRY: Registry[Agent] = Registry("agent", Agent)
 AGENT_REGISTRY.register("code-generator", "pettingflow.agents.code_agents:CodeGeneratorAgent")
 AGENT_REGISTRY.register("unit-test-generator", "pettingflow.agents.code_agents:UnitTestGeneratorAgent")
+AGENT_REGISTRY.register("plan-path-planner", "pettingflow.agents.plan_agents:PlannerAgent")
+AGENT_REGISTRY.register("plan-path-executor", "pettingflow.agents.plan_agents:ExecutorAgent")
 
 
 def register_agent(name: str, target: type[Agent] | str | None = None, *, replace: bool = False) -> Any:

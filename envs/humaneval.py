@@ -157,6 +157,10 @@ def load_tasks(settings: DatasetSettings) -> TaskSplit:
         from pettingflow.envs.basic_python import load_basic_python
 
         tasks = load_basic_python()
+    elif settings.source == "plan-path":
+        from pettingflow.envs.plan_path import load_plan_path_tasks
+
+        tasks = load_plan_path_tasks(settings.num_tasks)
     else:
         if not settings.path:
             raise TaskFileError("env.dataset.source is 'file' but env.dataset.path is not set")

@@ -10,6 +10,7 @@ One episode (seed 002 cycle, seed 003 budget):
         agent.update_from_model(turn, env, completion.text)
         await agent.step(env)              # results land in env.state: the only channel between agents
         if env.done or budget spent: stop
+    record.info |= env.episode_info()      # optional: per-episode values (e.g. a team reward) for every row
 
 The engine never looks inside env state; it only records what each agent saw and produced.
 Episodes of all groups run concurrently on one event loop; the inference client bounds concurrent
@@ -225,6 +226,7 @@ class ExecutionEngine:
                 finish_reason=completion.finish_reason,
                 reward=float(agent.agent_reward or 0.0),
                 success=bool(agent.success),
+                info=dict(getattr(agent, "turn_info", None) or {}),
             )
             record.turns.append(turn_record)
             if self.layout == "per_episode":
@@ -233,6 +235,10 @@ class ExecutionEngine:
                 last_turn[agent.name] = turn_record
             if env.done:
                 break
+        # per-episode values an env reports once it is over (plan-path: the team reward), for every row
+        episode_info = getattr(env, "episode_info", None)
+        if callable(episode_info):
+            record.info.update(episode_info())
         # done: the episode is over. truncated: it ended on a limit (turns, tokens), not by success.
         record.done = bool(env.done) and not out_of_budget
         record.truncated = out_of_budget or bool(getattr(env, "truncated", False)) or not env.done

@@ -41,6 +41,8 @@ class TurnRecord:
     success: bool = False
     # per_episode layout: env tokens between this action and the same agent's next prompt
     env_ids_after: list[int] = field(default_factory=list)
+    # the agent's ``turn_info`` (e.g. per-turn reward parts); stored as info_json["turn"] of the row
+    info: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -57,6 +59,7 @@ class EpisodeRecord:
     done: bool = False
     truncated: bool = False
     tokens_generated: int = 0
+    # the env's ``episode_info()`` at the end (e.g. the team reward); merged into every row's info_json
     info: dict[str, Any] = field(default_factory=dict)
 
     def final_reward(self, agent_name: str) -> float:
@@ -108,7 +111,15 @@ def per_turn_rows(episodes: list[EpisodeRecord], run_id: str, iteration: int, gr
                 success=bool(turn.success),
                 prompt_text=turn.prompt_text,
                 response_text=turn.response_text,
-                info_json=json.dumps({"finish_reason": turn.finish_reason, "seed": ep.seed, **ep.info}, default=str),
+                info_json=json.dumps(
+                    {
+                        "finish_reason": turn.finish_reason,
+                        "seed": ep.seed,
+                        **ep.info,
+                        **({"turn": turn.info} if turn.info else {}),
+                    },
+                    default=str,
+                ),
             )
             rows.append(row)
     _attach_uids(rows, group_size, namespace=f"{run_id}/{iteration}")
@@ -161,6 +172,7 @@ def per_episode_rows(
                         "finish_reasons": [t.finish_reason for t in turns],
                         "seed": ep.seed,
                         **ep.info,
+                        **({"turn_infos": [t.info for t in turns]} if any(t.info for t in turns) else {}),
                     },
                     default=str,
                 ),

@@ -1,7 +1,8 @@
 """A scripted OpenAI-compatible server for flow tests: vLLM's routes, canned answers, real token ids.
 
 The code agent gets the canonical solution when the request's sampling seed is even and a wrong one
-when it is odd, so GRPO groups have reward variance; the test agent gets two asserts. Token ids come
+when it is odd, so GRPO groups have reward variance; the test agent gets two asserts. plan-path
+agents get the shortest path read off the board (even seed) or a reply without moves (odd seed). Token ids come
 from the real tokenizer, so training consumes exactly what the server "generated".
 """
 
@@ -12,6 +13,30 @@ import re
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+
+_BOARD_ROW = re.compile(r"^[.#AG](?: [.#AG])*$")
+
+
+def plan_path_answer(prompt: str, seed: int) -> str | None:
+    """A plan-path reply, or None for other prompts: the shortest path read off the board in the prompt
+    (``Plan: ...`` for the planner, ``Moves: ...`` for the executor) when ``seed`` is even, a reply without
+    any move when it is odd (an invalid turn), so GRPO groups have reward variance."""
+    if "The board:" not in prompt:
+        return None
+    from pettingflow.envs.plan_path import Grid
+
+    lines = prompt.rsplit("The board:", 1)[1].strip("\n").splitlines()
+    board = []
+    for line in lines:
+        if not _BOARD_ROW.match(line.strip()):
+            break
+        board.append(line.strip().replace(" ", "").replace("A", "S"))
+    if seed % 2:
+        return "I am not sure where to go."
+    path = Grid.from_rows(board).shortest_path() or []
+    limit = re.search(r"at most (\d+) move", prompt)
+    path = path[: int(limit.group(1)) if limit else 3]
+    return ("Plan: " if "Plan the next" in prompt else "Moves: ") + " ".join(path)
 
 
 class ScriptedServer:
@@ -77,6 +102,9 @@ class ScriptedServer:
         self.httpd.server_close()
 
     def answer(self, prompt: str, seed: int) -> str:
+        moves = plan_path_answer(prompt, seed)
+        if moves is not None:
+            return moves
         entry = re.search(r"function `(\w+)`", prompt)
         name = entry.group(1) if entry else "f"
         if "careful Python tester" in prompt:

@@ -1,0 +1,365 @@
+"""The plan-path env (docs/plan-path.md): generation, knobs, the split, the rules (property-tested),
+per-turn and team rewards, and two-agent episodes through the real rollout engine."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import Counter
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from rollout_fakes import CharChatTokenizer, ScriptedLLM
+from scripted_server import plan_path_answer
+
+from pettingflow.agents import build_agent, resolve_agent_class
+from pettingflow.agents.plan_agents import ExecutorAgent, PlannerAgent
+from pettingflow.configs import load_config
+from pettingflow.configs.settings import DatasetSettings
+from pettingflow.envs import EnvCache, EnvConfigError, load_tasks, resolve_env_class
+from pettingflow.envs.plan_path import (
+    MOVES,
+    Grid,
+    ParsedMoves,
+    PlanPathConfig,
+    PlanPathEnv,
+    generate_grid,
+    load_plan_path_tasks,
+    parse_moves,
+    walk,
+)
+from pettingflow.iteration.rollouts import episode_specs
+from pettingflow.rollout.engine import AgentBinding, ExecutionEngine
+from pettingflow.rollout.records import build_rows
+
+TOK = CharChatTokenizer()
+KNOBS = [
+    {},
+    {"rows": 5, "cols": 5},
+    {"rows": 6, "cols": 3, "wall_density": 0.3, "min_path_len": 4, "max_path_len": None},
+    {"rows": 2, "cols": 2, "wall_density": 0.0, "min_path_len": 1, "max_path_len": 1},
+    {"rows": 8, "cols": 8, "wall_density": 0.35, "min_path_len": 6, "max_path_len": 10},
+]
+# a hand-made board: S at (0, 0), G at (0, 3), a wall column at 1 with a gap in row 2
+BOARD = ["S#.G", ".#..", "...."]
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def env_of(grid_rows=BOARD, **config) -> PlanPathEnv:
+    return PlanPathEnv({"task_id": "t", "grid": list(grid_rows)}, {"max_turns": 6, **config})
+
+
+# --------------------------------------------------------------------------------------------------
+# generation and knobs
+# --------------------------------------------------------------------------------------------------
+def test_generation_is_deterministic_per_seed_and_pinned() -> None:
+    config = PlanPathConfig()
+    assert [generate_grid(s, config) for s in range(30)] == [generate_grid(s, config) for s in range(30)]
+    assert len({tuple(generate_grid(s, config).to_rows()) for s in range(30)}) > 25  # seeds differ
+    # pinned: the same grid on every machine and Python version (string-seeded random.Random)
+    assert generate_grid(3, config).to_rows() == ["..G.", "..#S", "..#.", "...#"]
+
+
+@pytest.mark.parametrize("knobs", KNOBS, ids=lambda k: ",".join(f"{a}={b}" for a, b in k.items()) or "defaults")
+def test_every_generated_grid_respects_the_knobs_and_is_solvable(knobs) -> None:
+    config = PlanPathConfig(**knobs)
+    n_walls = round(config.wall_density * config.rows * config.cols)
+    high = config.max_path_len or config.rows * config.cols
+    lengths = Counter()
+    for seed in range(150):
+        grid = generate_grid(seed, config)
+        assert (grid.rows, grid.cols) == (config.rows, config.cols)
+        assert len(grid.walls) == n_walls
+        assert grid.free(grid.start) and grid.free(grid.goal) and grid.start != grid.goal
+        path = grid.shortest_path()
+        assert path is not None, grid.to_rows()
+        assert config.min_path_len <= len(path) <= high
+        assert walk(grid, grid.start, path).reached_goal  # the BFS path really walks there
+        assert Grid.from_rows(grid.to_rows()) == grid
+        lengths[len(path)] += 1
+    if config.max_path_len and config.max_path_len > config.min_path_len:
+        assert len(lengths) > 1  # the whole allowed range is used, not only one length
+
+
+def test_infeasible_knobs_are_config_errors_naming_the_knob() -> None:
+    with pytest.raises(EnvConfigError, match="max_path_len=2 is below min_path_len=3"):
+        PlanPathEnv.validate_config({"min_path_len": 3, "max_path_len": 2})
+    with pytest.raises(EnvConfigError, match="min_path_len=20 cannot fit"):
+        PlanPathEnv.validate_config({"rows": 3, "cols": 3, "min_path_len": 20, "max_path_len": None})
+    with pytest.raises(EnvConfigError, match="wall_density"):
+        PlanPathEnv.validate_config({"wall_density": 0.7})
+    with pytest.raises(EnvConfigError, match="wall_densty"):
+        PlanPathEnv.validate_config({"wall_densty": 0.1})
+
+
+def test_generation_that_cannot_succeed_says_which_knobs_to_relax() -> None:
+    # passes the config check (4 free cells could hold a 3-move path) but no 2x2 grid has one: BFS gives <= 2
+    config = PlanPathConfig(rows=2, cols=2, wall_density=0.0, min_path_len=3, max_path_len=None)
+    with pytest.raises(ValueError, match=r"no solvable grid for seed 5 .* lower wall_density or min_path_len"):
+        generate_grid(5, config)
+
+
+def test_bad_explicit_grids_are_refused() -> None:
+    with pytest.raises(ValueError, match="exactly one 'S' and one 'G'"):
+        env_of(["S..", "..."])
+    with pytest.raises(ValueError, match="equally long"):
+        env_of(["S..", "..G."])
+    with pytest.raises(ValueError, match="cannot be reached"):
+        env_of(["S#G"])
+    with pytest.raises(ValueError, match="needs a 'seed' or a 'grid'"):
+        PlanPathEnv({"task_id": "x"})
+
+
+def test_split_holds_out_tasks_from_disjoint_seeds() -> None:
+    split = load_tasks(DatasetSettings(source="plan-path", num_tasks=50, validation_fraction=0.2))
+    train = {t["seed"] for t in split.train}
+    held = {t["seed"] for t in split.validation}
+    assert len(held) == 10 and len(train) == 40 and not train & held and train | held == set(range(50))
+    again = load_tasks(DatasetSettings(source="plan-path", num_tasks=50, validation_fraction=0.2))
+    assert again == split
+    assert load_plan_path_tasks(3) == [{"task_id": f"plan-path/{s}", "seed": s} for s in range(3)]
+    with pytest.raises(ValueError, match="at least 2 tasks"):
+        load_plan_path_tasks(1)
+
+
+def test_registered_names_and_config_file() -> None:
+    assert resolve_env_class("plan-path") is PlanPathEnv
+    assert resolve_agent_class("plan-path-planner") is PlannerAgent
+    assert resolve_agent_class("plan-path-executor") is ExecutorAgent
+    config = load_config("plan-path")
+    assert [a.class_path for a in config.agents] == ["plan-path-planner", "plan-path-executor"]
+    assert config.env.group_size == 4 and config.env.dataset.source == "plan-path"
+    PlanPathEnv.validate_config({"max_turns": config.env.max_turns, **config.env.options})
+
+
+def test_prefect_deployment_train_plan_path() -> None:
+    import yaml
+
+    from pettingflow.configs.loader import CONFIG_DIR
+
+    deployments = yaml.safe_load((CONFIG_DIR.parent / "prefect.yaml").read_text())["deployments"]
+    (dep,) = [d for d in deployments if d["name"] == "plan-path"]
+    assert dep["entrypoint"] == "flows/train.py:train" and dep["parameters"]["config"] == "plan-path"
+
+
+# --------------------------------------------------------------------------------------------------
+# parsing
+# --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("text", "moves", "ignored"),
+    [
+        ("Plan: R R D", ("R", "R", "D"), 0),
+        ("Moves: right, down", ("R", "D"), 0),
+        ("I would go RRD then U", ("R", "R", "D"), 1),
+        ("Let me think.\nMoves: U\nActually Moves: D D", ("U",), 0),
+        ("Plan: (none)\nGo Left and then UP", ("L", "U"), 0),
+        ("no idea", (), 0),
+        ("RULE: upward is ok", (), 0),  # "RULE" and "upward" are not moves
+        ("", (), 0),
+    ],
+)
+def test_parse_moves(text, moves, ignored) -> None:
+    assert parse_moves(text, 3) == ParsedMoves(moves, ignored)
+
+
+# --------------------------------------------------------------------------------------------------
+# the rules, property-tested
+# --------------------------------------------------------------------------------------------------
+grids = st.builds(
+    generate_grid,
+    st.integers(0, 10_000),
+    st.sampled_from([PlanPathConfig(**k) for k in KNOBS]),
+)
+move_lists = st.lists(st.sampled_from(sorted(MOVES)), max_size=8)
+no_move_text = st.text(alphabet="abcefghijkmnopqstvwxyz .,!?:0123456789\n", max_size=40)
+
+
+@settings(max_examples=300, deadline=None)
+@given(grid=grids, moves=move_lists)
+def test_illegal_moves_leave_the_position_and_stop_the_walk(grid: Grid, moves: list[str]) -> None:
+    w = walk(grid, grid.start, moves)
+    here = grid.start
+    for i, step in enumerate(w.steps):
+        dr, dc = MOVES[step.move]
+        target = (here[0] + dr, here[1] + dc)
+        assert step.move == moves[i]
+        if not grid.inside(target):
+            assert step.outcome == "out_of_bounds" and step.position == here
+        elif target in grid.walls:
+            assert step.outcome == "wall" and step.position == here
+        else:
+            assert step.outcome == "moved" and step.position == target
+            here = target
+        if step.outcome != "moved":
+            assert i == len(w.steps) - 1  # nothing after an illegal move is tried
+    assert w.end == here and grid.free(here)
+    assert w.not_tried == len(moves) - len(w.steps)
+    assert w.reached_goal == (here == grid.goal)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), script=st.lists(st.one_of(move_lists, no_move_text), min_size=1, max_size=8))
+def test_an_episode_follows_the_rules(seed: int, script: list) -> None:
+    """Planner and executor alternate with random replies (move lists or text without moves). Checks:
+    illegal and unparseable turns leave the position and are reported to both agents; the goal ends
+    the episode with team reward 1; the turn budget ends it with 0; progress sums to the distance decrease."""
+    env = PlanPathEnv({"task_id": "p", "seed": seed}, {"max_turns": 6})
+    planner, executor = PlannerAgent(tokenizer=TOK), ExecutorAgent(tokenizer=TOK, agent_idx=1)
+    d0 = env.state.start_distance
+    progresses = []
+    turn = 0
+    while not env.done:
+        agent = (planner, executor)[turn % 2]
+        agent.update_from_env(turn, env)
+        reply = script[turn % len(script)]
+        text = " ".join(reply) if isinstance(reply, list) else reply
+        before = env.state.position
+        action = agent.update_from_model(turn, env, text)
+        run(agent.step(env))
+        info = agent.turn_info
+        progresses.append(info["progress"])
+        assert info["distance_after"] == env.distance(env.state.position)
+        if agent is planner or not action.valid:
+            assert env.state.position == before  # only the executor's valid moves move anything
+        if not action.valid:
+            assert info["invalid"] and agent.agent_reward == info["progress"] - 0.5 == -0.5
+            if not env.done:  # the other agent is told on its next turn
+                assert "had no moves" in (planner, executor)[(turn + 1) % 2].turn_prompt(env)
+        elif agent is executor:
+            w = env.state.last_walk
+            assert w.end == env.state.position
+            assert [s.outcome for s in w.steps] == info["outcomes"]
+            if not env.done:
+                shown = planner.turn_prompt(env)
+                for outcome, phrase in (("wall", "blocked by a wall"), ("out_of_bounds", "would leave the board")):
+                    assert (outcome in info["outcomes"]) == (phrase in shown)
+        turn += 1
+    reached = env.state.position == env.state.grid.goal
+    info = env.episode_info()
+    assert info["team_reward"] == (1.0 if reached else 0.0) and info["goal_reached"] == reached
+    assert env.truncated == (not reached)
+    if reached:
+        assert executor.success and turn % 2 == 0  # the goal is reached on an executor turn and ends the episode
+    else:
+        assert turn == env.max_turns
+    assert sum(progresses) == pytest.approx((d0 - env.state.distance) / d0)
+
+
+def test_goal_ends_the_episode_early_with_team_reward_one() -> None:
+    env = env_of()  # shortest path: D D R R U U R (7 moves)
+    planner, executor = PlannerAgent(tokenizer=TOK), ExecutorAgent(tokenizer=TOK, agent_idx=1)
+    rewards = []
+    for turn, text in enumerate(["Plan: D D R", "Moves: D D R", "Plan: R U U", "Moves: R U U", "Plan: R", "R"]):
+        agent = (planner, executor)[turn % 2]
+        agent.update_from_env(turn, env)
+        agent.update_from_model(turn, env, text)
+        run(agent.step(env))
+        rewards.append((agent.agent_reward, agent.success))
+    assert env.done and not env.truncated and env.current_turn == 6
+    # plan rewards = the progress the plan would make; executor rewards = progress made; d0 = 7
+    assert rewards == [(3 / 7, False), (3 / 7, False), (3 / 7, False), (3 / 7, False), (1 / 7, True), (1 / 7, True)]
+    assert env.episode_info()["team_reward"] == 1.0
+
+
+def test_turn_budget_ends_the_episode_with_team_reward_zero() -> None:
+    env = env_of(max_turns=4)
+    agents = [PlannerAgent(tokenizer=TOK), ExecutorAgent(tokenizer=TOK, agent_idx=1)]
+    for turn, text in enumerate(["Plan: D", "Moves: R", "Plan: D", "Moves: U"]):  # into a wall, off the board
+        agents[turn % 2].update_from_env(turn, env)
+        agents[turn % 2].update_from_model(turn, env, text)
+        run(agents[turn % 2].step(env))
+    assert env.done and env.truncated
+    assert env.episode_info() == {
+        "team_reward": 0.0,
+        "goal_reached": False,
+        "start_distance": 7,
+        "final_distance": 7,
+        "grid": BOARD,
+    }
+    assert [e["outcomes"] for e in env.state.events] == [["moved"], ["wall"], ["moved"], ["out_of_bounds"]]
+    assert [e["local_reward"] for e in env.state.events] == [1 / 7, 0.0, 1 / 7, 0.0]
+
+
+def test_prompts_show_board_plan_and_what_happened() -> None:
+    env = env_of()
+    planner, executor = PlannerAgent(tokenizer=TOK), ExecutorAgent(tokenizer=TOK, agent_idx=1)
+    first = planner.update_from_env(0, env).messages
+    assert first[0]["role"] == "system" and "planner" in first[0]["content"]
+    assert "A # . G\n. # . .\n. . . ." in first[1]["content"]
+    assert "It is 3 columns right from you." in first[1]["content"]
+    planner.update_from_model(0, env, "Plan: R R")
+    run(planner.step(env))
+    text = executor.update_from_env(1, env).messages[-1]["content"]
+    assert "The planner's plan: R R" in text
+    executor.update_from_model(1, env, "Moves: D R")
+    run(executor.step(env))
+    text = planner.update_from_env(2, env).messages[-1]["content"]
+    assert "D moved to row 1, column 0; R was blocked by a wall (stayed at row 1, column 0)." in text
+    assert "You are at row 1, column 0." in text and "Turns left for the team: 4." in text
+    assert "It is" not in PlannerAgent(tokenizer=TOK).turn_prompt(env_of(show_offset=False))
+
+
+# --------------------------------------------------------------------------------------------------
+# through the real rollout engine
+# --------------------------------------------------------------------------------------------------
+def engine_rows(reply, *, layout: str = "per_turn", tasks=None, group_size: int = 2):
+    config = load_config("plan-path", ["env.max_turns=6", f"env.sample_layout={layout}"])
+    tasks = tasks or [{"task_id": "a", "grid": BOARD}, {"task_id": "plan-path/3", "seed": 3}]
+    specs = episode_specs(config, tasks, group_size=group_size, seed_namespace="t/", env_cache=EnvCache())
+    llm = ScriptedLLM(TOK, reply=reply)
+    bindings = {
+        a.name: AgentBinding(client=llm, served_model=a.name, tokenizer=TOK, policy_name="shared")
+        for a in config.agents
+    }
+    engine = ExecutionEngine(
+        lambda: [build_agent(a, agent_idx=i, tokenizer=TOK, layout=layout) for i, a in enumerate(config.agents)],
+        bindings,
+        max_turns=config.env.max_turns,
+        token_budget=config.env.token_budget,
+        layout=layout,
+        show_progress=False,
+    )
+    records, stats = run(engine.run(specs))
+    return records, stats, build_rows(records, layout, "run", 0, group_size), llm
+
+
+def test_scripted_team_solves_through_the_engine_with_rows_like_the_code_env() -> None:
+    records, stats, rows, llm = engine_rows(lambda model, prompt, params: plan_path_answer(prompt, 0))
+    assert all(r.done and not r.truncated for r in records)
+    assert stats.per_agent["executor"]["success_rate"] == 1.0
+    assert {r["agent_name"] for r in rows} == {"planner", "executor"}
+    for row in rows:
+        assert row["response_mask"] == [1] * len(row["response_ids"]) and row["response_ids"]
+        assert len(row["sampler_logprobs"]) == len(row["response_ids"])
+        info = json.loads(row["info_json"])
+        assert info["team_reward"] == 1.0 and info["turn"]["role"] == row["agent_name"]
+        assert row["reward"] == pytest.approx(info["turn"]["local_reward"])
+    # UIDs: one per (task, turn, agent), shared by the G samples of a task, as in the code env
+    by_uid: dict[str, set] = {}
+    for row in rows:
+        by_uid.setdefault(row["uid"], set()).add((row["env_idx"], row["turn_idx"], row["agent_idx"]))
+    assert all(len(keys) == 1 for keys in by_uid.values())
+    assert Counter(r["uid"] for r in rows) == Counter({u: 2 for u in by_uid})
+    # the progress of every episode adds up to 1 (the whole distance), on the executor's rows
+    for rec in records:
+        ep_rows = [r for r in rows if r["rollout_idx"] == rec.rollout_idx]
+        assert sum(json.loads(r["info_json"])["turn"]["progress"] for r in ep_rows) == pytest.approx(1.0)
+    # the agents only talked through the env: the executor's prompt shows the planner's plan
+    executor_prompts = [c["prompt"] for c in llm.calls if "You are the executor" in c["prompt"]]
+    assert executor_prompts and all("The planner's plan: " in p for p in executor_prompts)
+
+
+def test_a_team_that_never_moves_runs_out_of_turns_with_team_reward_zero() -> None:
+    records, stats, rows, _ = engine_rows(lambda model, prompt, params: "hmm", layout="per_episode")
+    assert all(r.truncated and len(r.turns) == 6 for r in records)
+    assert stats.per_agent["planner"]["success_rate"] == stats.per_agent["executor"]["success_rate"] == 0.0
+    assert len(rows) == 2 * len(records)  # per_episode: one row per agent per episode
+    for row in rows:
+        info = json.loads(row["info_json"])
+        assert info["team_reward"] == 0.0 and [t["invalid"] for t in info["turn_infos"]] == [True] * 3
+        assert row["reward"] == -0.5
+        assert 0 in row["response_mask"] and row["response_mask"][0] == row["response_mask"][-1] == 1
