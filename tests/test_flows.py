@@ -105,6 +105,7 @@ def flow_run_task_states(flow_run_id) -> dict[str, list[str]]:
 def test_train_two_iterations_then_resume_then_rerun(tmp_path, prefect_env, tiny_model, scripted) -> None:
     from pettingflow.flows.rerun import rerun
     from pettingflow.flows.train import train
+    from pettingflow.iteration.run import RerunOverrideError
 
     state = train("code-env", overrides(tmp_path, tiny_model, scripted.url), return_state=True)
     assert state.is_completed(), state
@@ -115,6 +116,10 @@ def test_train_two_iterations_then_resume_then_rerun(tmp_path, prefect_env, tiny
     for k in (0, 1):
         for name in STEPS:
             assert layout.step(k, name).is_committed(), (k, name)
+    # validation.at_start: the base weights were scored before iteration 0's update, once per run
+    assert layout.step(0, "baseline").is_committed() and not layout.fs.exists(layout.step(1, "baseline").path)
+    baseline = read_step_trajectories(layout.step(0, "baseline"))
+    assert baseline.num_rows > 0 and set(baseline.column("iteration").to_pylist()) == {0}
     rows = read_step_trajectories(layout.step(0, "rollouts"))
     assert rows.num_rows > 0
     for mask, ids in zip(
@@ -138,6 +143,8 @@ def test_train_two_iterations_then_resume_then_rerun(tmp_path, prefect_env, tiny
     # the report holds metrics for every agent and the update
     metrics = layout.step(1, "report").read_json("metrics.json")
     assert "rollout/code_generator/reward_mean" in metrics and "validation/code_generator/success_rate" in metrics
+    assert "baseline/code_generator/success_rate" in layout.step(0, "report").read_json("metrics.json")
+    assert "baseline/code_generator/success_rate" not in metrics
     assert any(k.startswith("update/shared/") for k in metrics)
     assert 0.0 <= metrics["orchestration/outside_step_tasks_share"] < 1.0
     assert metrics["duration/iteration_before_report_s"] >= metrics["duration/update-shared_s"]
@@ -150,13 +157,39 @@ def test_train_two_iterations_then_resume_then_rerun(tmp_path, prefect_env, tiny
     messages = flow_run_task_states(again.state_details.flow_run_id)
     assert any("already committed" in m for m in messages["collect_rollouts"])
     assert all("already committed" in m for m in messages["update_policy[shared]"])
+    assert messages["validate_baseline"] and all("already committed" in m for m in messages["validate_baseline"])
 
-    # re-run iteration 0 from its stored trajectories with another filter: a new attempt folder
+    # re-run iteration 0 from its stored trajectories with another filter and learning rate: a new attempt folder
     before = [f.sha256 for f in layout.step(0, "filtered").manifest().files]
-    out = rerun(run_id=run_id, iteration=0, from_step="filtered", root=str(tmp_path))
+    original = layout.step(0, "filtered").manifest().metadata
+    assert (original["method"], original["rows_kept"]) == ("none", original["rows_in"])
+    overrides_ = ["algorithm.filter_method=std", "algorithm.filter_ratio=0.5", "training.lr=1e-6"]
+    out = rerun(run_id=run_id, iteration=0, from_step="filtered", root=str(tmp_path), overrides=overrides_)
     assert out["attempt"] == 1
+    assert [(c["key"], c["new"]) for c in out["config_changes"]] == [
+        ("algorithm.filter_method", "std"),
+        ("algorithm.filter_ratio", 0.5),
+        ("training.lr", 1e-6),
+    ]
+    # the new attempt's batch and update ran under the overrides; the attempt stores the config it ran under
+    filtered = layout.step(0, "filtered", attempt=1).manifest().metadata
+    assert (filtered["method"], filtered["ratio"]) == ("std", 0.5)
+    assert filtered["rows_in"] == original["rows_in"] and 0 < filtered["rows_kept"] < filtered["rows_in"]
+    assert layout.step(0, "advantages", attempt=1).manifest().rows == filtered["rows_kept"]
+    spec = layout.step(0, "update-shared", attempt=1).read_json("spec.json")
+    assert spec["training"]["lr"] == 1e-6 and spec["algorithm"]["filter_method"] == "std"
+    stored = layout.read_attempt_info(0, 1)
+    assert stored["overrides"] == overrides_ and stored["config"]["training"]["lr"] == 1e-6
+    assert layout.read_run_info()["config"]["training"]["lr"] == 1e-5  # the run's config is untouched
+    assert layout.step(0, "report", attempt=1).read_json("metrics.json")["filter/rows_kept"] == filtered["rows_kept"]
     assert layout.step(0, "update-shared", attempt=1).is_committed()
     assert layout.step(0, "report", attempt=1).is_committed()
+    # env, agents, policies, ...: the stored trajectories were made under them; refused before anything is written
+    with pytest.raises(RerunOverrideError, match=r"env\.group_size: the stored trajectories.*start a new run"):
+        rerun(run_id=run_id, iteration=0, root=str(tmp_path), overrides=["training.lr=1e-6", "env.group_size=4"])
+    with pytest.raises(RerunOverrideError, match=r"agents\.code_generator\.policy"):
+        rerun(run_id=run_id, iteration=0, root=str(tmp_path), overrides=["agents.code_generator.policy=other"])
+    assert layout.attempts(0) == [0, 1]
     assert [f.sha256 for f in layout.step(0, "filtered").manifest().files] == before
     assert not layout.step(0, "rollouts", attempt=1).is_committed()  # rollouts were reused, not collected
     # no servers in a re-run: the update ran in its own process, from the base weights like the original
