@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import random
+from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -20,8 +22,10 @@ from pettingflow.inference.client import InferenceClient
 from pettingflow.iteration.batches import StepOutcome, already_done
 from pettingflow.iteration.context import IterationContext
 from pettingflow.rollout.engine import AgentBinding, EngineStats, EpisodeSpec, ExecutionEngine, group_specs
-from pettingflow.rollout.records import build_rows
-from pettingflow.storage import Step, write_trajectories
+from pettingflow.rollout.records import EpisodeRecord, build_rows
+from pettingflow.storage import Step, TrajectoryShards, write_trajectories
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -96,8 +100,14 @@ async def run_episodes(
     env_cache: EnvCache,
     temperature: float | None = None,
     show_progress: bool = True,
+    skip_groups: Collection[int] = (),
+    on_episode: Callable[[EpisodeRecord], None] | None = None,
 ) -> tuple[list[Any], EngineStats]:
-    """Run ``group_size`` episodes per task with the configured team; return records and stats."""
+    """Run ``group_size`` episodes per task with the configured team; return records and stats.
+
+    ``skip_groups``: task indexes (``env_idx``) not to run (already stored); the others keep their indexes,
+    seeds and UIDs. ``on_episode``: called with each finished episode (see ``ExecutionEngine.run``).
+    """
     clients: dict[str, InferenceClient] = {}
 
     def client_for(url: str) -> InferenceClient:
@@ -128,9 +138,11 @@ async def run_episodes(
         sampling_overrides={"temperature": temperature} if temperature is not None else None,
         show_progress=show_progress,
     )
-    specs = episode_specs(config, tasks, group_size, seed_namespace, env_cache)
+    specs = [
+        s for s in episode_specs(config, tasks, group_size, seed_namespace, env_cache) if s.env_idx not in skip_groups
+    ]
     try:
-        return await engine.run(specs)
+        return await engine.run(specs, on_episode=on_episode)
     finally:
         for client in clients.values():
             await client.aclose()
@@ -185,25 +197,61 @@ def collect_step(
     limit: int | None = None,
     show_progress: bool = True,
 ) -> StepOutcome:
-    """Collect the iteration's rollouts (G per task) and commit them as ``rollouts``."""
+    """Collect the iteration's rollouts (G per task) and commit them as ``rollouts``.
+
+    Each group (the G episodes of one task) is committed as a shard the moment its last episode ends
+    (``TrajectoryShards``), so a crash mid-rollout keeps the finished groups: the next attempt collects
+    only the missing ones, with the same seeds and UIDs, and commits the step once from all shards.
+    """
     step = ctx.step("rollouts")
     if done := already_done(step):
         return done
     tasks = select_train_tasks(config, ctx.iteration)[: limit or None]
-    records, stats = asyncio.run(
+    group_size = config.env.group_size
+    shards = TrajectoryShards(step)
+    stored = shards.committed()
+    resumed = len(stored)
+    if stored:
+        log.info(
+            "rollouts of iteration %d: %d of %d groups were committed by an earlier attempt; collecting the other %d",
+            ctx.iteration,
+            len(stored),
+            len(tasks),
+            len(tasks) - len(stored),
+        )
+    pending: dict[int, list[EpisodeRecord]] = {}
+
+    def commit_group(record: EpisodeRecord) -> None:
+        group = pending.setdefault(record.env_idx, [])
+        group.append(record)
+        if len(group) == group_size:
+            group.sort(key=lambda r: r.sample_idx)
+            rows = build_rows(group, config.env.sample_layout, ctx.layout.run_id, ctx.iteration, group_size)
+            stored[record.env_idx] = shards.write(record.env_idx, rows)
+            del pending[record.env_idx]
+
+    _, stats = asyncio.run(
         run_episodes(
             config,
             endpoints,
             tasks,
-            group_size=config.env.group_size,
+            group_size=group_size,
             # seeds follow run.seed and the iteration only (not the run id, which holds the clock): a config
             # reproduces its samples, and tests do not depend on when they run
             seed_namespace=f"iter-{ctx.iteration}/",
             env_cache=env_cache or EnvCache(),
             show_progress=show_progress,
+            skip_groups=set(stored),
+            on_episode=commit_group,
         )
     )
-    return _commit(step, records, config, ctx, config.env.group_size, stats, tasks)
+    metrics = stats_metrics(stats)
+    metrics["tasks"] = [task_id(t, i) for i, t in enumerate(tasks)]
+    metrics["layout"] = config.env.sample_layout
+    # groups stored by an earlier attempt: their rows are in the step, their engine statistics are not
+    metrics["groups_resumed"] = resumed
+    manifest = shards.commit(stored, metadata=metrics)
+    return StepOutcome(step.name, step.uri, manifest.rows, False, metrics)
 
 
 def validation_step(

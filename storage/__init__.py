@@ -9,7 +9,12 @@ from pettingflow.storage.steps import (
     StepAlreadyCommittedError,
     StepNotCommittedError,
 )
-from pettingflow.storage.trajectories import read_step_trajectories, read_trajectories, write_trajectories
+from pettingflow.storage.trajectories import (
+    TrajectoryShards,
+    read_step_trajectories,
+    read_trajectories,
+    write_trajectories,
+)
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -21,6 +26,7 @@ __all__ = [
     "Step",
     "StepAlreadyCommittedError",
     "StepNotCommittedError",
+    "TrajectoryShards",
     "list_runs",
     "new_run_id",
     "read_step_trajectories",

@@ -121,8 +121,9 @@ class Step:
             raise CorruptFileError(f"commit marker {uri_of(self.fs, self.marker_path)} is unreadable: {exc}") from exc
 
     # ---------------------------------------------------------------- writing
-    def begin(self) -> Step:
-        """Start (or restart) writing: clear files a crashed attempt left behind.
+    def begin(self, keep: tuple[str, ...] = ()) -> Step:
+        """Start (or restart) writing: clear files a crashed attempt left behind, except the entries named in
+        ``keep`` (e.g. the committed shards a sharded writer resumes from).
 
         Raises ``StepAlreadyCommittedError`` for a committed step: callers check ``is_committed()``
         first and skip the work, which is what makes re-running an iteration cheap.
@@ -131,7 +132,8 @@ class Step:
             raise StepAlreadyCommittedError(f"step {self.uri} is already committed; read it instead of rewriting it")
         if self.fs.exists(self.path):
             for leftover in self.fs.ls(self.path, detail=False):
-                self.fs.rm(leftover, recursive=True)
+                if posixpath.basename(leftover.rstrip("/")) not in keep:
+                    self.fs.rm(leftover, recursive=True)
         else:
             self.fs.makedirs(self.path, exist_ok=True)
         self._pending = []

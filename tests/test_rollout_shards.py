@@ -1,0 +1,108 @@
+"""Rollouts commit group by group: a crash mid-rollout keeps the finished groups, the next attempt collects
+only the others, and the step holds every group's rows exactly once (the same rows as an uninterrupted run)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+from factories import trajectory_row
+from scripted_server import ScriptedServer
+
+from pettingflow.configs import load_config
+from pettingflow.envs import EnvCache, load_humaneval
+from pettingflow.iteration.context import IterationContext
+from pettingflow.iteration.rollouts import PolicyEndpoint, collect_step
+from pettingflow.storage import RunLayout, Step, TrajectoryShards, read_step_trajectories
+from pettingflow.storage.steps import MARKER
+
+# the columns that depend on the run id (UIDs are namespaced by it): everything else must match
+RUN_SPECIFIC = {"run_id", "uid"}
+
+
+def test_shards_survive_a_crash_and_commit_once_in_key_order(tmp_path: Path) -> None:
+    step = RunLayout(str(tmp_path), "run-shards").step(0, "rollouts")
+    shards = TrajectoryShards(step)
+    shards.write(2, [trajectory_row(env_idx=2, sample_idx=0), trajectory_row(env_idx=2, sample_idx=1)])
+    shards.write(0, [trajectory_row(env_idx=0, sample_idx=0)])
+    # a crashed writer of shard 1: a file without a marker
+    leftover = tmp_path / "runs" / "run-shards" / "iter-0" / "rollouts" / "shards" / "000001"
+    assert leftover.parent.is_dir(), "shards live inside the step folder"
+    leftover.mkdir()
+    (leftover / "part-00000.parquet").write_bytes(b"half a file")
+
+    stored = TrajectoryShards(step).committed()  # what a retry sees
+    assert sorted(stored) == [0, 2] and stored[2].num_rows == 2
+    assert not step.is_committed()
+
+    stored[1] = shards.write(1, [trajectory_row(env_idx=1, sample_idx=0)])
+    manifest = shards.commit(stored, metadata={"note": "x"})
+    assert manifest.rows == 4
+    rows = read_step_trajectories(Step(step.fs, step.path)).to_pylist()
+    assert [(r["env_idx"], r["sample_idx"]) for r in rows] == [(0, 0), (1, 0), (2, 0), (2, 1)]
+    folder = tmp_path / "runs" / "run-shards" / "iter-0" / "rollouts"
+    assert sorted(p.name for p in folder.iterdir()) == [MARKER, "part-00000.parquet"]
+    assert TrajectoryShards(step).committed() == {}  # a committed step has no shards to resume from
+
+
+@pytest.mark.sandbox
+def test_collect_step_resumes_from_committed_groups(tmp_path, default_tokenizer, default_model_dir, monkeypatch, caplog):
+    solutions = {t["entry_point"]: t["prompt"] + t["canonical_solution"] for t in load_humaneval()}
+    with ScriptedServer(default_tokenizer, solutions) as server:
+        config = load_config(
+            "code-env",
+            [
+                f"run.storage_root={tmp_path}",
+                f"policies.0.model={default_model_dir}",
+                "rollout.use_ray=false",
+                "env.tasks_per_iteration=3",
+                "env.group_size=2",
+            ],
+        )
+        endpoints = {
+            "shared": PolicyEndpoint(
+                policy="shared", url=server.url, served_model="shared", model_dir=str(default_model_dir)
+            )
+        }
+
+        def collect(run_id: str):
+            layout = RunLayout(str(tmp_path), run_id)
+            return layout, collect_step(
+                IterationContext(layout, 0), config, endpoints, env_cache=EnvCache(), show_progress=False
+            )
+
+        reference_layout, reference = collect("run-straight")
+
+        # attempt 1 dies when its second group is complete: the first group's shard is committed
+        real_write = TrajectoryShards.write
+        writes: list[int] = []
+
+        def write_then_crash(self, key, rows):
+            if writes:
+                raise RuntimeError("simulated crash")
+            writes.append(key)
+            return real_write(self, key, rows)
+
+        monkeypatch.setattr(TrajectoryShards, "write", write_then_crash)
+        with pytest.raises(RuntimeError, match="simulated crash"):
+            collect("run-crash")
+        monkeypatch.setattr(TrajectoryShards, "write", real_write)
+        layout = RunLayout(str(tmp_path), "run-crash")
+        assert not layout.step(0, "rollouts").is_committed()
+        assert sorted(TrajectoryShards(layout.step(0, "rollouts")).committed()) == writes
+
+        with caplog.at_level(logging.INFO, logger="pettingflow.iteration.rollouts"):
+            _, resumed = collect("run-crash")
+    assert "1 of 3 groups were committed by an earlier attempt; collecting the other 2" in caplog.text
+    assert resumed.metrics["groups_resumed"] == 1
+    assert resumed.metrics["episodes"] == 2 * 2  # only the missing groups ran again
+    assert reference.metrics["groups_resumed"] == 0
+
+    def comparable(layout: RunLayout) -> list[dict]:
+        rows = read_step_trajectories(layout.step(0, "rollouts")).to_pylist()
+        return [{k: v for k, v in r.items() if k not in RUN_SPECIFIC} for r in rows]
+
+    got, want = comparable(layout), comparable(reference_layout)
+    assert len(got) == len(want) == resumed.rows == reference.rows
+    assert got == want  # every group exactly once, same seeds, same order
