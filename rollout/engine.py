@@ -287,8 +287,11 @@ class ExecutionEngine:
         return params
 
     # ------------------------------------------------------------------ many episodes
-    async def run(self, specs: Sequence[EpisodeSpec]) -> tuple[list[EpisodeRecord], EngineStats]:
-        """All episodes concurrently; results in the order of ``specs``."""
+    async def run(
+        self, specs: Sequence[EpisodeSpec], on_episode: Callable[[EpisodeRecord], None] | None = None
+    ) -> tuple[list[EpisodeRecord], EngineStats]:
+        """All episodes concurrently; results in the order of ``specs``. ``on_episode`` sees each finished
+        episode at once (the rollouts step commits whole groups with it while the others still run)."""
         self._llm_s = self._env_s = 0.0
         self._llm_spans, self._env_spans = [], []
         started = self._t0 = time.perf_counter()
@@ -297,6 +300,8 @@ class ExecutionEngine:
         async def one(spec: EpisodeSpec) -> EpisodeRecord:
             rec = await self.run_episode(spec)
             progress.advance(rec.tokens_generated)
+            if on_episode is not None:
+                on_episode(rec)
             return rec
 
         try:
