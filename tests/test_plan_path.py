@@ -363,3 +363,29 @@ def test_a_team_that_never_moves_runs_out_of_turns_with_team_reward_zero() -> No
         assert info["team_reward"] == 0.0 and [t["invalid"] for t in info["turn_infos"]] == [True] * 3
         assert row["reward"] == -0.5
         assert 0 in row["response_mask"] and row["response_mask"][0] == row["response_mask"][-1] == 1
+
+
+def test_collect_step_against_the_scripted_server(tmp_path, default_model_dir, default_tokenizer) -> None:
+    """The rollouts step over HTTP: real tokenizer and inference client, committed Parquet rows."""
+    from scripted_server import ScriptedServer
+
+    from pettingflow.iteration.context import IterationContext
+    from pettingflow.iteration.rollouts import PolicyEndpoint, collect_step
+    from pettingflow.storage import RunLayout, read_step_trajectories
+
+    config = load_config("plan-path", [f"run.storage_root={tmp_path}", "env.max_turns=6", "env.token_budget=200"])
+    layout = RunLayout(str(tmp_path), "run-plan-path")
+    with ScriptedServer(default_tokenizer, {}) as server:
+        endpoint = PolicyEndpoint("shared", server.url, "shared", str(default_model_dir))
+        outcome = collect_step(IterationContext(layout, 0), config, {"shared": endpoint}, show_progress=False)
+    rows = read_step_trajectories(layout.step(0, "rollouts")).to_pylist()
+    assert outcome.rows == len(rows) and {r["agent_name"] for r in rows} == {"planner", "executor"}
+    infos = [json.loads(r["info_json"]) for r in rows]
+    # even sampling seeds answer the shortest path, odd ones a reply without moves: both kinds occur
+    assert {i["turn"]["invalid"] for i in infos} == {True, False}
+    for row, info in zip(rows, infos, strict=True):
+        assert row["response_mask"] == [1] * len(row["response_ids"])
+        assert default_tokenizer.decode(row["prompt_ids"]).rstrip().endswith("assistant")
+        assert row["reward"] == pytest.approx(info["turn"]["local_reward"], abs=1e-6)
+        assert info["team_reward"] == (1.0 if info["goal_reached"] else 0.0)
+    assert all(t.startswith("plan-path/") for t in outcome.metrics["tasks"])
