@@ -16,6 +16,7 @@ Token ids are never re-derived from decoded text: rows carry the exact ids the s
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -183,14 +184,27 @@ def per_episode_rows(
 
 
 def build_rows(
-    episodes: list[EpisodeRecord], layout: str, run_id: str, iteration: int, group_size: int
+    episodes: list[EpisodeRecord],
+    layout: str,
+    run_id: str,
+    iteration: int,
+    group_size: int,
+    policy_versions: Mapping[str, int] | None = None,
 ) -> list[dict[str, Any]]:
-    """Rows in the configured sample layout (``per_turn`` or ``per_episode``)."""
+    """Rows in the configured sample layout (``per_turn`` or ``per_episode``).
+
+    ``policy_versions``: policy -> version of the weights that generated its rows (``policy_version`` column);
+    None: ``iteration`` for every policy (sync rollouts, every earlier iteration updated).
+    """
     if layout == "per_turn":
-        return per_turn_rows(episodes, run_id, iteration, group_size)
-    if layout == "per_episode":
-        return per_episode_rows(episodes, run_id, iteration, group_size)
-    raise ValueError(f"unknown sample layout {layout!r}; use per_turn or per_episode")
+        rows = per_turn_rows(episodes, run_id, iteration, group_size)
+    elif layout == "per_episode":
+        rows = per_episode_rows(episodes, run_id, iteration, group_size)
+    else:
+        raise ValueError(f"unknown sample layout {layout!r}; use per_turn or per_episode")
+    for row in rows:
+        row["policy_version"] = iteration if policy_versions is None else policy_versions[row["policy_name"]]
+    return rows
 
 
 def _attach_uids(rows: list[dict[str, Any]], group_size: int, namespace: str) -> None:

@@ -30,7 +30,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pettingflow.storage.fs import is_local, join, uri_of, write_bytes_atomic
-from pettingflow.storage.schema import SCHEMA_VERSION, schema_version_of
+from pettingflow.storage.schema import READABLE_VERSIONS, SCHEMA_VERSION, schema_version_of, upgrade_table
 
 MARKER = "_COMMITTED.json"
 DEFAULT_ROW_GROUP_SIZE = 1024  # trajectory rows are KBs each: ~MB-sized row groups
@@ -245,11 +245,16 @@ class Step:
         try:
             pf = pq.ParquetFile(io.BytesIO(data))
             version = schema_version_of(pf.schema_arrow)
-            if version is not None and version != SCHEMA_VERSION:
+            if version is not None and version not in READABLE_VERSIONS:
                 raise CorruptFileError(
-                    f"{uri} has trajectory schema version {version}; this pettingflow reads {SCHEMA_VERSION}"
+                    f"{uri} has trajectory schema version {version}; this pettingflow reads "
+                    f"{', '.join(READABLE_VERSIONS)} (a newer pettingflow wrote it: upgrade to read it)"
                 )
-            return pq.read_table(io.BytesIO(data), columns=columns, filters=filters)
+            if version is None or version == SCHEMA_VERSION:
+                return pq.read_table(io.BytesIO(data), columns=columns, filters=filters)
+            # an older file: read whole, fill in the columns added since, then select
+            table = upgrade_table(pq.read_table(io.BytesIO(data), filters=filters), version)
+            return table.select(columns) if columns is not None else table
         except (pa.ArrowInvalid, pa.ArrowIOError, OSError) as exc:
             if isinstance(exc, CorruptFileError):
                 raise

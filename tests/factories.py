@@ -36,6 +36,7 @@ def trajectory_row(**overrides: Any) -> dict[str, Any]:
         "prompt_text": "p",
         "response_text": "r",
         "info_json": json.dumps({}),
+        "policy_version": 0,
     }
     row.update(overrides)
     return row

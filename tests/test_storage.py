@@ -264,3 +264,33 @@ def test_add_tree_uploads_or_registers_in_place(tmp_path: Path) -> None:
     assert step.read_bytes("model/weights.bin") == b"v" * 10
     with pytest.raises(ValueError, match="invalid file name"):
         layout.step(1, "x").begin().write_bytes("../escape", b"")
+
+
+def _write_foreign_version(step, table: pa.Table, version: str) -> None:
+    """Commit ``table`` as a file that claims trajectory schema ``version`` (as an older pettingflow wrote it)."""
+    meta = {META_SCHEMA_VERSION: version.encode(), b"pettingflow.kind": b"trajectories"}
+    step.begin()
+    step.write_table("part-00000.parquet", table.replace_schema_metadata(meta))
+    step.commit()
+
+
+def test_version_1_files_are_read_with_policy_version_filled_in(layout: RunLayout) -> None:
+    """Files written before ``policy_version`` existed stay readable: it is their iteration (sync rollouts)."""
+    new = trajectories_to_table(trajectory_rows(3, iteration=4))
+    old = new.drop_columns(["policy_version"]).append_column("advantage", pa.array([0.5, -1.0, 0.0], pa.float32()))
+    step = layout.step(4, "advantages")
+    _write_foreign_version(step, old, "1")
+    table = read_step_trajectories(step)
+    assert table.column("policy_version").to_pylist() == [4, 4, 4]
+    assert table.column_names[-2:] == ["policy_version", "advantage"]  # where a version-2 batch has it
+    assert read_step_trajectories(step, columns=["uid", "policy_version"]).num_columns == 2
+    # rows read from an old file are written back in the current schema
+    rewritten = write_trajectories(layout.step(4, "copy"), table.drop_columns(["advantage"]))
+    assert rewritten.rows == 3
+
+
+def test_files_of_a_newer_schema_are_refused_with_a_reason(layout: RunLayout) -> None:
+    step = layout.step(0, "rollouts")
+    _write_foreign_version(step, trajectories_to_table(trajectory_rows(1)), "99")
+    with pytest.raises(CorruptFileError, match="schema version 99; this pettingflow reads 1, 2"):
+        read_step_trajectories(step)
