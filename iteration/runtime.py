@@ -10,6 +10,10 @@ iteration's tasks get it as a parameter. It holds:
   ranks (``pettingflow.training.learner``), created when the runtime starts, joined and loaded at the first
   update, restarted by the next update after one died;
 - Ray (local, or the cluster at ``rollout.ray_address``), the sandbox pool and the env cache.
+
+While a runtime is open as a context manager in the main thread, SIGTERM and SIGHUP raise ``SystemExit``
+(``deathsig.terminate_gracefully``) so that ``close()`` stops all of this in order when ``timeout`` or a
+process manager ends the process; after SIGKILL the servers' watchers and Ray's fate sharing do it.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from typing import Any
 
 import psutil
 
+from pettingflow import deathsig
 from pettingflow.configs.settings import ExperimentConfig, Specialization
 from pettingflow.envs import EnvCache
 from pettingflow.envs.registry import EnvFactory, EnvSpec
@@ -69,18 +74,26 @@ class Runtime:
         self.learners: dict[str, Any] = {}
         self.env_cache = EnvCache(self._make_factory)
         self._owns_ray = False
+        self._signals = contextlib.ExitStack()
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> Runtime:
+        self._signals.enter_context(deathsig.terminate_gracefully())
         try:
             self.start()
         except BaseException:
-            self.close()
+            try:
+                self.close()
+            finally:
+                self._signals.close()
             raise
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.close()
+        try:
+            self.close()
+        finally:
+            self._signals.close()
 
     def start(self) -> None:
         cfg = self.config

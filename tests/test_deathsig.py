@@ -55,3 +55,44 @@ def test_parent_gone_before_the_child_started_kills_the_child() -> None:
 def test_usage_error_names_the_arguments() -> None:
     proc = subprocess.run([sys.executable, "-m", "pettingflow.deathsig", "SIGTERM", "--", "true"], capture_output=True)
     assert proc.returncode != 0 and b"SIGNAL PARENT_PID -- CMD" in proc.stderr
+
+
+def test_group_mode_kills_the_whole_group_even_paused_or_ignoring_sigterm(tmp_path) -> None:
+    """Group mode (the vLLM server's): after the parent's SIGKILL the command's child, which ignores SIGTERM,
+    and the command itself, paused with SIGSTOP as between updates, are all gone after the grace period."""
+    marker = tmp_path / "pids"
+    server_code = (
+        "import os, signal, subprocess, sys, time\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import signal, time; "
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)'])\n"
+        f"open({str(marker)!r}, 'w').write(f'{{os.getpid()}} {{child.pid}}')\n"
+        "time.sleep(120)\n"
+    )
+    script = tmp_path / "parent.py"
+    script.write_text(
+        "import signal, subprocess, sys, time\n"
+        "from pettingflow import deathsig\n"
+        f"cmd = deathsig.wrap([sys.executable, '-c', {server_code!r}], signal.SIGTERM, group_grace_s=1.0)\n"
+        "subprocess.Popen(cmd, start_new_session=True)\n"
+        "time.sleep(120)\n"
+    )
+    parent = subprocess.Popen([sys.executable, str(script)], start_new_session=True)
+    deadline = time.monotonic() + 30
+    while not marker.exists() or len(marker.read_text().split()) < 2:
+        assert time.monotonic() < deadline, "command never started"
+        time.sleep(0.1)
+    server, child = (psutil.Process(int(pid)) for pid in marker.read_text().split())
+    assert server.cmdline()[:2] == [sys.executable, "-c"]  # the wrapper exec'd the command: same pid
+    server.suspend()
+    os.kill(parent.pid, signal.SIGKILL)
+    parent.wait()
+    _, alive = psutil.wait_procs([server, child], timeout=15)
+    assert not alive, f"outlived the SIGKILLed parent: {alive}"
+
+
+def test_group_mode_runs_the_command_and_keeps_its_exit_status() -> None:
+    from pettingflow import deathsig
+
+    wrapped = deathsig.wrap([sys.executable, "-c", "import sys; print('hi'); sys.exit(3)"], group_grace_s=1.0)
+    proc = subprocess.run(wrapped, capture_output=True, text=True, timeout=30, start_new_session=True)
+    assert proc.returncode == 3 and proc.stdout == "hi\n"  # the watcher holds no pipe: EOF came at once
