@@ -31,6 +31,7 @@ One agent object serves one episode; ``reset()`` clears it for the next.
 
 from __future__ import annotations
 
+import copy
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -199,6 +200,20 @@ class Agent(ABC):
         env.finish_turn(
             {"agent_name": self.name, "agent_idx": self.agent_idx, "reward": self.agent_reward, "success": self.success}
         )
+
+    def fork(self) -> Agent:
+        """A copy for one candidate of a tree rollout (``rollout.mode: tree``): the engine gives each of the K
+        candidates its own (agent, env) fork, so parsing and stepping one candidate never shows in another.
+
+        Lists and dicts (histories, conversation, ``turn_info``) are copied one level deep; the tokenizer, the
+        sampling settings and everything else are shared. A subclass that keeps other mutable per-episode
+        state must copy it too.
+        """
+        twin = copy.copy(self)
+        for name, value in vars(self).items():
+            if isinstance(value, (list, dict)):
+                setattr(twin, name, copy.copy(value))
+        return twin
 
     def _check_turn(self, turn: int, env: Env) -> None:
         if turn != env.current_turn:

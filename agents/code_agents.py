@@ -189,7 +189,15 @@ class CodeGeneratorAgent(Agent):
 
     async def apply_action(self, env: Env) -> tuple[float, bool]:
         evaluation = await code_env(env).submit_code(self.current_action)
-        return code_reward(evaluation.ground_truth), code_success(evaluation.ground_truth)
+        reward = code_reward(evaluation.ground_truth)
+        # the local reward of this turn and its parts: the row's info_json["turn"] (docs/code-env.md)
+        self.turn_info = {
+            "role": "code",
+            "local_reward": reward,
+            "ground_truth_passed": evaluation.ground_truth.passed,
+            "ground_truth_cases": evaluation.ground_truth.total,
+        }
+        return reward, code_success(evaluation.ground_truth)
 
 
 class UnitTestGeneratorAgent(Agent):
@@ -243,4 +251,12 @@ class UnitTestGeneratorAgent(Agent):
             cenv.config.catch_bonus_weight,
         )
         self.last_reward_parts = result
+        self.turn_info = {
+            "role": "test",
+            "local_reward": result.reward,
+            "asserts": evaluation.on_golden.total,
+            "validity": result.validity,
+            "caught": result.caught,
+            "bonus_applies": result.bonus_applies,
+        }
         return result.reward, result.success

@@ -163,6 +163,18 @@ class RolloutSettings(_Strict):
     ray_address: str | None = Field(None, description="Attach to a Ray cluster; None starts a local runtime.")
     ray_num_cpus: int | None = Field(None, ge=1, description="CPUs of the local Ray runtime (default: all).")
     ray_sandbox_workers: int = Field(1, ge=1, description="Ray actors that run sandboxed code.")
+    mode: Literal["independent", "tree"] = Field(
+        "independent",
+        description="independent: env.group_size independent episodes per task, grouped by (task, turn, agent). "
+        "tree (AT-GRPO, arXiv 2510.11062): one episode per task; at every turn the acting agent draws "
+        "env.group_size candidates from the same prompt in one request, the env scores each on a fork of the "
+        "state, the candidates form the group and the episode continues from one of them (docs/rl.md).",
+    )
+    tree_select: Literal["best", "sample"] = Field(
+        "best",
+        description="Which candidate a tree episode continues from: best = highest reward (ties: lowest branch "
+        "index); sample = drawn with probability softmax(rewards), seeded per task and turn.",
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -185,6 +197,19 @@ class AlgorithmSettings(_Strict):
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
     use_sampler_logprobs: bool = Field(
         False, description="Use vLLM's log-probs as old log-probs instead of recomputing them."
+    )
+    team_reward_weight: float = Field(
+        0.0,
+        ge=0.0,
+        description="alpha in r = local + alpha * team: the env's team reward (info_json team_reward) mixed into "
+        "every row's reward before filtering and advantages (docs/rl.md). 0: local rewards only.",
+    )
+    gamma: float = Field(
+        0.0,
+        ge=0.0,
+        le=1.0,
+        description="Discount of an agent's later turns: the training reward of a turn is its mixed reward plus "
+        "gamma times the return of the same agent's next turn on the episode's path. 0: per-turn rewards only.",
     )
 
 

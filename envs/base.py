@@ -15,6 +15,7 @@ handed to each new env by ``pettingflow.envs.registry.EnvFactory``.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
@@ -136,6 +137,30 @@ class Env:
         out_of_turns = self.current_turn >= self.max_turns
         self.done = solved or out_of_turns
         self.truncated = out_of_turns and not solved
+
+    def fork(self) -> Env:
+        """An independent copy of this episode, for tree rollouts (``rollout.mode: tree``).
+
+        The engine scores each of the K candidates of a turn on its own fork (``agent.step(fork)``), so
+        the real episode is never touched by a candidate; the episode then continues on the chosen fork.
+        A fork must copy all per-episode state (``state``, ``history``, counters) and share what is shared
+        (sandbox, caches). Envs opt in by overriding this, usually as ``return self._copy_episode()``;
+        the base refuses, so an env whose state cannot be copied fails clearly instead of leaking
+        candidates into each other.
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__} cannot fork an episode, which rollout.mode=tree needs to score each candidate "
+            "on its own copy of the state: implement fork() (see Env.fork), or use rollout.mode=independent"
+        )
+
+    def _copy_episode(self) -> Env:
+        """A shallow copy with ``state``, ``history`` and ``task`` deep-copied: enough for envs whose other
+        attributes are shared resources or read-only after ``reset`` (the sandbox, precomputed tables)."""
+        twin = copy.copy(self)
+        twin.state = copy.deepcopy(self.state)
+        twin.history = copy.deepcopy(self.history)
+        twin.task = copy.deepcopy(self.task)
+        return twin
 
     def __repr__(self) -> str:
         task_id = self.task.get("task_id", "?")

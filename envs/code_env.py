@@ -644,6 +644,21 @@ class CodeEnv(Env):
         s: CodeEnvState = self.state
         return s.generated_code is not None and bool(s.ground_truth_results) and all(s.ground_truth_results)
 
+    def fork(self) -> CodeEnv:
+        """Tree rollouts: the state (code, tests, results, histories) is copied; the sandbox is shared."""
+        return self._copy_episode()
+
+    def episode_info(self) -> dict[str, Any]:
+        """Per-episode values every row of the episode carries (``info_json``): the team reward.
+
+        ``team_reward`` = share of ground-truth cases the latest code passes when the episode ends (0 without
+        code): 1 exactly when the task was solved, and graded below that, so a team that got closer scores
+        more (docs/code-env.md, reward mixing in docs/rl.md).
+        """
+        s: CodeEnvState = self.state
+        ratio = s.ground_truth_test_vs_generated_code_match_ratio if s.generated_code is not None else 0.0
+        return {"team_reward": float(ratio), "solved": self.solved()}
+
     # ----------------------------------------------------------------------------------------------
     # what agents call from step()
     # ----------------------------------------------------------------------------------------------

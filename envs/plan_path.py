@@ -396,6 +396,10 @@ class PlanPathEnv(Env):
     def solved(self) -> bool:
         return self.state.position == self.state.grid.goal
 
+    def fork(self) -> PlanPathEnv:
+        """Tree rollouts: the state is plain data; the distance table is read-only and shared."""
+        return self._copy_episode()
+
     def distance(self, cell: Cell) -> int:
         """BFS distance from ``cell`` to the goal (cells the walker can stand on are always reachable)."""
         return self._distances[cell]

@@ -4,10 +4,17 @@ Both read committed Parquet and write committed Parquet; neither does RL math it
 ``pettingflow.rl``). The advantage step writes one ``batch-<policy>.parquet`` per policy: the
 trajectory columns of that policy's kept rows plus an ``advantage`` column, which is exactly what
 the update job of that policy reads.
+
+Both steps work on the *training reward* of a row (``training_rewards``): its local ``reward`` mixed with
+the episode's team reward (``algorithm.team_reward_weight``) and turned into a return over the agent's
+later turns (``algorithm.gamma``), computed from the stored rows every time, so a re-run from ``filtered``
+or ``advantages`` with other ``algorithm.*`` values recomputes it. The batch keeps what it used per row:
+``team_reward``, ``training_reward`` and ``reward_mix`` (the weights, as JSON).
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +26,7 @@ from pettingflow.configs.settings import ExperimentConfig
 from pettingflow.iteration.context import IterationContext
 from pettingflow.rl.advantages import compute_advantages
 from pettingflow.rl.filters import filter_samples
+from pettingflow.rl.rewards import discounted_returns, mix_rewards
 from pettingflow.storage import Manifest, Step, read_step_trajectories, write_trajectories
 
 BATCH_KIND = b"batch"
@@ -43,12 +51,87 @@ def already_done(step: Step) -> StepOutcome | None:
     return StepOutcome(step.name, step.uri, m.rows, True, m.metadata)
 
 
+def team_rewards(table: pa.Table) -> np.ndarray:
+    """Each row's team reward: ``info_json["team_reward"]`` (an env's ``episode_info()``), 0 where absent."""
+    out = np.zeros(table.num_rows, dtype=np.float64)
+    for i, text in enumerate(table.column("info_json").to_pylist()):
+        value = json.loads(text or "{}").get("team_reward")
+        if value is not None:
+            out[i] = float(value)
+    return out
+
+
+def _has_team_reward(table: pa.Table) -> bool:
+    return any('"team_reward"' in (text or "") for text in table.column("info_json").to_pylist())
+
+
+def _column(table: pa.Table, name: str, default: Any) -> list[Any]:
+    """A column as a list; ``default`` per row when the table predates it (files read without the project)."""
+    return table.column(name).to_pylist() if name in table.column_names else [default] * table.num_rows
+
+
+def reward_mix(config: ExperimentConfig) -> dict[str, float]:
+    """The weights of the training reward, as stored per row of a batch (``reward_mix``)."""
+    return {"team_reward_weight": config.algorithm.team_reward_weight, "gamma": config.algorithm.gamma}
+
+
+def training_rewards(table: pa.Table, config: ExperimentConfig, episodes: pa.Table | None = None) -> np.ndarray:
+    """The reward each row of ``table`` trains on (docs/rl.md, "Multi-level rewards").
+
+    ``m = reward + alpha * team_reward`` per row, then ``G = m + gamma * G(the agent's next turn on the path)``.
+    Returns need the episodes' other rows: ``episodes`` holds every row of them (the iteration's rollouts),
+    ``table`` may be a filtered subset; None: ``table`` itself is complete. With ``alpha = gamma = 0`` this is
+    the ``reward`` column unchanged.
+    """
+    algo = config.algorithm
+    local = np.asarray(table.column("reward").to_numpy(zero_copy_only=False), dtype=np.float64)
+    if algo.team_reward_weight == 0.0 and algo.gamma == 0.0:
+        return local
+    source = episodes if (episodes is not None and algo.gamma > 0.0) else table
+    if algo.team_reward_weight > 0.0 and source.num_rows and not _has_team_reward(source):
+        raise ValueError(
+            f"algorithm.team_reward_weight={algo.team_reward_weight} but no row reports a team reward "
+            "(info_json team_reward, from the env's episode_info()): this env has none, or the rollouts predate it; "
+            "set algorithm.team_reward_weight=0"
+        )
+    mixed = mix_rewards(
+        source.column("reward").to_numpy(zero_copy_only=False), team_rewards(source), algo.team_reward_weight
+    )
+    iterations, rollouts = _column(source, "iteration", 0), _column(source, "rollout_idx", 0)
+    returns = discounted_returns(
+        mixed,
+        list(zip(iterations, rollouts, strict=True)),
+        _column(source, "agent_idx", 0),
+        _column(source, "turn_idx", 0),
+        _column(source, "continued", True),
+        algo.gamma,
+    )
+    if source is table:
+        return returns
+
+    def keys(t: pa.Table) -> list[tuple[Any, ...]]:
+        cols = [_column(t, c, d) for c, d in (("iteration", 0), ("rollout_idx", 0), ("turn_idx", 0))]
+        cols += [_column(t, "agent_idx", 0), _column(t, "branch_idx", 0)]
+        return list(zip(*cols, strict=True))
+
+    by_key = dict(zip(keys(source), returns, strict=True))
+    missing = [k for k in keys(table) if k not in by_key]
+    if missing:
+        raise ValueError(
+            f"{len(missing)} rows are not among the episodes' rows, e.g. (iteration, rollout, turn, "
+            f"agent, branch) = {missing[0]}; pass the iteration's rollouts as episodes"
+        )
+    return np.asarray([by_key[k] for k in keys(table)], dtype=np.float64)
+
+
 def filter_table(table: pa.Table, config: ExperimentConfig) -> tuple[pa.Table, dict[str, Any]]:
-    """The rows the configured filter keeps (none/mean/std/dapo/uid, seed 000), and what it removed."""
+    """The rows the configured filter keeps (none/mean/std/dapo/uid, seed 000), and what it removed.
+
+    ``table`` holds whole episodes (the rollouts step): the filter sees each row's training reward."""
     algo = config.algorithm
     result = filter_samples(
         table.column("uid").to_pylist(),
-        np.asarray(table.column("reward").to_numpy(zero_copy_only=False), dtype=np.float64),
+        training_rewards(table, config),
         algo.filter_method,
         algo.filter_ratio,
     )
@@ -61,14 +144,24 @@ def filter_table(table: pa.Table, config: ExperimentConfig) -> tuple[pa.Table, d
         "removed_samples": result.removed_samples,
         "removed_groups": len(result.removed_uids),
         "reason": result.reason,
+        **reward_mix(config),
     }
     return kept, metrics
 
 
-def with_advantages(table: pa.Table, config: ExperimentConfig) -> pa.Table:
-    """``table`` plus a float32 ``advantage`` column (group-relative within UIDs)."""
-    rewards = np.asarray(table.column("reward").to_numpy(zero_copy_only=False), dtype=np.float64)
+def with_advantages(table: pa.Table, config: ExperimentConfig, episodes: pa.Table | None = None) -> pa.Table:
+    """``table`` plus the reward it trains on and a float32 ``advantage`` column (group-relative within UIDs).
+
+    Added columns: ``team_reward`` (float32), ``training_reward`` (float32, what the advantages are computed
+    from), ``reward_mix`` (JSON of ``team_reward_weight`` and ``gamma``), ``advantage``. ``episodes``: every
+    row of the episodes (the iteration's rollouts) when ``table`` is a filtered subset; see ``training_rewards``.
+    """
+    rewards = training_rewards(table, config, episodes)
     advantages = compute_advantages(rewards, table.column("uid").to_pylist(), config.algorithm.advantage_estimator)
+    mix = json.dumps(reward_mix(config), sort_keys=True)
+    table = table.append_column("team_reward", pa.array(team_rewards(table).astype(np.float32), pa.float32()))
+    table = table.append_column("training_reward", pa.array(rewards.astype(np.float32), pa.float32()))
+    table = table.append_column("reward_mix", pa.array([mix] * table.num_rows, pa.string()))
     return table.append_column("advantage", pa.array(advantages.astype(np.float32), pa.float32()))
 
 
@@ -93,9 +186,15 @@ def advantage_step(ctx: IterationContext, config: ExperimentConfig) -> StepOutco
     out = ctx.step("advantages")
     if done := already_done(out):
         return done
-    table = with_advantages(read_step_trajectories(ctx.step("filtered")), config)
+    # returns (gamma > 0) need every row of the episodes, also the ones the filter removed
+    episodes = read_step_trajectories(ctx.step("rollouts")) if config.algorithm.gamma > 0 else None
+    table = with_advantages(read_step_trajectories(ctx.step("filtered")), config, episodes)
     policies = [p.name for p in config.policies]
-    metrics: dict[str, Any] = {"estimator": config.algorithm.advantage_estimator, "policies": {}}
+    metrics: dict[str, Any] = {
+        "estimator": config.algorithm.advantage_estimator,
+        **reward_mix(config),
+        "policies": {},
+    }
     out.begin()
     for policy in policies:
         part = policy_batch(table, policy)

@@ -102,8 +102,12 @@ async def run_episodes(
     show_progress: bool = True,
     skip_groups: Collection[int] = (),
     on_episode: Callable[[EpisodeRecord], None] | None = None,
+    tree_branches: int | None = None,
 ) -> tuple[list[Any], EngineStats]:
     """Run ``group_size`` episodes per task with the configured team; return records and stats.
+
+    ``tree_branches``: K for tree episodes (K candidates per turn, ``rollout.tree_select``; pass
+    ``group_size=1``), None for independent ones.
 
     ``skip_groups``: task indexes (``env_idx``) not to run (already stored); the others keep their indexes,
     seeds and UIDs. ``on_episode``: called with each finished episode (see ``ExecutionEngine.run``).
@@ -137,6 +141,8 @@ async def run_episodes(
         max_model_len=config.inference.max_model_len,
         sampling_overrides={"temperature": temperature} if temperature is not None else None,
         show_progress=show_progress,
+        tree_branches=tree_branches,
+        tree_select=config.rollout.tree_select,
     )
     specs = [
         s for s in episode_specs(config, tasks, group_size, seed_namespace, env_cache) if s.env_idx not in skip_groups
@@ -197,7 +203,8 @@ def collect_step(
     limit: int | None = None,
     show_progress: bool = True,
 ) -> StepOutcome:
-    """Collect the iteration's rollouts (G per task) and commit them as ``rollouts``.
+    """Collect the iteration's rollouts (G per task; tree mode: one tree episode of G candidates per turn per
+    task) and commit them as ``rollouts``.
 
     Each group (the G episodes of one task) is committed as a shard the moment its last episode ends
     (``TrajectoryShards``), so a crash mid-rollout keeps the finished groups: the next attempt collects
@@ -208,6 +215,9 @@ def collect_step(
         return done
     tasks = select_train_tasks(config, ctx.iteration)[: limit or None]
     group_size = config.env.group_size
+    # tree mode (docs/rl.md): one episode per task, the group is the group_size candidates of each turn
+    tree = config.rollout.mode == "tree"
+    episodes_per_task = 1 if tree else group_size
     shards = TrajectoryShards(step)
     stored = shards.committed()
     resumed = len(stored)
@@ -224,7 +234,7 @@ def collect_step(
     def commit_group(record: EpisodeRecord) -> None:
         group = pending.setdefault(record.env_idx, [])
         group.append(record)
-        if len(group) == group_size:
+        if len(group) == episodes_per_task:
             group.sort(key=lambda r: r.sample_idx)
             rows = build_rows(group, config.env.sample_layout, ctx.layout.run_id, ctx.iteration, group_size)
             stored[record.env_idx] = shards.write(record.env_idx, rows)
@@ -235,7 +245,8 @@ def collect_step(
             config,
             endpoints,
             tasks,
-            group_size=group_size,
+            group_size=episodes_per_task,
+            tree_branches=group_size if tree else None,
             # seeds follow run.seed and the iteration only (not the run id, which holds the clock): a config
             # reproduces its samples, and tests do not depend on when they run
             seed_namespace=f"iter-{ctx.iteration}/",
@@ -248,6 +259,7 @@ def collect_step(
     metrics = stats_metrics(stats)
     metrics["tasks"] = [task_id(t, i) for i, t in enumerate(tasks)]
     metrics["layout"] = config.env.sample_layout
+    metrics["mode"] = config.rollout.mode
     # groups stored by an earlier attempt: their rows are in the step, their engine statistics are not
     metrics["groups_resumed"] = resumed
     manifest = shards.commit(stored, metadata=metrics)

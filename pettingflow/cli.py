@@ -135,8 +135,9 @@ def _as_batch(uri: str, cfg, policy: str, out: str) -> str:
     dataset = ds.dataset(path, filesystem=fs, format="parquet", exclude_invalid_files=True)
     if "advantage" in dataset.schema.names:
         return uri
-    kept, metrics = filter_table(dataset.to_table(), cfg)
-    table = policy_batch(with_advantages(kept, cfg), policy)
+    trajectories = dataset.to_table()
+    kept, metrics = filter_table(trajectories, cfg)
+    table = policy_batch(with_advantages(kept, cfg, episodes=trajectories), policy)
     out_fs, out_path = filesystem(out)
     out_fs.makedirs(out_path, exist_ok=True)
     target = join(out_path, batch_file(policy))

@@ -12,6 +12,13 @@ One episode (seed 002 cycle, seed 003 budget):
         if env.done or budget spent: stop
     record.info |= env.episode_info()      # optional: per-episode values (e.g. a team reward) for every row
 
+Tree mode (``tree_branches=K``, AT-GRPO, arXiv 2510.11062; docs/rl.md): one episode per task; at every
+turn the acting agent's prompt is sampled K times in ONE request (``n=K``), each candidate is parsed and
+stepped on its own fork of the (agent, env) pair (``Agent.fork``, ``Env.fork``), so none of them touches the
+episode, and the episode continues on the fork of the chosen candidate (``select_branch``). All K candidates
+are recorded (``TurnRecord.branch_idx``, ``continued``); they share the prompt, which is what makes them a
+GRPO group.
+
 The engine never looks inside env state; it only records what each agent saw and produced.
 Episodes of all groups run concurrently on one event loop; the inference client bounds concurrent
 requests and the sandbox (local or a Ray pool) bounds concurrent code executions.
@@ -22,6 +29,8 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import math
+import random
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -45,6 +54,8 @@ class CompletionClient(Protocol):
     """What the engine needs from inference (``pettingflow.inference.client.InferenceClient``)."""
 
     async def complete_one(self, prompt_ids: list[int], *, model: str, **sampling: Any) -> Completion: ...
+
+    async def complete(self, prompt_ids: list[int], *, model: str, n: int = 1, **sampling: Any) -> list[Completion]: ...
 
 
 @dataclass(frozen=True)
@@ -113,6 +124,41 @@ def _derive_seed(*parts: Any) -> int:
     return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
 
 
+TREE_SELECT = ("best", "sample")
+
+
+def select_branch(rewards: Sequence[float], how: str, rng: random.Random | None = None) -> int:
+    """The candidate a tree episode continues from.
+
+    ``best``: the highest reward; ties go to the lowest index (deterministic, no RNG). ``sample``: index ``k``
+    with probability ``softmax(rewards)_k`` (temperature 1), drawn from ``rng`` (seeded by the caller per task
+    and turn, so a re-run picks the same branches).
+    """
+    if not rewards:
+        raise ValueError("select_branch needs at least one candidate reward")
+    if any(not math.isfinite(r) for r in rewards):
+        raise ValueError(f"candidate rewards must be finite, got {list(rewards)}")
+    if how == "best":
+        return max(range(len(rewards)), key=lambda k: (rewards[k], -k))
+    if how == "sample":
+        if rng is None:
+            raise ValueError("select_branch(how='sample') needs an rng")
+        top = max(rewards)
+        weights = [math.exp(r - top) for r in rewards]
+        return rng.choices(range(len(rewards)), weights=weights)[0]
+    raise ValueError(f"unknown tree selection {how!r}; use one of {TREE_SELECT}")
+
+
+def _fork(obj: Any, what: str) -> Any:
+    fork = getattr(obj, "fork", None)
+    if not callable(fork):
+        raise TypeError(
+            f"rollout.mode=tree scores each candidate on a copy of the episode, but {what} {type(obj).__name__} "
+            "has no fork(); subclass pettingflow's Env/Agent (or add fork()), or use rollout.mode=independent"
+        )
+    return fork()
+
+
 @dataclass
 class EngineStats:
     """Per-round totals the iteration report shows."""
@@ -144,9 +190,19 @@ class ExecutionEngine:
         max_model_len: int | None = None,
         sampling_overrides: dict[str, Any] | None = None,
         show_progress: bool = True,
+        tree_branches: int | None = None,
+        tree_select: str = "best",
     ):
+        """``tree_branches``: None for independent episodes; K >= 1 for tree episodes (K candidates per turn,
+        continued from the one ``tree_select`` picks: ``best`` or ``sample``)."""
         if layout not in ("per_turn", "per_episode"):
             raise ValueError(f"unknown sample layout {layout!r}; use per_turn or per_episode")
+        if tree_branches is not None and tree_branches < 1:
+            raise ValueError(f"tree_branches must be >= 1 (the candidates per turn), got {tree_branches}")
+        if tree_select not in TREE_SELECT:
+            raise ValueError(f"unknown tree selection {tree_select!r}; use one of {TREE_SELECT}")
+        self.tree_branches = tree_branches
+        self.tree_select = tree_select
         self.make_agents = make_agents
         self.bindings = bindings
         self.max_turns = max_turns
@@ -184,55 +240,84 @@ class ExecutionEngine:
         last_messages: dict[str, list[dict[str, str]]] = {}
         last_turn: dict[str, TurnRecord] = {}
 
+        record.tree = self.tree_branches is not None
+        path_tokens = 0  # tokens of the episode's path: what the budget bounds (tree: the continued candidates)
         out_of_budget = False
         for turn in range(self.max_turns):
-            agent = agents[turn % len(agents)]
+            position = turn % len(agents)
+            agent = agents[position]
             binding = self.bindings[agent.name]
             prompt = agent.update_from_env(turn, env)
             prompt_ids = list(prompt.token_ids)
             if self.layout == "per_episode" and agent.name in last_turn:
                 prompt_ids = self._extend_sequence(agent.name, binding, prompt.messages, seq, last_messages, last_turn)
-            max_tokens = min(agent.sampling.max_tokens, self.token_budget - record.tokens_generated)
+            max_tokens = min(agent.sampling.max_tokens, self.token_budget - path_tokens)
             if self.max_model_len is not None:
                 max_tokens = min(max_tokens, self.max_model_len - len(prompt_ids))
             if max_tokens <= 0:  # token budget (seed 003) or context exhausted
                 out_of_budget = True
                 break
+            sampling = self._sampling(agent, max_tokens, spec, turn)
             started = time.perf_counter()
-            completion = await binding.client.complete_one(
-                prompt_ids, model=binding.served_model, **self._sampling(agent, max_tokens, spec, turn)
-            )
+            if self.tree_branches is None:
+                completions = [await binding.client.complete_one(prompt_ids, model=binding.served_model, **sampling)]
+            else:
+                # one request, K choices: vLLM seeds choice k with seed + k (deterministic per candidate)
+                completions = await binding.client.complete(
+                    prompt_ids, model=binding.served_model, n=self.tree_branches, **sampling
+                )
             ended = time.perf_counter()
             self._llm_s += ended - started
             self._llm_spans.append((started - self._t0, ended - self._t0))
-            record.tokens_generated += len(completion.token_ids)
-            agent.update_from_model(turn, env, completion.text)
+            record.tokens_generated += sum(len(c.token_ids) for c in completions)
+            if self.tree_branches is None:
+                branches = [(agent, env)]
+            else:  # every candidate acts on its own copy: the episode itself is never touched by one
+                branches = [(_fork(agent, "agent"), _fork(env, "env")) for _ in completions]
+            for (b_agent, b_env), completion in zip(branches, completions, strict=True):
+                b_agent.update_from_model(turn, b_env, completion.text)
             started = time.perf_counter()
-            await agent.step(env)
+            await asyncio.gather(*(b_agent.step(b_env) for b_agent, b_env in branches))
             ended = time.perf_counter()
             self._env_s += ended - started
             self._env_spans.append((started - self._t0, ended - self._t0))
-            turn_record = TurnRecord(
-                turn_idx=turn,
-                agent_idx=agents.index(agent),
-                agent_name=agent.name,
-                policy_name=binding.policy_name,
-                lora_name=binding.lora_name,
-                prompt_ids=prompt_ids,
-                response_ids=list(completion.token_ids),
-                logprobs=[float(x) for x in completion.logprobs],
-                prompt_text=prompt.messages[-1]["content"] if prompt.messages else "",
-                response_text=completion.text,
-                finish_reason=completion.finish_reason,
-                reward=float(agent.agent_reward or 0.0),
-                success=bool(agent.success),
-                info=dict(getattr(agent, "turn_info", None) or {}),
-            )
-            record.turns.append(turn_record)
+            chosen = 0
+            if self.tree_branches is not None:
+                rewards = [float(b_agent.agent_reward or 0.0) for b_agent, _ in branches]
+                rng = random.Random(_derive_seed(spec.seed, "select", turn))
+                chosen = select_branch(rewards, self.tree_select, rng)
+                agent, env = branches[chosen]
+                agents[position] = agent
+            seed = sampling.get("seed")
+            turn_records = []
+            for k, ((b_agent, _), completion) in enumerate(zip(branches, completions, strict=True)):
+                turn_records.append(
+                    TurnRecord(
+                        turn_idx=turn,
+                        agent_idx=position,
+                        agent_name=b_agent.name,
+                        policy_name=binding.policy_name,
+                        lora_name=binding.lora_name,
+                        prompt_ids=prompt_ids,
+                        response_ids=list(completion.token_ids),
+                        logprobs=[float(x) for x in completion.logprobs],
+                        prompt_text=prompt.messages[-1]["content"] if prompt.messages else "",
+                        response_text=completion.text,
+                        finish_reason=completion.finish_reason,
+                        reward=float(b_agent.agent_reward or 0.0),
+                        success=bool(b_agent.success),
+                        info=dict(getattr(b_agent, "turn_info", None) or {}),
+                        branch_idx=k,
+                        continued=k == chosen,
+                        sampling_seed=None if seed is None else int(seed) + k,
+                    )
+                )
+            record.turns.extend(turn_records)
+            path_tokens += len(completions[chosen].token_ids)
             if self.layout == "per_episode":
-                seq[agent.name] = prompt_ids + list(completion.token_ids)
+                seq[agent.name] = prompt_ids + list(completions[chosen].token_ids)
                 last_messages[agent.name] = list(prompt.messages)
-                last_turn[agent.name] = turn_record
+                last_turn[agent.name] = turn_records[chosen]
             if env.done:
                 break
         # per-episode values an env reports once it is over (plan-path: the team reward), for every row
@@ -363,11 +448,12 @@ def timeline(stats: EngineStats) -> dict[str, float]:
 
 
 def summarize(records: Sequence[EpisodeRecord]) -> EngineStats:
-    """Reward mean/std and success rate per agent (over its final turns), tokens, turns."""
+    """Reward mean/std and success rate per agent (over its final turns on the episode's path), tokens
+    (every generated token, all tree candidates included), turns (of the path)."""
     stats = EngineStats(episodes=len(records))
     finals: dict[str, list[tuple[float, bool]]] = {}
     for rec in records:
-        stats.turns += len(rec.turns)
+        stats.turns += sum(t.continued for t in rec.turns)  # the episode's length (tree: its path)
         stats.tokens_generated += rec.tokens_generated
         for name in dict.fromkeys(t.agent_name for t in rec.turns):
             finals.setdefault(name, []).append((rec.final_reward(name), rec.final_success(name)))

@@ -10,6 +10,13 @@ Two layouts (ARCHITECTURE §3):
   that came between them (mask 0), exactly as the sampler saw the sequence. The UID groups the G
   samples of one task for the same agent (turn_idx is 0 for these rows).
 
+Tree episodes (``rollout.mode: tree``) give one row per candidate in both layouts: the K candidates of a
+(task, turn, agent) share the prompt and the UID (``rollout_idx`` is the task: one episode per task, so the
+UID key is ``(env_idx, turn_idx, agent_idx)``); ``branch_idx`` says which candidate a row is and ``continued``
+whether the episode went on from it. In the per_episode layout the prompt of a tree row is the agent's whole
+sequence along the continued path (earlier actions and the env tokens between them, exactly as the sampler
+saw it), so the continued path is the episode and only the candidate's own tokens are trained.
+
 Token ids are never re-derived from decoded text: rows carry the exact ids the sampler returned.
 """
 
@@ -44,6 +51,11 @@ class TurnRecord:
     env_ids_after: list[int] = field(default_factory=list)
     # the agent's ``turn_info`` (e.g. per-turn reward parts); stored as info_json["turn"] of the row
     info: dict[str, Any] = field(default_factory=dict)
+    # tree rollouts: which of the K candidates of this turn, and whether the episode continued from it
+    branch_idx: int = 0
+    continued: bool = True
+    # the sampling seed of this call (tree: the request's seed + branch_idx, as vLLM seeds choice k)
+    sampling_seed: int | None = None
 
 
 @dataclass
@@ -62,16 +74,22 @@ class EpisodeRecord:
     tokens_generated: int = 0
     # the env's ``episode_info()`` at the end (e.g. the team reward); merged into every row's info_json
     info: dict[str, Any] = field(default_factory=dict)
+    # a tree episode: ``turns`` holds K candidates per turn, of which one per turn is ``continued``
+    tree: bool = False
+
+    def path(self) -> list[TurnRecord]:
+        """The turns the episode actually took (tree: the continued candidates; otherwise every turn)."""
+        return [t for t in self.turns if t.continued]
 
     def final_reward(self, agent_name: str) -> float:
-        """The agent's reward at its last turn: its outcome for the episode."""
-        for turn in reversed(self.turns):
+        """The agent's reward at its last turn on the episode's path: its outcome for the episode."""
+        for turn in reversed(self.path()):
             if turn.agent_name == agent_name:
                 return turn.reward
         return 0.0
 
     def final_success(self, agent_name: str) -> bool:
-        for turn in reversed(self.turns):
+        for turn in reversed(self.path()):
             if turn.agent_name == agent_name:
                 return turn.success
         return False
@@ -92,7 +110,8 @@ def _base_row(run_id: str, iteration: int, ep: EpisodeRecord) -> dict[str, Any]:
 
 
 def per_turn_rows(episodes: list[EpisodeRecord], run_id: str, iteration: int, group_size: int) -> list[dict[str, Any]]:
-    """One row per agent call; UID from (rollout_idx // group_size, turn_idx, agent_idx) (seed 000)."""
+    """One row per agent call (tree: per candidate); UID from (rollout_idx // group_size, turn_idx, agent_idx)
+    (seed 000). Tree episodes pass ``group_size=1``: the group is the K candidates of one episode's turn."""
     rows: list[dict[str, Any]] = []
     for ep in episodes:
         for turn in ep.turns:
@@ -112,10 +131,13 @@ def per_turn_rows(episodes: list[EpisodeRecord], run_id: str, iteration: int, gr
                 success=bool(turn.success),
                 prompt_text=turn.prompt_text,
                 response_text=turn.response_text,
+                branch_idx=turn.branch_idx,
+                continued=turn.continued,
                 info_json=json.dumps(
                     {
                         "finish_reason": turn.finish_reason,
                         "seed": ep.seed,
+                        **({"sampling_seed": turn.sampling_seed} if turn.sampling_seed is not None else {}),
                         **ep.info,
                         **({"turn": turn.info} if turn.info else {}),
                     },
@@ -134,7 +156,7 @@ def per_episode_rows(
     rows: list[dict[str, Any]] = []
     for ep in episodes:
         agents: dict[str, list[TurnRecord]] = {}
-        for turn in ep.turns:
+        for turn in ep.path():
             agents.setdefault(turn.agent_name, []).append(turn)
         for name, turns in agents.items():
             response_ids: list[int] = []
@@ -167,6 +189,8 @@ def per_episode_rows(
                 success=bool(last.success),
                 prompt_text=first.prompt_text,
                 response_text="\n<<turn>>\n".join(texts),
+                branch_idx=0,
+                continued=True,
                 info_json=json.dumps(
                     {
                         "turns": [t.turn_idx for t in turns],
@@ -191,17 +215,23 @@ def build_rows(
     group_size: int,
     policy_versions: Mapping[str, int] | None = None,
 ) -> list[dict[str, Any]]:
-    """Rows in the configured sample layout (``per_turn`` or ``per_episode``).
+    """Rows in the configured sample layout (``per_turn`` or ``per_episode``); tree episodes: one row per
+    candidate in either layout (module docstring), UIDs by (task, turn, agent) whatever ``group_size``.
 
     ``policy_versions``: policy -> version of the weights that generated its rows (``policy_version`` column);
     None: ``iteration`` for every policy (sync rollouts, every earlier iteration updated).
     """
-    if layout == "per_turn":
-        rows = per_turn_rows(episodes, run_id, iteration, group_size)
-    elif layout == "per_episode":
-        rows = per_episode_rows(episodes, run_id, iteration, group_size)
-    else:
+    trees = {ep.tree for ep in episodes}
+    if len(trees) > 1:
+        raise ValueError("build_rows got tree and independent episodes together; their UIDs follow different rules")
+    if layout not in ("per_turn", "per_episode"):
         raise ValueError(f"unknown sample layout {layout!r}; use per_turn or per_episode")
+    if trees == {True}:  # one row per candidate in both layouts; the group is one episode's turn
+        rows = per_turn_rows(episodes, run_id, iteration, group_size=1)
+    elif layout == "per_turn":
+        rows = per_turn_rows(episodes, run_id, iteration, group_size)
+    else:
+        rows = per_episode_rows(episodes, run_id, iteration, group_size)
     for row in rows:
         row["policy_version"] = iteration if policy_versions is None else policy_versions[row["policy_name"]]
     return rows

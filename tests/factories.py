@@ -37,6 +37,8 @@ def trajectory_row(**overrides: Any) -> dict[str, Any]:
         "response_text": "r",
         "info_json": json.dumps({}),
         "policy_version": 0,
+        "branch_idx": 0,
+        "continued": True,
     }
     row.update(overrides)
     return row

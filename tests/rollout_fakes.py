@@ -52,10 +52,25 @@ class ScriptedLLM:
         self.calls: list[dict[str, Any]] = []
 
     async def complete_one(self, prompt_ids: list[int], *, model: str, **params: Any) -> FakeCompletion:
+        self.calls.append(
+            {"model": model, "prompt": self.tok.decode(prompt_ids), "prompt_ids": list(prompt_ids), **params}
+        )
+        return await self._answer(prompt_ids, model, params)
+
+    async def complete(self, prompt_ids: list[int], *, model: str, n: int = 1, **params: Any) -> list[FakeCompletion]:
+        """``n`` choices in one call (recorded once, with ``n``); choice k sees seed + k, as vLLM samples it."""
+        self.calls.append(
+            {"model": model, "prompt": self.tok.decode(prompt_ids), "prompt_ids": list(prompt_ids), "n": n, **params}
+        )
+        out = []
+        for k in range(n):
+            seed = None if params.get("seed") is None else params["seed"] + k
+            out.append(await self._answer(prompt_ids, model, dict(params, seed=seed)))
+        return out
+
+    async def _answer(self, prompt_ids: list[int], model: str, params: dict[str, Any]) -> FakeCompletion:
         await asyncio.sleep(0)
-        prompt = self.tok.decode(prompt_ids)
-        self.calls.append({"model": model, "prompt": prompt, "prompt_ids": list(prompt_ids), **params})
-        text = self.reply(model, prompt, params)[: params["max_tokens"]]
+        text = self.reply(model, self.tok.decode(prompt_ids), params)[: params["max_tokens"]]
         ids = self.tok.encode(text)
         finish = "length"
         if self.end_with_eos and len(ids) < params["max_tokens"]:

@@ -117,17 +117,23 @@ class ScriptedServer:
         with self._lock:
             self.requests.append(body)
         prompt = self.tokenizer.decode(body["prompt"])
-        text = self.answer(prompt, int(body.get("seed") or 0))
-        ids = self.tokenizer.encode(text, add_special_tokens=False)[: body["max_tokens"]]
+        seed = int(body.get("seed") or 0)
+        # as vLLM: with n > 1 and a seed, choice k is sampled with seed + k (tree rollouts rely on it)
+        return {
+            "choices": [self._choice(prompt, seed + k, k, body["max_tokens"]) for k in range(int(body.get("n", 1)))]
+        }
+
+    def _choice(self, prompt: str, seed: int, index: int, max_tokens: int) -> dict[str, Any]:
+        text = self.answer(prompt, seed)
+        ids = self.tokenizer.encode(text, add_special_tokens=False)[:max_tokens]
         finish = "length"
-        if len(ids) < body["max_tokens"]:
+        if len(ids) < max_tokens:
             ids = [*ids, self.tokenizer.eos_token_id]
             finish = "stop"
-        choice = {
-            "index": 0,
+        return {
+            "index": index,
             "text": self.tokenizer.decode(ids, skip_special_tokens=True),
             "token_ids": ids,
             "logprobs": {"token_logprobs": [-0.25] * len(ids)},
             "finish_reason": finish,
         }
-        return {"choices": [choice] * int(body.get("n", 1))}

@@ -471,3 +471,44 @@ def test_real_sandbox_test_reward_matches_formula() -> None:
     # the code agent is told which generated test failed and what the function returned
     [failed] = env.state.mismatch_cases
     assert failed.source == tests[0] and "left side was True" in (failed.error or "")
+
+
+# --------------------------------------------------------------------------------------------------
+# per-turn local rewards, the team reward, forks (multi-level rewards and tree rollouts, docs/code-env.md)
+# --------------------------------------------------------------------------------------------------
+def test_local_turn_rewards_team_reward_and_forks() -> None:
+    from rollout_fakes import CharChatTokenizer
+
+    from pettingflow.agents.code_agents import CodeGeneratorAgent, UnitTestGeneratorAgent
+
+    tok = CharChatTokenizer()
+    coder, tester = CodeGeneratorAgent(tokenizer=tok), UnitTestGeneratorAgent(agent_idx=1, tokenizer=tok)
+    env = toy_env()
+    assert env.episode_info() == {"team_reward": 0.0, "solved": False}  # no code yet
+    coder.update_from_env(0, env)
+    coder.update_from_model(0, env, f"```python\n{BUGGY_CODE}\n```")
+    run(coder.step(env))
+    assert coder.turn_info == {"role": "code", "local_reward": 1 / 3, "ground_truth_passed": 1, "ground_truth_cases": 3}
+    assert env.episode_info()["team_reward"] == pytest.approx(1 / 3)  # graded by the latest code
+    # a fork takes the tester's turn; the episode itself does not see it
+    fork, fork_tester = env.fork(), tester.fork()
+    assert fork.sandbox is env.sandbox
+    fork_tester.update_from_env(1, fork)
+    fork_tester.update_from_model(1, fork, "```python\nassert add(2, 3) == 5\nassert add(1, 1) == 3\n```")
+    run(fork_tester.step(fork))
+    # 2 asserts, 1 valid on the canonical solution (V = 1/2), it catches the buggy code: 0.5 * 0.5 + 0.5 = 0.75
+    assert fork_tester.turn_info == {
+        "role": "test",
+        "local_reward": 0.75,
+        "asserts": 2,
+        "validity": 0.5,
+        "caught": 1,
+        "bonus_applies": True,
+    }
+    assert fork.current_turn == 2 and fork.state.generated_tests
+    assert env.current_turn == 1 and env.state.generated_tests == [] and tester.answer_history == []
+    # good code on the real episode: solved, team reward 1
+    coder.update_from_env(1, env)
+    coder.update_from_model(1, env, f"```python\n{GOOD_CODE}\n```")
+    run(coder.step(env))
+    assert env.episode_info() == {"team_reward": 1.0, "solved": True}

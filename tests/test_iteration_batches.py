@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -112,3 +113,76 @@ def test_context_rejects_inconsistent_attempts(layout: RunLayout) -> None:
         IterationContext(layout, 0, attempt=1, from_step="rollouts")
     with pytest.raises(ValueError, match="unknown step"):
         IterationContext(layout, 0, attempt=1, from_step="bogus")
+
+
+def _episodes(layout: RunLayout) -> None:
+    """Two independent episodes of one task (G = 2): agent 0 acts at turns 0 and 2, agent 1 at turn 1.
+
+    local rewards (turn 0, 1, 2): episode 0 = (1, 0.5, 0) with team reward 1; episode 1 = (0, 0.5, 0.25), team 0.
+    """
+    episodes = [((1.0, 0.5, 0.0), 1.0), ((0.0, 0.5, 0.25), 0.0)]
+    rows = []
+    for ep, (rewards, team) in enumerate(episodes):
+        for turn, reward in enumerate(rewards):
+            rows.append(
+                trajectory_row(
+                    uid=f"t{turn}",
+                    rollout_idx=ep,
+                    sample_idx=ep,
+                    turn_idx=turn,
+                    agent_idx=turn % 2,
+                    agent_name=["code_generator", "test_generator"][turn % 2],
+                    reward=reward,
+                    info_json=json.dumps({"team_reward": team}),
+                )
+            )
+    write_trajectories(layout.step(0, "rollouts"), rows)
+
+
+def _advantages_by_uid(step) -> dict[str, list[float]]:
+    batch = step.read_table(batch_file("shared"))
+    out: dict[str, list[float]] = {}
+    for uid, a in zip(batch.column("uid").to_pylist(), batch.column("advantage").to_pylist(), strict=True):
+        out.setdefault(uid, []).append(a)
+    return out
+
+
+def test_team_reward_and_returns_drive_filter_and_advantages_and_a_rerun_recomputes_them(tmp_path: Path) -> None:
+    layout = RunLayout(str(tmp_path), "run-mix")
+    _episodes(layout)
+    mix = ["algorithm.team_reward_weight=0.5", "algorithm.gamma=1.0", "algorithm.advantage_estimator=grpo_no_std"]
+    config = load_config("code-env", [*mix, "algorithm.filter_method=mean", "algorithm.filter_ratio=0.34"])
+    ctx = IterationContext(layout, 0)
+    # m = local + 0.5 * team: episode 0 = (1.5, 1.0, 0.5), episode 1 = (0, 0.5, 0.25)
+    # returns over agent 0's turns 0 and 2 (gamma 1): episode 0 = 1.5 + 0.5 = 2.0, episode 1 = 0 + 0.25 = 0.25
+    # group means: t0 (2.0, 0.25) 1.125; t1 (1.0, 0.5) 0.75; t2 (0.5, 0.25) 0.375 -> mean filter removes t2
+    out = filter_step(ctx, config)
+    assert out.metrics["removed_groups"] == 1 and out.metrics["team_reward_weight"] == 0.5
+    assert "t2" not in read_step_trajectories(ctx.step("filtered")).column("uid").to_pylist()
+    adv = advantage_step(ctx, config)
+    assert adv.metrics["gamma"] == 1.0
+    # t0's returns need turn 2, which the filter removed: they come from the rollouts (not 1.5 and 0)
+    assert _advantages_by_uid(ctx.step("advantages")) == {
+        "t0": pytest.approx([0.875, -0.875]),
+        "t1": pytest.approx([0.25, -0.25]),
+    }
+    batch = ctx.step("advantages").read_table(batch_file("shared"))
+    assert batch.column("training_reward").to_pylist() == pytest.approx([2.0, 1.0, 0.25, 0.5])
+    assert batch.column("team_reward").to_pylist() == [1.0, 1.0, 0.0, 0.0]
+    assert {json.loads(m)["team_reward_weight"] for m in batch.column("reward_mix").to_pylist()} == {0.5}
+
+    # a re-run from the filter with local rewards only: t0 (1, 0), t1 (0.5, 0.5), t2 (0, 0.25) -> t2 removed again
+    plain = load_config(
+        "code-env",
+        ["algorithm.advantage_estimator=grpo_no_std", "algorithm.filter_method=mean", "algorithm.filter_ratio=0.34"],
+    )
+    rerun = IterationContext(layout, 0, attempt=1, from_step="filtered")
+    filter_step(rerun, plain)
+    advantage_step(rerun, plain)
+    assert _advantages_by_uid(rerun.step("advantages")) == {"t0": pytest.approx([0.5, -0.5]), "t1": [0.0, 0.0]}
+
+
+def test_a_team_weight_without_team_rewards_is_refused(layout: RunLayout) -> None:
+    config = load_config("code-env", ["algorithm.team_reward_weight=1.0"])
+    with pytest.raises(ValueError, match=r"no row reports a team reward .* set algorithm.team_reward_weight=0"):
+        filter_step(IterationContext(layout, 0), config)

@@ -277,20 +277,38 @@ def _write_foreign_version(step, table: pa.Table, version: str) -> None:
 def test_version_1_files_are_read_with_policy_version_filled_in(layout: RunLayout) -> None:
     """Files written before ``policy_version`` existed stay readable: it is their iteration (sync rollouts)."""
     new = trajectories_to_table(trajectory_rows(3, iteration=4))
-    old = new.drop_columns(["policy_version"]).append_column("advantage", pa.array([0.5, -1.0, 0.0], pa.float32()))
+    old = new.drop_columns(["policy_version", "branch_idx", "continued"]).append_column(
+        "advantage", pa.array([0.5, -1.0, 0.0], pa.float32())
+    )
     step = layout.step(4, "advantages")
     _write_foreign_version(step, old, "1")
     table = read_step_trajectories(step)
     assert table.column("policy_version").to_pylist() == [4, 4, 4]
-    assert table.column_names[-2:] == ["policy_version", "advantage"]  # where a version-2 batch has it
+    # where a current batch has them: the trajectory columns in schema order, then the advantage
+    assert table.column_names[-4:] == ["policy_version", "branch_idx", "continued", "advantage"]
+    assert table.column("branch_idx").to_pylist() == [0, 0, 0] and table.column("continued").to_pylist() == [True] * 3
     assert read_step_trajectories(step, columns=["uid", "policy_version"]).num_columns == 2
     # rows read from an old file are written back in the current schema
     rewritten = write_trajectories(layout.step(4, "copy"), table.drop_columns(["advantage"]))
     assert rewritten.rows == 3
 
 
+def test_version_2_files_are_read_as_independent_rollouts(layout: RunLayout) -> None:
+    """Files written before tree rollouts: every row is branch 0 of its call and on its episode's path."""
+    new = trajectories_to_table(trajectory_rows(4, iteration=1, policy_version=1))
+    step = layout.step(1, "rollouts")
+    _write_foreign_version(step, new.drop_columns(["branch_idx", "continued"]), "2")
+    table = read_step_trajectories(step)
+    assert table.column("branch_idx").to_pylist() == [0] * 4
+    assert table.column("continued").to_pylist() == [True] * 4
+    assert table.column("policy_version").to_pylist() == [1] * 4  # stored, not derived
+    assert table.column_names == new.column_names
+    assert read_step_trajectories(step, columns=["continued"]).column("continued").to_pylist() == [True] * 4
+    assert write_trajectories(layout.step(1, "copy"), table).rows == 4  # written back in the current schema
+
+
 def test_files_of_a_newer_schema_are_refused_with_a_reason(layout: RunLayout) -> None:
     step = layout.step(0, "rollouts")
     _write_foreign_version(step, trajectories_to_table(trajectory_rows(1)), "99")
-    with pytest.raises(CorruptFileError, match="schema version 99; this pettingflow reads 1, 2"):
+    with pytest.raises(CorruptFileError, match="schema version 99; this pettingflow reads 1, 2, 3"):
         read_step_trajectories(step)
