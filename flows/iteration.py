@@ -22,6 +22,7 @@ from pettingflow.configs.settings import ExperimentConfig
 from pettingflow.iteration.context import STEP_ORDER, step_kind
 from pettingflow.iteration.run import RunRef, load_run_config
 from pettingflow.iteration.runtime import Runtime, active_runtime
+from pettingflow.iteration.weights import update_step_name
 from pettingflow.tasks.report import report_iteration
 from pettingflow.tasks.steps import (
     collect_rollouts,
@@ -44,6 +45,52 @@ def baseline_due(config: ExperimentConfig, iteration: int, attempt: int) -> bool
     """The base weights are scored once per run, at the start of iteration 0 (not in re-runs), unless validation
     is off (``frequency: 0``) or ``validation.at_start`` is false."""
     return iteration == 0 and attempt == 0 and config.validation.at_start and config.validation.frequency > 0
+
+
+def submit_next_rollouts(
+    config: ExperimentConfig, run: RunRef, iteration: int, attempt: int, runtime: Runtime | None, policies: list[str]
+) -> Any:
+    """With ``rollout.async_rollouts``: start collecting iteration k+1's rollouts now, in a task that runs beside
+    k's update, with the weights k started from (what the servers serve until ``sync_weights``). Only when there
+    is an update to overlap (not yet committed), a next iteration, servers, and this is no re-run."""
+    if not config.rollout.async_rollouts or runtime is None or attempt or iteration + 1 >= config.run.iterations:
+        return None
+    layout = run.layout()
+    if all(layout.step(iteration, update_step_name(p)).is_committed() for p in policies):
+        return None
+    if layout.step(iteration + 1, "rollouts").is_committed():
+        return None
+    name = f"collect_rollouts[iter-{iteration + 1}, ahead]"
+    return collect_rollouts.with_options(task_run_name=name).submit(run, iteration + 1, runtime, ahead=True)
+
+
+def wait_next_rollouts(future: Any, iteration: int, update_started: float, update_ended: float) -> dict[str, float]:
+    """Wait for the rollouts collected ahead; how long they took and how much of it overlapped the update.
+
+    A failed collection does not fail this iteration: the next one collects its rollouts itself."""
+    logger = get_run_logger()
+    future.wait()
+    state = future.state
+    if not state.is_completed():
+        logger.warning(
+            "rollouts of iteration %d collected ahead failed (%s): it collects them itself",
+            iteration + 1,
+            state.message,
+        )
+        return {"next_rollouts_failed": 1.0}
+    metrics = (value(future.result()) or {}).get("metrics") or {}
+    begin, end = metrics.get("started_at"), metrics.get("finished_at")
+    if begin is None or end is None:  # skipped: committed before (a resumed run)
+        return {"next_rollouts_s": 0.0, "overlap_s": 0.0}
+    overlap = max(0.0, min(end, update_ended) - max(begin, update_started))
+    logger.info(
+        "rollouts of iteration %d collected ahead in %.1f s, %.1f s of it beside this iteration's update (%.1f s)",
+        iteration + 1,
+        end - begin,
+        overlap,
+        update_ended - update_started,
+    )
+    return {"next_rollouts_s": end - begin, "overlap_s": overlap, "update_s": update_ended - update_started}
 
 
 @flow(name="iteration", flow_run_name="{run.run_id} iter-{iteration}", log_prints=True)
@@ -84,11 +131,17 @@ def iteration(
         if first <= STEP_ORDER.index("advantages"):
             upstream = timed("advantages", compute_advantages, run, iteration, attempt, from_step, upstream)
         if first <= STEP_ORDER.index("update"):
+            ahead = submit_next_rollouts(config, run, iteration, attempt, runtime, policies)
+            update_started = time.time()
             updated = [
                 timed(f"update-{p}", update_policy, run, iteration, attempt, from_step, p, runtime, upstream)
                 for p in policies
             ]
             upstream = updated
+            if ahead is not None:  # the weights may change only once the next rollouts are complete
+                started = time.perf_counter()
+                outcomes["async"] = wait_next_rollouts(ahead, iteration, update_started, time.time())
+                durations["wait_next_rollouts"] = time.perf_counter() - started
         if runtime is not None and (first == 0 or validate_now):
             upstream = timed("sync", sync_weights, run, iteration, attempt, from_step, runtime, upstream)
         if validate_now and runtime is not None:

@@ -11,6 +11,7 @@ import asyncio
 import functools
 import logging
 import random
+import time
 from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -23,7 +24,7 @@ from pettingflow.iteration.batches import StepOutcome, already_done
 from pettingflow.iteration.context import IterationContext
 from pettingflow.rollout.engine import AgentBinding, EngineStats, EpisodeSpec, ExecutionEngine, group_specs
 from pettingflow.rollout.records import EpisodeRecord, build_rows
-from pettingflow.storage import Step, TrajectoryShards, write_trajectories
+from pettingflow.storage import Step, TrajectoryShards, read_step_trajectories, write_trajectories
 
 log = logging.getLogger(__name__)
 
@@ -202,9 +203,13 @@ def collect_step(
     env_cache: EnvCache | None = None,
     limit: int | None = None,
     show_progress: bool = True,
+    policy_versions: dict[str, int] | None = None,
 ) -> StepOutcome:
     """Collect the iteration's rollouts (G per task; tree mode: one tree episode of G candidates per turn per
     task) and commit them as ``rollouts``.
+
+    ``policy_versions``: policy -> version of the weights its server serves (rows record it); None: the
+    iteration's own (sync rollouts).
 
     Each group (the G episodes of one task) is committed as a shard the moment its last episode ends
     (``TrajectoryShards``), so a crash mid-rollout keeps the finished groups: the next attempt collects
@@ -213,6 +218,7 @@ def collect_step(
     step = ctx.step("rollouts")
     if done := already_done(step):
         return done
+    started_at = time.time()
     tasks = select_train_tasks(config, ctx.iteration)[: limit or None]
     group_size = config.env.group_size
     # tree mode (docs/rl.md): one episode per task, the group is the group_size candidates of each turn
@@ -236,7 +242,9 @@ def collect_step(
         group.append(record)
         if len(group) == episodes_per_task:
             group.sort(key=lambda r: r.sample_idx)
-            rows = build_rows(group, config.env.sample_layout, ctx.layout.run_id, ctx.iteration, group_size)
+            rows = build_rows(
+                group, config.env.sample_layout, ctx.layout.run_id, ctx.iteration, group_size, policy_versions
+            )
             stored[record.env_idx] = shards.write(record.env_idx, rows)
             del pending[record.env_idx]
 
@@ -262,8 +270,46 @@ def collect_step(
     metrics["mode"] = config.rollout.mode
     # groups stored by an earlier attempt: their rows are in the step, their engine statistics are not
     metrics["groups_resumed"] = resumed
+    metrics["started_at"], metrics["finished_at"] = started_at, time.time()  # wall clock: overlap with the update
     manifest = shards.commit(stored, metadata=metrics)
     return StepOutcome(step.name, step.uri, manifest.rows, False, metrics)
+
+
+def stale_rollouts(ctx: IterationContext, config: ExperimentConfig, start_versions: dict[str, int]) -> str | None:
+    """Why the committed rollouts of this iteration may not be trained, or None when they may.
+
+    Rows may be at most ``rollout.max_policy_lag`` versions older than the weights their update starts from
+    (``start_versions``: policy -> version) with ``async_rollouts``, 0 without. Rows collected ahead before a
+    crash can fall outside that bound only if the run's history changed under them; they are then collected
+    again rather than trained on.
+    """
+    step = ctx.step("rollouts")
+    if not step.is_committed():
+        return None
+    allowed = config.rollout.max_policy_lag if config.rollout.async_rollouts else 0
+    table = read_step_trajectories(step, columns=["policy_name", "policy_version"])
+    oldest: dict[str, int] = {}
+    policies, versions = table.column("policy_name").to_pylist(), table.column("policy_version").to_pylist()
+    for policy, version in zip(policies, versions, strict=True):
+        oldest[policy] = min(version, oldest.get(policy, version))
+    for policy, version in sorted(oldest.items()):
+        start = start_versions.get(policy)
+        if start is not None and start - version > allowed:
+            return (
+                f"rollouts of iteration {ctx.iteration} hold {policy} rows of weights version {version}, but its "
+                f"update starts from version {start}: lag {start - version} > {allowed} allowed"
+            )
+    return None
+
+
+def set_aside(step: Step) -> str:
+    """Move a committed step out of the way (``<name>.stale-<n>``), kept for inspection; returns its new URI."""
+    n = 0
+    while step.fs.exists(f"{step.path}.stale-{n}"):
+        n += 1
+    target = f"{step.path}.stale-{n}"
+    step.fs.mv(step.path, target, recursive=True)
+    return Step(step.fs, target).uri
 
 
 def validation_step(
@@ -274,6 +320,7 @@ def validation_step(
     env_cache: EnvCache | None = None,
     step_name: str = "validation",
     show_progress: bool = True,
+    policy_versions: dict[str, int] | None = None,
 ) -> StepOutcome:
     """``validation.samples_per_task`` episodes per held-out task at ``validation.temperature`` (default: one,
     greedy); success rate per agent. The seeds depend only on the task, so two evaluations of different
@@ -294,7 +341,7 @@ def validation_step(
             show_progress=show_progress,
         )
     )
-    return _commit(step, records, config, ctx, config.validation.samples_per_task, stats, tasks)
+    return _commit(step, records, config, ctx, config.validation.samples_per_task, stats, tasks, policy_versions)
 
 
 def _commit(
@@ -305,8 +352,9 @@ def _commit(
     group_size: int,
     stats: EngineStats,
     tasks: list[dict[str, Any]],
+    policy_versions: dict[str, int] | None,
 ) -> StepOutcome:
-    rows = build_rows(records, config.env.sample_layout, ctx.layout.run_id, ctx.iteration, group_size)
+    rows = build_rows(records, config.env.sample_layout, ctx.layout.run_id, ctx.iteration, group_size, policy_versions)
     metrics = stats_metrics(stats)
     metrics["tasks"] = [task_id(t, i) for i, t in enumerate(tasks)]
     metrics["layout"] = config.env.sample_layout

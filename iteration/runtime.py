@@ -69,6 +69,7 @@ class Runtime:
         self.base_dirs: dict[str, str] = {}
         self.served_names: dict[str, str] = {}  # policy -> the base model's name on its server
         self.served_model: dict[str, str] = {}  # policy -> full weights folder being served
+        self.served_versions: dict[str, int] = {}  # policy -> version of the weights being served (rows record it)
         self.served_adapters: dict[str, dict[str, str]] = {}  # policy -> agent -> adapter folder
         self.sandbox_pool: Any = None
         self.learners: dict[str, Any] = {}
@@ -133,6 +134,7 @@ class Runtime:
             if getattr(server, "pid", None):
                 (pids / f"vllm-{name}.pid").write_text(str(server.pid))
             self.served_model[name] = str(base)
+            self.served_versions[name] = 0
             self.served_adapters[name] = {}
         if cfg.rollout.use_ray or self.start_learners:
             self._ensure_ray()
@@ -280,6 +282,7 @@ class Runtime:
                 fp = sync_full_weights(server, weights.model_dir, model=self.served_names[name])
             self.served_model[name] = weights.model_dir
             done["synced"].append({**entry, "probe": fp.digest})
+        self.served_versions[name] = weights.version
         return done
 
 

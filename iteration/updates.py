@@ -13,6 +13,7 @@ import contextlib
 import os
 import shutil
 import tempfile
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +52,14 @@ def update_step(ctx: IterationContext, config: ExperimentConfig, policy: str, ru
         step.write_json("metrics.json", metrics)
         step.commit(metrics)
         return StepOutcome(name, step.uri, 0, False, metrics)
+    lags = policy_lags(batches.read_table(entry.name, columns=["policy_version"]), start.version)
+    allowed = config.rollout.max_policy_lag if config.rollout.async_rollouts else 0
+    if lags and max(lags) > allowed:
+        raise ValueError(
+            f"{policy}'s batch of iteration {ctx.iteration} holds rows {max(lags)} version(s) older than the weights "
+            f"the update starts from ({start.source}); at most {allowed} allowed (rollout.max_policy_lag, "
+            "rollout.async_rollouts). Collect the iteration's rollouts again (the rollouts task does so on resume)."
+        )
     local = step.local_path
     out_dir = local if local is not None else Path(tempfile.mkdtemp(prefix="pettingflow-update-"))
     learner = runtime.learner(policy) if runtime is not None and config.training.learner == "resident" else None
@@ -69,11 +78,18 @@ def update_step(ctx: IterationContext, config: ExperimentConfig, policy: str, ru
                 version=step.uri,
                 num_threads=update_threads(config, servers_paused),
             )
+            if any(lag > 0 for lag in lags):  # off-policy rows: the sampler's log-probs are the behaviour policy
+                spec = spec.model_copy(
+                    update={"algorithm": spec.algorithm.model_copy(update={"use_sampler_logprobs": True})}
+                )
             if learner is not None:
                 metrics = learner.update(spec, timeout_s=config.training.update_timeout_s)
             else:
                 metrics = run_update(spec, timeout_s=config.training.update_timeout_s)
         metrics["servers_paused"] = servers_paused
+        metrics["behaviour_logprobs"] = "sampler" if spec.algorithm.use_sampler_logprobs else "recomputed"
+        metrics["policy_lag_max"] = max(lags, default=0)
+        metrics.update({f"policy_lag/{lag}": n for lag, n in sorted(lags.items())})
         metrics.update(_flat_timings(metrics))
         step.add_tree(out_dir)
         meta = {"metrics": _small(metrics), "starts_from": start.source, "skipped": bool(metrics.get("skipped"))}
@@ -82,6 +98,13 @@ def update_step(ctx: IterationContext, config: ExperimentConfig, policy: str, ru
         if local is None:
             shutil.rmtree(out_dir, ignore_errors=True)
     return StepOutcome(name, step.uri, manifest.rows, False, meta)
+
+
+def policy_lags(table: Any, start_version: int) -> Counter[int]:
+    """Rows per lag: ``start_version - policy_version``, the iterations between the weights that generated a row
+    and the weights its update starts from (0: on-policy). Rows of files older than ``policy_version`` carry
+    their iteration, which can exceed an older start (updates skipped in between): counted as 0."""
+    return Counter(max(0, start_version - int(v)) for v in table.column("policy_version").to_pylist())
 
 
 def update_threads(config: ExperimentConfig, servers_paused: bool) -> int | None:
@@ -132,7 +155,7 @@ def weights_after(ctx: IterationContext, config: ExperimentConfig, policy: str) 
     """The weights a policy has after this attempt's update (or before it, when the update was skipped)."""
     step = ctx.step(update_step_name(policy))
     if step.is_committed() and not step.manifest().metadata.get("skipped"):
-        return weights_in_step(step, policy, base_model_dir(config, policy))
+        return weights_in_step(step, policy, base_model_dir(config, policy), version=ctx.iteration + 1)
     return weights_before(ctx.layout, config, policy, ctx.iteration)
 
 

@@ -44,19 +44,19 @@ def weights_before(layout: RunLayout, config: ExperimentConfig, policy: str, ite
         if not step.is_committed() or step.manifest().metadata.get("skipped"):
             continue
         if weights is None:
-            weights = weights_in_step(step, policy, base)
+            weights = weights_in_step(step, policy, base, version=k + 1)
             if weights.deepspeed_dir is not None:
                 return weights
         else:
             age += 1
             if any(e.name.startswith(DEEPSPEED_SUBDIR + "/") for e in step.manifest().files):
-                snapshot = weights_in_step(step, policy, base).deepspeed_dir
+                snapshot = weights_in_step(step, policy, base, version=k + 1).deepspeed_dir
                 return replace(weights, deepspeed_dir=snapshot, optimizer_age=age)
     return weights or PolicyWeights(policy=policy, base_dir=base, model_dir=base)
 
 
-def weights_in_step(step: Step, policy: str, base_dir: str) -> PolicyWeights:
-    """The checkpoint stored in a committed update step, as local folders."""
+def weights_in_step(step: Step, policy: str, base_dir: str, version: int) -> PolicyWeights:
+    """The checkpoint stored in a committed update step, as local folders; ``version``: its iteration + 1."""
     root = local_copy(step)
     model = root / MODEL_SUBDIR
     adapters_root = root / ADAPTERS_SUBDIR
@@ -69,6 +69,7 @@ def weights_in_step(step: Step, policy: str, base_dir: str) -> PolicyWeights:
         adapters=adapters,
         deepspeed_dir=str(ds) if ds.is_dir() else None,
         source=step.uri,
+        version=version,
     )
 
 

@@ -47,6 +47,8 @@ def iteration_metrics(
         scored = (outcomes.get(step) or {}).get("metrics") or {}
         for agent, values in (scored.get("agents") or {}).items():
             report.flatten(f"{step}/{agent}", values, flat)
+    for key, number in (outcomes.get("async") or {}).items():  # rollouts of k+1 collected beside k's update
+        flat[f"async/{key}"] = round(float(number), 3)
     for step, seconds in durations.items():
         flat[f"duration/{step}_s"] = round(seconds, 3)
     if iteration_s:

@@ -45,14 +45,30 @@ def value(result: Any) -> Any:
 
 
 @task(name="collect_rollouts", retries=2, retry_delay_seconds=[10, 30], cache_policy=NO_CACHE)
-def collect_rollouts(run: RunRef, iteration: int, runtime: Runtime) -> dict[str, Any] | State:
-    """Sync the servers to the weights this iteration starts from, then collect G samples per task."""
+def collect_rollouts(run: RunRef, iteration: int, runtime: Runtime, ahead: bool = False) -> dict[str, Any] | State:
+    """Sync the servers to the weights this iteration starts from, then collect G samples per task.
+
+    ``ahead`` (``rollout.async_rollouts``): collected while the previous iteration's update trains, with the
+    weights that iteration started from (rows record their version). Rollouts committed earlier that are
+    too old for ``rollout.max_policy_lag`` (possible only after a crash) are set aside and collected again.
+    """
     config = load_run_config(run)
     ctx = context(run, iteration)
-    if not ctx.step("rollouts").is_committed():
+    step = ctx.step("rollouts")
+    if not ahead:
+        starts = {p: weights_before(ctx.layout, config, p, iteration).version for p in runtime.servers}
+        if reason := rollouts.stale_rollouts(ctx, config, starts):
+            get_run_logger().warning(
+                "%s: collecting them again (the old ones moved to %s)", reason, rollouts.set_aside(step)
+            )
+    if not step.is_committed():
+        serve_from = iteration - 1 if ahead else iteration
         for policy in runtime.servers:
-            runtime.ensure_serving(weights_before(ctx.layout, config, policy, iteration))
-    return finished(rollouts.collect_step(ctx, config, runtime.endpoints(), env_cache=runtime.env_cache))
+            runtime.ensure_serving(weights_before(ctx.layout, config, policy, serve_from))
+    outcome = rollouts.collect_step(
+        ctx, config, runtime.endpoints(), env_cache=runtime.env_cache, policy_versions=dict(runtime.served_versions)
+    )
+    return finished(outcome)
 
 
 @task(name="filter_and_group", cache_policy=NO_CACHE)
@@ -108,7 +124,9 @@ def validate(run: RunRef, iteration: int, attempt: int, from_step: str, runtime:
     """Greedy episodes on held-out tasks; success rate per agent."""
     ctx = context(run, iteration, attempt, from_step)
     config = load_run_config(run, iteration, attempt)
-    outcome = rollouts.validation_step(ctx, config, runtime.endpoints(), env_cache=runtime.env_cache)
+    outcome = rollouts.validation_step(
+        ctx, config, runtime.endpoints(), env_cache=runtime.env_cache, policy_versions=dict(runtime.served_versions)
+    )
     return finished(outcome)
 
 
@@ -122,6 +140,11 @@ def validate_baseline(run: RunRef, iteration: int, runtime: Runtime) -> dict[str
         for policy in runtime.servers:
             runtime.ensure_serving(weights_before(ctx.layout, config, policy, iteration))
     outcome = rollouts.validation_step(
-        ctx, config, runtime.endpoints(), env_cache=runtime.env_cache, step_name=BASELINE_STEP
+        ctx,
+        config,
+        runtime.endpoints(),
+        env_cache=runtime.env_cache,
+        step_name=BASELINE_STEP,
+        policy_versions=dict(runtime.served_versions),
     )
     return finished(outcome)

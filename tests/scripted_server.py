@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -46,6 +47,7 @@ class ScriptedServer:
         self.models = [served_model]
         self.requests: list[dict[str, Any]] = []
         self.reloads: list[dict[str, Any]] = []
+        self.delay: Any = None  # optional () -> seconds to wait before each completion (random timing in tests)
         self._lock = threading.Lock()
         server = self
 
@@ -73,6 +75,8 @@ class ScriptedServer:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = json.loads(self.rfile.read(length) or b"null")
                 if self.path == "/v1/completions":
+                    if server.delay is not None:
+                        time.sleep(server.delay())
                     self._send(200, server.complete(body))
                 elif self.path == "/collective_rpc":
                     with server._lock:

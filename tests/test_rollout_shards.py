@@ -47,7 +47,9 @@ def test_shards_survive_a_crash_and_commit_once_in_key_order(tmp_path: Path) -> 
 
 
 @pytest.mark.sandbox
-def test_collect_step_resumes_from_committed_groups(tmp_path, default_tokenizer, default_model_dir, monkeypatch, caplog):
+def test_collect_step_resumes_from_committed_groups(
+    tmp_path, default_tokenizer, default_model_dir, monkeypatch, caplog
+):
     solutions = {t["entry_point"]: t["prompt"] + t["canonical_solution"] for t in load_humaneval()}
     with ScriptedServer(default_tokenizer, solutions) as server:
         config = load_config(

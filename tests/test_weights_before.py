@@ -36,6 +36,7 @@ def test_start_weights_and_snapshot_age(setup) -> None:
     layout, config, base = setup
     start = weights_before(layout, config, "shared", 0)
     assert (start.source, start.model_dir, start.deepspeed_dir, start.optimizer_age) == (BASE_VERSION, base, None, 0)
+    assert start.version == 0
 
     u0 = commit_update(layout, 0, snapshot=True)
     u1 = commit_update(layout, 1, snapshot=False)
@@ -55,6 +56,9 @@ def test_start_weights_and_snapshot_age(setup) -> None:
 
     two_old = weights_before(layout, config, "shared", 4)  # the skipped update 2 does not count
     assert two_old.source == u3 and two_old.optimizer_age == 2
+    # a version names the update that wrote the weights: iteration k's update writes version k + 1
+    assert (exact.version, one_old.version, weights_before(layout, config, "shared", 3).version) == (1, 2, 2)
+    assert two_old.version == 4
     assert two_old.deepspeed_dir.endswith("iter-0/update-shared/deepspeed")
 
 

@@ -33,6 +33,7 @@ class PolicyWeights:
     deepspeed_dir: str | None = None  # the newest optimizer snapshot at or before these weights
     optimizer_age: int = 0  # updates between that snapshot and these weights (0: the snapshot is of these weights)
     source: str = BASE_VERSION  # BASE_VERSION or the URI of the update step they come from
+    version: int = 0  # 0 = base, k + 1 = written by the update of iteration k (rows record it: policy_version)
 
 
 def optimizer_snapshot_due(save_every: int, iteration: int, iterations: int | None = None) -> bool:
