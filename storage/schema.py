@@ -54,9 +54,9 @@ TRAJECTORY_FIELDS: list[pa.Field] = [
     pa.field("prompt_text", pa.string(), nullable=False),
     pa.field("response_text", pa.string(), nullable=False),
     pa.field("info_json", pa.string(), nullable=False),
-    # which weights generated the row: the number of updates behind them (0: the base weights; the weights
-    # written by the update of iteration k are version k + 1). Async rollouts train on rows one or more
-    # versions old; the update's lag is (version of the weights it starts from) - policy_version.
+    # which weights generated the row: 0 = the base weights, k + 1 = the weights written by the update of
+    # iteration k. Async rollouts train on older rows; an update's lag is (version of the weights it starts
+    # from) - policy_version: iterations between the two (an update skipped in between still counts).
     pa.field("policy_version", pa.int32(), nullable=False),
     # tree rollouts (rollout.mode: tree): which of the K candidates of its (task, turn, agent) the row is, and
     # whether the episode continued from it. Independent rollouts: 0 and True (every row is on its episode's path).
