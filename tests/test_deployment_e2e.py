@@ -199,6 +199,12 @@ def test_deployment_run_two_iterations(stack, tmp_path, vllm_server, default_mod
     assert len(tasks["update_policy[shared]"]) == 2
     (run_id,) = list_runs(str(tmp_path))
     layout = RunLayout(str(tmp_path), run_id)
+    # validation.at_start (default): the base weights were scored once, before iteration 0's update
+    assert len(tasks["validate_baseline"]) == 1, tasks
+    assert read_step_trajectories(layout.step(0, "baseline")).num_rows > 0
+    base_metrics = layout.step(0, "report").read_json("metrics.json")
+    assert "baseline/code_generator/success_rate" in base_metrics, sorted(base_metrics)
+    assert layout.step(0, "baseline").manifest().committed_at < layout.step(0, "rollouts").manifest().committed_at
     rows = read_step_trajectories(layout.step(1, "rollouts"))
     assert rows.num_rows >= 4
     for mask, ids in zip(
@@ -226,7 +232,8 @@ def test_worker_crash_during_update_then_resume(
     stack, tmp_path, vllm_server, default_model_dir, restore_base_weights
 ) -> None:
     env, start_worker, _ = stack
-    overrides = run_overrides(tmp_path, vllm_server, default_model_dir)
+    # the baseline validation is covered by test_deployment_run_two_iterations; not paid again here
+    overrides = [*run_overrides(tmp_path, vllm_server, default_model_dir), "validation.at_start=false"]
     worker = start_worker()
     _, first_id = deployment_run(env, overrides, watch=False)
     # wait until iteration 0's update is in flight: its folder exists, its marker does not
