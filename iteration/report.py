@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import base64
 import io
-import json
 import logging
 from collections.abc import Mapping
 from pathlib import Path
@@ -184,7 +183,3 @@ def write_report(ctx: IterationContext, metrics: Mapping[str, float], links: Map
     step.write_bytes("curve.png", png)
     step.commit({"metrics": len(metrics)})
     return {"uri": step.uri, "skipped": False, "metrics": dict(metrics), "samples": samples, "png": png}
-
-
-def dumps(obj: Any) -> str:
-    return json.dumps(obj, indent=2, sort_keys=True, default=str)

@@ -13,7 +13,7 @@ import logging
 import random
 import time
 from collections.abc import Callable, Collection
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from pettingflow.agents import build_agent
@@ -38,13 +38,6 @@ class PolicyEndpoint:
     served_model: str
     model_dir: str
     adapters: dict[str, str] = field(default_factory=dict)  # agent name -> served LoRA name (L2)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> PolicyEndpoint:
-        return cls(**data)
 
 
 @functools.lru_cache(maxsize=8)

@@ -18,10 +18,15 @@ from pettingflow.training.data import (
     filler,
     plan_windows,
     read_batch,
-    response_values,
     samples_from_columns,
     samples_from_table,
 )
+
+
+def response_values(mb, values: torch.Tensor, b: int, prompt_len: int, response_len: int) -> torch.Tensor:
+    """The ``[R]`` slice of a ``[B, W]`` per-token tensor that belongs to row ``b``'s response (inverse of collate)."""
+    lo = prompt_len - 1 - mb.start
+    return values[b, lo : lo + response_len]
 
 
 def columns(rows: list[dict]) -> dict[str, list]:

@@ -314,12 +314,6 @@ def prompt_groups(samples: Sequence[Sample]) -> list[list[int]]:
     return list(groups.values())
 
 
-def response_values(mb: MicroBatch, values: torch.Tensor, b: int, prompt_len: int, response_len: int) -> torch.Tensor:
-    """The ``[R]`` slice of a ``[B, W]`` per-token tensor that belongs to row ``b``'s response (inverse of collate)."""
-    lo = prompt_len - 1 - mb.start
-    return values[b, lo : lo + response_len]
-
-
 # ------------------------------------------------------------------------------------------------ plan
 @dataclass
 class Window:
