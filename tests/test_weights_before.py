@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from test_storage import s3_server  # noqa: F401 (module fixture: moto's S3 server on loopback)
 
 from pettingflow.configs.loader import load_config
 from pettingflow.iteration.weights import weights_before
@@ -74,3 +75,41 @@ def test_snapshot_cadence() -> None:
     assert [k for k in range(6) if optimizer_snapshot_due(4, k, 6)] == [3, 5]  # and the run's last update
     assert [k for k in range(3) if optimizer_snapshot_due(1, k, 3)] == [0, 1, 2]
     assert not any(optimizer_snapshot_due(0, k, 3) for k in range(3))
+
+
+def test_weights_on_s3_are_downloaded_verified_and_cached(setup, s3_server, tmp_path, monkeypatch) -> None:  # noqa: F811
+    """On S3 the starting weights are a verified local copy under ``$PETTINGFLOW_HOME/cache`` (vLLM and
+    transformers need folders): never half-written, re-downloaded when the marker changes, refused when corrupt."""
+    from pettingflow.iteration.weights import COMPLETE, local_copy
+    from pettingflow.storage.steps import CorruptFileError
+
+    _, config, base = setup
+    monkeypatch.setenv("PETTINGFLOW_HOME", str(tmp_path / "home"))
+    layout = RunLayout("s3://pf-bucket/weights", "r-s3", storage_options=s3_server)
+    u0 = commit_update(layout, 0, snapshot=True)
+    start = weights_before(layout, config, "shared", 1)
+    cache = tmp_path / "home" / "cache"
+    assert start.source == u0 and start.base_dir == base
+    assert Path(start.model_dir).is_relative_to(cache) and Path(start.deepspeed_dir).is_relative_to(cache)
+    assert (Path(start.model_dir) / "model.safetensors").read_bytes() == b"w0"
+    assert (Path(start.deepspeed_dir) / "latest").read_bytes() == b"global_step0"
+    assert [p.name for p in cache.iterdir()] == [Path(start.model_dir).parent.name]  # no temp folder left
+
+    # a cached copy is used as long as the step has the marker it was made from
+    step = layout.step(0, "update-shared")
+    layout.fs.pipe(f"{step.path}/model/model.safetensors", b"w9")  # changed behind the marker's back
+    assert (local_copy(step) / "model" / "model.safetensors").read_bytes() == b"w0"
+    # not verified against the marker: refused, and nothing half-downloaded is left in the cache
+    (local_copy(step) / COMPLETE).unlink()  # as if the download had crashed before it finished
+    with pytest.raises(CorruptFileError, match="does not match the sha256"):
+        local_copy(step)
+    assert sorted(p.name for p in cache.iterdir()) == [Path(start.model_dir).parent.name]
+    layout.fs.pipe(f"{step.path}/model/model.safetensors", b"w0")
+    assert (local_copy(step) / "model" / "model.safetensors").read_bytes() == b"w0"
+    # a step committed again (new marker) is downloaded again
+    layout.fs.rm(step.path, recursive=True)
+    step = layout.step(0, "update-shared").begin()
+    step.write_bytes("model/model.safetensors", b"w0-again")
+    step.commit()
+    assert (local_copy(step) / "model" / "model.safetensors").read_bytes() == b"w0-again"
+    assert not (local_copy(step) / "deepspeed").exists()
