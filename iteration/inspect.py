@@ -1,12 +1,15 @@
 """Read-only views of stored runs for people: run lists, run summaries, trajectory tables.
 
 Used by the CLI (``pettingflow runs ...``, ``pettingflow trajectories show``) and by ``make run``'s
-closing summary. Nothing here writes.
+closing summary; ``timeline_text`` draws when each step ran (``pettingflow runs timeline``, docs/flows.md).
+Nothing here writes.
 """
 
 from __future__ import annotations
 
 import json
+import time
+from dataclasses import dataclass
 from typing import Any
 
 from rich.console import Console
@@ -177,3 +180,99 @@ def summary_lines(layout: RunLayout, ui: str | None = None, flow_run_id: str | N
         lines.append(f"  Prefect UI:   {ui}" + (f"/runs/flow-run/{flow_run_id}" if flow_run_id else ""))
     lines.append(f"  details:      pettingflow runs show {layout.run_id}")
     return lines
+
+
+# ------------------------------------------------------------------------------------------ timeline
+@dataclass(frozen=True)
+class Span:
+    """One step of one iteration on the wall clock (epoch seconds)."""
+
+    iteration: int
+    label: str
+    start: float
+    end: float
+
+
+# report ``duration/<name>_s`` -> step folder; the report itself is drawn where its marker was written
+_TIMED_STEPS = ("baseline", "filtered", "advantages", "sync", "validation")
+
+
+def timeline_spans(layout: RunLayout) -> list[Span]:
+    """When each step of each iteration (attempt 0) ran, rebuilt from the committed steps, oldest first.
+
+    Rollouts: ``started_at``/``finished_at`` in their manifest (a collection ahead, ``rollout.async_rollouts``, is
+    labelled so: it ran in the previous iteration's subflow, beside its update). Other steps: they end at their
+    marker's ``committed_at`` and last the report's ``duration/<step>_s`` (an update at least its own
+    ``duration_s``); the wait for the next rollouts follows the last update; the report is a point (``*``). Steps
+    committed by an earlier, crashed flow run keep their own times."""
+    spans: list[Span] = []
+    for k in layout.iterations():
+        report = layout.step(k, REPORT_STEP)
+        metrics = report.read_json("metrics.json") if report.is_committed() else {}
+        previous = layout.step(k - 1, REPORT_STEP) if k else None
+        ahead = bool(
+            previous and previous.is_committed() and "async/next_rollouts_s" in previous.read_json("metrics.json")
+        )
+        rollouts = layout.step(k, "rollouts")
+        if rollouts.is_committed():
+            meta = rollouts.manifest().metadata
+            if meta.get("started_at") is not None and meta.get("finished_at") is not None:
+                label = "rollouts (ahead)" if ahead else "rollouts"
+                spans.append(Span(k, label, float(meta["started_at"]), float(meta["finished_at"])))
+        updates_end = None
+        for name in [*_TIMED_STEPS, *_update_steps(layout, k)]:
+            step = layout.step(k, name)
+            if not step.is_committed():
+                continue
+            manifest = step.manifest()
+            seconds = float(metrics.get(f"duration/{name}_s", 0.0))
+            if name.startswith("update-"):
+                seconds = max(seconds, float((manifest.metadata.get("metrics") or {}).get("duration_s") or 0.0))
+                updates_end = max(updates_end or 0.0, manifest.committed_at)
+            spans.append(Span(k, name, manifest.committed_at - seconds, manifest.committed_at))
+        wait = float(metrics.get("duration/wait_next_rollouts_s", 0.0))
+        if updates_end is not None and wait > 0:
+            spans.append(Span(k, "wait for next rollouts", updates_end, updates_end + wait))
+        if report.is_committed():
+            at = report.manifest().committed_at
+            spans.append(Span(k, REPORT_STEP, at, at))
+    return sorted(spans, key=lambda s: (s.start, s.iteration, s.end))
+
+
+def _update_steps(layout: RunLayout, iteration: int) -> list[str]:
+    path = layout.iteration_path(iteration)
+    names = (
+        [p.rstrip("/").rsplit("/", 1)[-1] for p in layout.fs.ls(path, detail=False)] if layout.fs.exists(path) else []
+    )
+    return sorted(n for n in names if n.startswith("update-"))
+
+
+def timeline_text(layout: RunLayout, width: int = 64) -> str:
+    """A text Gantt chart of the run (``timeline_spans``), one line per step, and what each iteration's report
+    says about the rollouts it collected ahead (``async/*``): how long, how much of it beside the update."""
+    spans = timeline_spans(layout)
+    if not spans:
+        return f"run {layout.run_id}: no committed steps"
+    t0 = min(s.start for s in spans)
+    total = max(max(s.end for s in spans) - t0, 1e-9)
+    scale = total / width
+    clock = time.strftime("%H:%M:%S", time.gmtime(t0))
+    lines = [
+        f"run {layout.run_id}: wall clock from {clock} UTC, one column = {scale:.1f} s",
+        f"{'':<32} 0 s{'':>{width - 6}}{total:.0f} s",
+    ]
+    for s in spans:
+        a = min(int((s.start - t0) / scale), width - 1)
+        b = max(a + 1, min(width, round((s.end - t0) / scale)))
+        bar = " " * a + ("*" if s.end == s.start else "#" * (b - a))
+        lines.append(f"{f'iter-{s.iteration} {s.label}':<32}|{bar:<{width}}| {s.start - t0:7.1f} - {s.end - t0:7.1f} s")
+    for k in layout.iterations():
+        report = layout.step(k, REPORT_STEP)
+        metrics = report.read_json("metrics.json") if report.is_committed() else {}
+        if "async/next_rollouts_s" in metrics:
+            lines.append(
+                f"iter-{k}: rollouts of iter-{k + 1} collected ahead in {metrics['async/next_rollouts_s']:.1f} s, "
+                f"{metrics.get('async/overlap_s', 0.0):.1f} s of it beside the update "
+                f"({metrics.get('async/update_s', 0.0):.1f} s)"
+            )
+    return "\n".join(lines)

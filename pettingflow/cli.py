@@ -185,6 +185,25 @@ def runs_show(
         fail(str(exc))
 
 
+@runs_app.command("timeline")
+def runs_timeline(
+    run_id: Annotated[str, typer.Argument(help="A run id (see `pettingflow runs list`).")],
+    root: RootOpt = "",
+    width: Annotated[int, typer.Option("--width", help="Columns of the chart.", min=10)] = 64,
+) -> None:
+    """When each step of each iteration ran (a text Gantt chart), and how much async rollouts overlapped."""
+    from pettingflow.iteration.inspect import timeline_text
+    from pettingflow.storage import RunLayout
+
+    try:
+        layout = RunLayout(root or _default_root(), run_id)
+    except ValueError as exc:
+        fail(str(exc))
+    if not layout.fs.exists(layout.run_path):
+        fail(f"no run {run_id!r} under {layout.root} (see `pettingflow runs list --root ...`)")
+    typer.echo(timeline_text(layout, width=width))
+
+
 @runs_app.command("learning-report")
 def runs_learning_report(
     run_ids: Annotated[list[str], typer.Argument(help="Training runs to compare (each needs its evaluate runs).")],
