@@ -25,6 +25,7 @@ from pettingflow.iteration.context import IterationContext
 from pettingflow.rollout.engine import AgentBinding, EngineStats, EpisodeSpec, ExecutionEngine, group_specs
 from pettingflow.rollout.records import EpisodeRecord, build_rows
 from pettingflow.storage import Step, TrajectoryShards, read_step_trajectories, write_trajectories
+from pettingflow.storage.fs import is_local
 
 log = logging.getLogger(__name__)
 
@@ -296,12 +297,21 @@ def stale_rollouts(ctx: IterationContext, config: ExperimentConfig, start_versio
 
 
 def set_aside(step: Step) -> str:
-    """Move a committed step out of the way (``<name>.stale-<n>``), kept for inspection; returns its new URI."""
+    """Move a committed step out of the way (``<name>.stale-<n>``), kept for inspection; returns its new URI.
+
+    Locally a rename (atomic). An object store has no rename (and s3fs's ``mv`` of a folder fails): the files are
+    copied, then the original's marker is deleted before its files, so a crash midway never leaves a committed
+    step with files missing (at worst two copies, and the next attempt sets the original aside again)."""
     n = 0
     while step.fs.exists(f"{step.path}.stale-{n}"):
         n += 1
     target = f"{step.path}.stale-{n}"
-    step.fs.mv(step.path, target, recursive=True)
+    if is_local(step.fs):
+        step.fs.mv(step.path, target, recursive=True)
+    else:
+        step.fs.copy(step.path, target, recursive=True)
+        step.fs.rm(step.marker_path)
+        step.fs.rm(step.path, recursive=True)
     return Step(step.fs, target).uri
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from factories import trajectory_row
 from scripted_server import ScriptedServer
+from test_storage import s3_server  # noqa: F401 (module fixture: moto's S3 server on loopback)
 
 from pettingflow.configs import load_config
 from pettingflow.envs import EnvCache, load_humaneval
@@ -108,3 +109,35 @@ def test_collect_step_resumes_from_committed_groups(
     got, want = comparable(layout), comparable(reference_layout)
     assert len(got) == len(want) == resumed.rows == reference.rows
     assert got == want  # every group exactly once, same seeds, same order
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_stale_rollouts_are_set_aside_whole(
+    where: str, tmp_path: Path, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``set_aside`` (stale rollouts under async rollouts): the step disappears, its copy stays committed and
+    readable beside it. On S3 (no rename) by copy, then the original's marker, then its files."""
+    from factories import trajectory_rows
+
+    from pettingflow.iteration.rollouts import set_aside
+    from pettingflow.storage import write_trajectories
+
+    if where == "s3":
+        layout = RunLayout("s3://pf-bucket/aside", "run-aside", storage_options=request.getfixturevalue("s3_server"))
+    else:
+        layout = RunLayout(str(tmp_path), "run-aside")
+    step = layout.step(1, "rollouts")
+    files = write_trajectories(step, trajectory_rows(3)).files
+    removed: list[str] = []
+    if where == "s3":  # the marker goes first: a crash midway must not leave a committed step with files missing
+        rm = layout.fs.rm
+        monkeypatch.setattr(layout.fs, "rm", lambda path, *a, **kw: (removed.append(path), rm(path, *a, **kw))[1])
+    assert set_aside(step) == step.uri + ".stale-0"
+    assert removed[:1] == ([step.marker_path] if where == "s3" else [])
+    assert not step.is_committed() and not layout.fs.exists(step.path)
+    old = Step(layout.fs, step.path + ".stale-0")
+    assert old.manifest().files == files and read_step_trajectories(old).num_rows == 3
+    write_trajectories(step, trajectory_rows(2))  # collected again, then found stale again
+    assert set_aside(step) == step.uri + ".stale-1"
+    assert read_step_trajectories(Step(layout.fs, step.path + ".stale-1")).num_rows == 2
+    assert read_step_trajectories(old).num_rows == 3
