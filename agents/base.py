@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 
 from pettingflow.configs.settings import SamplingSettings
 from pettingflow.envs.base import Env
-from pettingflow.envs.registry import Registry
+from pettingflow.envs.registry import Registry, RegistryError, resolve_env_class
 
 if TYPE_CHECKING:
     from pettingflow.configs.settings import AgentSettings
@@ -94,6 +94,9 @@ class Agent(ABC):
 
     default_name: ClassVar[str] = "agent"
     system_prompt: ClassVar[str] = ""
+    # env classes this agent takes turns in (config ``agents[].envs``); empty: every env. A dataset that mixes
+    # envs (seed 001) gives each env its own team: the engine skips agents that do not act in an episode's env.
+    env_classes: tuple[type[Env], ...] = ()
 
     def __init__(
         self,
@@ -215,6 +218,10 @@ class Agent(ABC):
                 setattr(twin, name, copy.copy(value))
         return twin
 
+    def acts_in(self, env: Env) -> bool:
+        """Whether this agent takes turns in ``env`` (always, unless ``env_classes`` lists classes)."""
+        return not self.env_classes or isinstance(env, self.env_classes)
+
     def _check_turn(self, turn: int, env: Env) -> None:
         if turn != env.current_turn:
             raise ValueError(f"agent {self.name!r} was called for turn {turn}, but the env is at {env.current_turn}")
@@ -254,7 +261,7 @@ def build_agent(
 ) -> Agent:
     """An agent from its config entry; ``agent_idx`` is its position in the turn order."""
     cls = resolve_agent_class(settings.class_path)
-    return cls(
+    agent = cls(
         settings.name,
         agent_idx=agent_idx,
         policy_name=settings.policy,
@@ -262,3 +269,9 @@ def build_agent(
         tokenizer=tokenizer,
         layout=layout,
     )
+    if settings.envs:
+        try:
+            agent.env_classes = tuple(resolve_env_class(e) for e in settings.envs)
+        except RegistryError as exc:
+            raise RegistryError(f"agents[{agent_idx}] ({settings.name!r}).envs: {exc}") from exc
+    return agent

@@ -99,6 +99,11 @@ class AgentSettings(_Strict):
     class_path: str = Field(description="Short registered name or 'package.module:Class'.")
     policy: str = Field(description="Name of an entry in `policies`.")
     sampling: SamplingSettings = Field(default_factory=SamplingSettings)
+    envs: list[str] = Field(
+        default_factory=list,
+        description="Env classes (short names or 'package.module:Class') this agent takes turns in; empty: every env. "
+        "Set it when the dataset mixes envs, so each env gets its own team (docs/datasets.md).",
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -112,7 +117,12 @@ class DatasetSettings(_Strict):
         description="humaneval (164 problems), basic-python (100 one-line tasks, envs/basic_python.py), "
         "plan-path (generated grids, one seed per task, envs/plan_path.py) or file.",
     )
-    path: str | None = Field(None, description="JSONL or Parquet of HumanEval-shaped rows when source=file.")
+    path: str | None = Field(
+        None,
+        description="source=file: a .jsonl, .parquet or datasets save_to_disk folder of HumanEval-shaped tasks or of "
+        "seed-001 rows {env_class_path, env_config, task_data} (docs/datasets.md); relative: to the working "
+        "directory, else to configs/.",
+    )
     num_tasks: int = Field(
         200, ge=2, description="Tasks of a generated source (plan-path: seeds 0..num_tasks-1), before the split."
     )

@@ -89,6 +89,13 @@ class Registry(Generic[T]):
             )
         return cls
 
+    def short_name(self, class_path: str) -> str:
+        """The first registered name of ``class_path`` (``module:Class``), or the path itself: for row labels."""
+        for name, entry in self._entries.items():
+            if _path_of(entry) == class_path:
+                return name
+        return class_path
+
     def class_path(self, name_or_path: str) -> str:
         """Canonical ``module:QualName`` of what ``name_or_path`` resolves to (a stable cache key)."""
         return _path_of(self.resolve(name_or_path))

@@ -19,6 +19,7 @@ from typing import Any
 from pettingflow.agents import build_agent
 from pettingflow.configs.settings import ExperimentConfig, Specialization
 from pettingflow.envs import EnvCache, EnvSpec, TaskSpec, env_spec_from_settings, load_tasks, task_specs_from_rows
+from pettingflow.envs.registry import ENV_REGISTRY
 from pettingflow.inference.client import InferenceClient
 from pettingflow.iteration.batches import StepOutcome, already_done
 from pettingflow.iteration.context import IterationContext
@@ -164,7 +165,7 @@ def episode_specs(
         return factory.create(ts.task, env_idx=spec.env_idx, rollout_idx=spec.rollout_idx, seed=spec.seed)
 
     def env_name(ts: TaskSpec) -> str:
-        return config.env.class_path if ts.env == default_env else ts.env.class_path
+        return config.env.class_path if ts.env == default_env else ENV_REGISTRY.short_name(ts.env.class_path)
 
     return group_specs(task_specs, group_size, config.run.seed, env_name, make_env, namespace=seed_namespace)
 

@@ -5,6 +5,7 @@ One episode (seed 002 cycle, seed 003 budget):
     env.reset(seed)                        # the same seed for all G samples of a group
     for turn in range(max_turns):
         agent = agents[turn % n_agents]    # turn order = config order: code -> test -> code ...
+                                           # (only the agents that act in this env: Agent.acts_in)
         prompt = agent.update_from_env(turn, env)
         completion = await llm(prompt)     # exact token ids + sampler log-probs
         agent.update_from_model(turn, env, completion.text)
@@ -119,6 +120,12 @@ def group_specs(
     return specs
 
 
+def _acts_in(agent: Any, env: Any) -> bool:
+    """Agents without ``acts_in`` (plain test doubles) act in every env."""
+    acts_in = getattr(agent, "acts_in", None)
+    return True if acts_in is None else bool(acts_in(env))
+
+
 def _derive_seed(*parts: Any) -> int:
     digest = hashlib.sha256("/".join(map(str, parts)).encode()).digest()
     return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
@@ -221,7 +228,12 @@ class ExecutionEngine:
     async def run_episode(self, spec: EpisodeSpec) -> EpisodeRecord:
         env = spec.make_env(spec)
         env.reset(spec.seed)
-        agents = self.make_agents()
+        agents = [a for a in self.make_agents() if _acts_in(a, env)]  # a mixed-env dataset: this env's team
+        if not agents:
+            raise ValueError(
+                f"no configured agent acts in {type(env).__name__} (task {spec.env_idx}); "
+                "add that env to some agent's 'envs' in the config, or leave 'envs' empty"
+            )
         for agent in agents:
             agent.reset()
         missing = [a.name for a in agents if a.name not in self.bindings]
