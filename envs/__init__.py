@@ -3,7 +3,7 @@
 The sandbox that runs model-written code lives in ``pettingflow.envs.sandbox``.
 """
 
-from pettingflow.envs.base import Env, EnvConfig, EnvConfigError
+from pettingflow.envs.base import Env, EnvConfig, EnvConfigError, TaskDataError
 from pettingflow.envs.code_env import (
     CodeEnv,
     CodeEnvConfig,
@@ -43,6 +43,7 @@ __all__ = [
     "EnvSpec",
     "RegistryError",
     "SuiteResult",
+    "TaskDataError",
     "TaskFileError",
     "TaskGroup",
     "TaskSpec",

@@ -34,6 +34,14 @@ class EnvConfigError(ValueError):
     """An env config that does not validate against the env class's ``Config`` model."""
 
 
+class TaskDataError(ValueError):
+    """A task that an env class cannot run; ``field`` names the task key at fault (for file-loading errors)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
 class Env:
     """One episode: task, shared state, turn counter, history.
 
@@ -80,6 +88,14 @@ class Env:
     def solved(self) -> bool:
         """Whether the task is solved; a solved episode ends before ``max_turns``."""
         return False
+
+    @classmethod
+    def validate_task(cls, task: Mapping[str, Any], config: EnvConfig) -> None:
+        """Raise ``TaskDataError`` if ``task`` cannot start an episode under ``config``; the base accepts any.
+
+        Why: task files are checked when they are loaded (``envs/task_files.py``), so a bad row fails with its
+        file, row and field before any server starts, not mid-rollout. It must be cheap: no sandbox, no model.
+        """
 
     @classmethod
     def shared_resources(cls, config: EnvConfig) -> dict[str, Any]:

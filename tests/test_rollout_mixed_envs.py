@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 from rollout_fakes import CharChatTokenizer, ScriptedLLM, ToyAgent
 
 from pettingflow.configs import load_config
@@ -57,3 +58,71 @@ def test_bare_tasks_use_the_configured_env() -> None:
     specs = episode_specs(config, [{"task_id": "T"}], group_size=2, seed_namespace="", env_cache=EnvCache())
     assert [s.env_name for s in specs] == ["code-env", "code-env"]
     assert specs[0].task.env.class_path.endswith(":CodeEnv")
+
+
+def test_shipped_mixed_dataset_runs_each_env_with_its_own_team() -> None:
+    """configs/mixed-envs.yaml (issue 14 item 4): one batch of code-env and plan-path rows from the shipped file;
+    agents[].envs gives each env its team, so code episodes see only the code agents and grids only the planner
+    and executor (real agents and envs; a fake sandbox and a scripted LLM)."""
+    from test_code_env import FakeSandbox
+
+    from pettingflow.agents.base import build_agent
+    from pettingflow.envs import EnvFactory, load_tasks
+
+    config = load_config("mixed-envs")
+    tasks = load_tasks(config.env.dataset).train[:4]
+    tasks = [t for t in tasks if t["env_class_path"] == "code-env"][:1] + [
+        t for t in tasks if t["env_class_path"] == "plan-path"
+    ][:1]
+    assert [t["env_class_path"] for t in tasks] == ["code-env", "plan-path"]
+
+    def make_factory(spec):
+        shared = {"sandbox": FakeSandbox()} if spec.class_path.endswith(":CodeEnv") else None
+        return EnvFactory(spec, shared=shared)
+
+    cache = EnvCache(make_factory)
+    specs = episode_specs(config, tasks, group_size=2, seed_namespace="t/", env_cache=cache)
+    replies = {"planner": "moves: R", "executor": "moves: R", "code_generator": "def f(): pass", "test_generator": ""}
+    llm = ScriptedLLM(TOK, reply=lambda model, prompt, params: replies[model])
+    names = [a.name for a in config.agents]
+    bindings = {n: AgentBinding(client=llm, served_model=n, tokenizer=TOK, policy_name="shared") for n in names}
+    engine = ExecutionEngine(
+        lambda: [build_agent(a, agent_idx=i, tokenizer=TOK) for i, a in enumerate(config.agents)],
+        bindings,
+        max_turns=config.env.max_turns,
+        token_budget=config.env.token_budget,
+        show_progress=False,
+    )
+    records, _ = asyncio.run(engine.run(specs))
+    rows = build_rows(records, "per_turn", "r", 0, 2)
+    acted = {(r["env_name"], r["agent_name"]) for r in rows}
+    assert acted == {
+        ("code-env", "code_generator"),
+        ("code-env", "test_generator"),
+        ("plan-path", "planner"),
+        ("plan-path", "executor"),
+    }
+    plan_turns = [(r["turn_idx"], r["agent_name"], r["agent_idx"]) for r in rows if r["env_idx"] == 1]
+    assert plan_turns[:2] == [(0, "planner", 0), (1, "executor", 1)] * 1  # the team's own order and positions
+    assert len(cache) == 2
+
+
+def test_an_env_without_a_team_fails_clearly() -> None:
+    config = load_config("mixed-envs")
+    from pettingflow.agents.base import build_agent
+
+    coders = [a for a in config.agents if a.envs == ["code-env"]]
+    llm = ScriptedLLM(TOK)
+    engine = ExecutionEngine(
+        lambda: [build_agent(a, agent_idx=i, tokenizer=TOK) for i, a in enumerate(coders)],
+        {a.name: AgentBinding(client=llm, served_model=a.name, tokenizer=TOK, policy_name="shared") for a in coders},
+        max_turns=2,
+        token_budget=100,
+        show_progress=False,
+    )
+    grid = {"env_class_path": "plan-path", "task_data": {"task_id": "p", "seed": 1}}
+    specs = episode_specs(config, [grid], group_size=1, seed_namespace="", env_cache=EnvCache())
+    with pytest.raises(
+        ValueError, match=r"no configured agent acts in PlanPathEnv .*add that env to some agent's 'envs'"
+    ):
+        asyncio.run(engine.run(specs))
