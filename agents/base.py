@@ -1,4 +1,4 @@
-"""The agent base class (seed 002) and the agent registry.
+"""The agent base class (PettingLLMs' agent/env interface) and the agent registry.
 
 An agent turns env state into a prompt, a model response into an action, and an action into
 results written back into the env. It never holds a reference to another agent: everything one
@@ -13,7 +13,7 @@ One turn, as the execution engine drives it::
                                                        # closes the turn (env.finish_turn)
     if env.done: stop
 
-Sample layouts (``EnvSettings.sample_layout``, seed 003):
+Sample layouts (``EnvSettings.sample_layout``, as in verl's multi-turn recipe):
 
 * ``per_turn``: every call gets a fresh prompt built from the full current state
   (``system`` + ``user(turn_prompt(env))``); each call is its own training sample.
@@ -85,7 +85,7 @@ def chat_token_ids(tokenizer: ChatTokenizer, messages: Sequence[Mapping[str, str
 class Agent(ABC):
     """Base agent. Subclasses implement ``turn_prompt``, ``parse_response`` and ``apply_action``.
 
-    Per-episode data (seed 002's AgentData): ``current_prompt``, ``current_action``,
+    Per-episode data (PettingLLMs' AgentData): ``current_prompt``, ``current_action``,
     ``agent_reward`` (of the last step), ``success`` (of the last step; the engine reads it at episode
     end), ``answer_history`` (raw responses), ``action_history`` (parsed actions), ``reward_history``,
     ``turn_info`` (optional details of the last step that ``apply_action`` sets, e.g. per-turn reward
@@ -95,7 +95,7 @@ class Agent(ABC):
     default_name: ClassVar[str] = "agent"
     system_prompt: ClassVar[str] = ""
     # env classes this agent takes turns in (config ``agents[].envs``); empty: every env. A dataset that mixes
-    # envs (seed 001) gives each env its own team: the engine skips agents that do not act in an episode's env.
+    # envs gives each env its own team: the engine skips agents that do not act in an episode's env.
     env_classes: tuple[type[Env], ...] = ()
 
     def __init__(

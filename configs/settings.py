@@ -44,10 +44,10 @@ class RunSettings(_Strict):
 
 
 # --------------------------------------------------------------------------------------------------
-# policies and agents (seed 000: L0-L3 specialization)
+# policies and agents (L0-L3 specialization, as PettingLLMs names the levels)
 # --------------------------------------------------------------------------------------------------
 class Specialization(StrEnum):
-    """How agents map onto trainable weights (seed 000).
+    """How agents map onto trainable weights (PettingLLMs' trainer).
 
     ``prompt`` (L0/L1): every agent uses one shared model; only the prompt differs.
     ``lora`` (L2): one base model, one LoRA adapter per agent, each trained on its own samples.
@@ -152,10 +152,13 @@ class EnvSettings(_Strict):
     max_turns: int = Field(4, ge=1, description="Agent calls per episode, counted over all agents.")
     group_size: int = Field(2, ge=1, description="G: samples per task from the same initial state and seed.")
     tasks_per_iteration: int = Field(4, ge=1)
-    token_budget: int = Field(1024, ge=1, description="Generated tokens allowed per episode (seed 003).")
+    token_budget: int = Field(
+        1024, ge=1, description="Generated tokens allowed per episode (as in verl's multi-turn recipe)."
+    )
     sample_layout: Literal["per_turn", "per_episode"] = Field(
         "per_turn",
-        description="per_turn: one row per agent call (seed 000). per_episode: one masked sequence per agent.",
+        description="per_turn: one row per agent call (as PettingLLMs' trainer). per_episode: one masked sequence "
+        "per agent.",
     )
     sandbox: SandboxSettings = Field(default_factory=SandboxSettings)
     options: dict[str, Any] = Field(

@@ -1,4 +1,4 @@
-"""The environment base class: one episode's shared state (seed 002).
+"""The environment base class: one episode's shared state (PettingLLMs' agent/env interface).
 
 An ``Env`` is the single place where agents leave information for each other: an agent reads
 ``env.state`` to build its prompt and writes the results of its action back into ``env.state``.
@@ -45,7 +45,7 @@ class TaskDataError(ValueError):
 class Env:
     """One episode: task, shared state, turn counter, history.
 
-    Attributes (seed 002): ``env_idx`` (position in the batch), ``rollout_idx`` (sample within the
+    Attributes (as in PettingLLMs): ``env_idx`` (position in the batch), ``rollout_idx`` (sample within the
     GRPO group), ``max_turns``, ``current_turn``, ``state`` (env-specific shared state), ``done``,
     ``truncated`` (ended by ``max_turns`` without being solved), ``task`` (the task dict),
     ``history`` (one record per finished turn), ``config`` (the validated ``Config`` model) and
@@ -127,7 +127,7 @@ class Env:
     def reset(self, seed: int | None = None) -> None:
         """Start the episode again from turn 0 with the same task.
 
-        The same seed gives the same initial state, which GRPO group sampling relies on (seed 003).
+        The same seed gives the same initial state, which GRPO group sampling relies on (verl's multi-turn recipe).
         """
         self.seed = seed
         self.current_turn = 0

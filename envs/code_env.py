@@ -1,4 +1,4 @@
-"""The code env (seed 002): a code agent writes a function, a test agent writes asserts for it.
+"""The code env (PettingLLMs' agent/env interface): a code agent writes a function, a test agent writes asserts for it.
 
 Turn order is code -> test -> code -> ... (taken from the config's agent list by the engine). The
 env holds the shared ``CodeEnvState``: the problem, the latest code, the latest tests and how they

@@ -1,11 +1,11 @@
-"""Find env classes by name, build envs from config, and group mixed-env batches (seed 001).
+"""Find env classes by name, build envs from config, and group mixed-env batches.
 
 Names: a class is given either as a short registered name (``code-env``) or as an import path
 ``package.module:Class``. Built-in names are registered as import paths, so resolving one imports
 only the module it needs and does not depend on import side effects.
 
-Caching: every dataset row may name its own env class and env config (seed 001:
-``{"env_class_path", "env_config", "task_data"}``), so one batch can mix envs. ``EnvCache`` keeps one
+Caching: every dataset row may name its own env class and env config
+(``{"env_class_path", "env_config", "task_data"}``), so one batch can mix envs. ``EnvCache`` keeps one
 ``EnvFactory`` per (class path, config) -- the config validated and frozen to canonical JSON, so
 ``{}`` and ``{"max_turns": 4}`` are the same key when 4 is the default. The factory holds what all
 episodes of that pair share (e.g. the sandbox) and creates a fresh ``Env`` per episode.
@@ -203,7 +203,7 @@ class TaskSpec:
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any], default_env: EnvSpec, index: int) -> TaskSpec:
-        """A row is either ``{"env_class_path"?, "env_config"?, "task_data"}`` (seed 001) or a bare task.
+        """A row is either ``{"env_class_path"?, "env_config"?, "task_data"}`` or a bare task.
 
         Missing ``env_class_path`` means the default env's class; missing ``env_config`` means the
         default env's config when the class is the default one, else that class's defaults.
@@ -292,7 +292,7 @@ class EnvFactory:
 
 
 class EnvCache:
-    """One ``EnvFactory`` per ``EnvSpec`` (seed 001's env cache). Thread-safe."""
+    """One ``EnvFactory`` per ``EnvSpec`` (the env cache). Thread-safe."""
 
     def __init__(self, make_factory: Callable[[EnvSpec], EnvFactory] = EnvFactory) -> None:
         self._make_factory = make_factory

@@ -125,7 +125,7 @@ def training_rewards(table: pa.Table, config: ExperimentConfig, episodes: pa.Tab
 
 
 def filter_table(table: pa.Table, config: ExperimentConfig) -> tuple[pa.Table, dict[str, Any]]:
-    """The rows the configured filter keeps (none/mean/std/dapo/uid, seed 000), and what it removed.
+    """The rows the configured filter keeps (none/mean/std/dapo/uid, as in PettingLLMs' trainer), and what it removed.
 
     ``table`` holds whole episodes (the rollouts step): the filter sees each row's training reward."""
     algo = config.algorithm

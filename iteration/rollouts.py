@@ -153,8 +153,8 @@ async def run_episodes(
 def episode_specs(
     config: ExperimentConfig, tasks: list[dict[str, Any]], group_size: int, seed_namespace: str, env_cache: EnvCache
 ) -> list[EpisodeSpec]:
-    """G episodes per task. A task row may name its own env class and config (seed 001:
-    ``{"env_class_path", "env_config", "task_data"}``), so one batch can mix envs; each distinct
+    """G episodes per task. A task row may name its own env class and config
+    (``{"env_class_path", "env_config", "task_data"}``), so one batch can mix envs; each distinct
     (class, config) gets one cached factory."""
     default_env: EnvSpec = env_spec_from_settings(config.env)
     task_specs = task_specs_from_rows(tasks, default_env)

@@ -1,6 +1,6 @@
 """Sample filters applied to a batch before advantages: ``none | mean | std | dapo | uid``.
 
-Source: PettingLLMs ``_assign_consistent_uids`` (seed 000); ``dapo`` is DAPO's dynamic sampling
+Source: PettingLLMs' trainer (``_assign_consistent_uids``); ``dapo`` is DAPO's dynamic sampling
 (Yu et al. 2025, "DAPO", drop prompts whose samples all got the same reward). With ``n`` UID groups
 and ``ratio`` in [0, 1):
 
@@ -52,7 +52,7 @@ class FilterResult:
 
 
 def range_normalized_variance(rewards: np.ndarray) -> float:
-    """``var(r, ddof=0) / (max(r) - min(r))**2``, defined as 0.0 when the range is 0 (seed 000)."""
+    """``var(r, ddof=0) / (max(r) - min(r))**2``, defined as 0.0 when the range is 0 (PettingLLMs' trainer)."""
     r = np.asarray(rewards, dtype=np.float64)
     if r.size == 0:
         raise ValueError("range_normalized_variance needs at least one reward, got an empty array")

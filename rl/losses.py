@@ -1,7 +1,7 @@
 """PPO/GRPO token losses with response masks: clipped surrogate, KL penalty, entropy bonus.
 
 All tensors are ``[B, T]`` (B samples, T response positions) unless stated; ``mask[b, t] = 1`` marks a
-model token that gets gradient, 0 an observation/padding token (seed 001, R3). Masked positions are
+model token that gets gradient, 0 an observation/padding token. Masked positions are
 replaced by 0 with ``torch.where`` *before* any arithmetic, so (a) garbage there (even inf/NaN) cannot
 leak into the loss and (b) their gradient is exactly 0, not merely small.
 """

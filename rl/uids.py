@@ -1,6 +1,6 @@
 """Group UIDs: which samples share a baseline when advantages are computed.
 
-Source: PettingLLMs ``_assign_consistent_uids`` (seed 000). A UID names one
+Source: PettingLLMs' trainer (``_assign_consistent_uids``). A UID names one
 ``(rollout_idx // sample_num, turn_idx, agent_idx)`` triple: the same task/seed (environment group),
 the same turn and the same agent. GRPO-style estimators compare samples only within one UID.
 
@@ -44,7 +44,7 @@ def assign_uids(
     """One UID per sample: ``uuid5(NS, json([namespace, rollout_idx // sample_num, turn_idx, agent_idx]))``.
 
     ``sample_num`` is the number of rollouts per environment group (GRPO group size), so rollouts
-    ``0..sample_num-1`` form group 0, the next ``sample_num`` group 1, and so on (seed 000). The name
+    ``0..sample_num-1`` form group 0, the next ``sample_num`` group 1, and so on (PettingLLMs' trainer). The name
     is JSON so that no two (namespace, key) pairs can produce the same string.
     """
     if isinstance(sample_num, bool) or not isinstance(sample_num, Integral):

@@ -1,6 +1,6 @@
 """The multi-agent execution engine: G samples per task, agents taking turns, every call recorded.
 
-One episode (seed 002 cycle, seed 003 budget):
+One episode (PettingLLMs' agent/env cycle; a per-episode token budget as in verl's multi-turn recipe):
 
     env.reset(seed)                        # the same seed for all G samples of a group
     for turn in range(max_turns):
@@ -92,11 +92,11 @@ def group_specs(
     make_env: Callable[[EpisodeSpec], Any],
     namespace: str = "",
 ) -> list[EpisodeSpec]:
-    """G episode specs per task, all of a group sharing the task and the env seed (seed 003).
+    """G episode specs per task, all of a group sharing the task and the env seed (verl's multi-turn recipe).
 
     ``rollout_idx = env_idx * group_size + sample_idx`` so that ``rollout_idx // group_size`` is the
-    group, as the UID rule of seed 000 expects. ``env_name`` may be a function of the task, for
-    batches that mix envs (seed 001).
+    group, as PettingLLMs' UID rule expects. ``env_name`` may be a function of the task, for
+    batches that mix envs.
     """
     if group_size < 1:
         raise ValueError(f"group_size must be >= 1, got {group_size}")
@@ -266,7 +266,7 @@ class ExecutionEngine:
             max_tokens = min(agent.sampling.max_tokens, self.token_budget - path_tokens)
             if self.max_model_len is not None:
                 max_tokens = min(max_tokens, self.max_model_len - len(prompt_ids))
-            if max_tokens <= 0:  # token budget (seed 003) or context exhausted
+            if max_tokens <= 0:  # token budget or context exhausted
                 out_of_budget = True
                 break
             sampling = self._sampling(agent, max_tokens, spec, turn)

@@ -2,10 +2,10 @@
 
 Two layouts (ARCHITECTURE §3):
 
-- ``per_turn`` (PettingLLMs, seed 000): every agent call is one sample. ``prompt_ids`` is the prompt
+- ``per_turn`` (PettingLLMs): every agent call is one sample. ``prompt_ids`` is the prompt
   the sampler saw, ``response_ids`` the tokens it generated, all masked 1. The UID groups the G
   samples of one task at the same turn for the same agent.
-- ``per_episode`` (verl/MLGym, seed 003): one sample per agent per episode. ``prompt_ids`` is the
+- ``per_episode`` (verl's multi-turn recipe, MLGym): one sample per agent per episode. ``prompt_ids`` is the
   agent's first prompt; ``response_ids`` concatenates its actions (mask 1) with the environment tokens
   that came between them (mask 0), exactly as the sampler saw the sequence. The UID groups the G
   samples of one task for the same agent (turn_idx is 0 for these rows).
@@ -111,7 +111,7 @@ def _base_row(run_id: str, iteration: int, ep: EpisodeRecord) -> dict[str, Any]:
 
 def per_turn_rows(episodes: list[EpisodeRecord], run_id: str, iteration: int, group_size: int) -> list[dict[str, Any]]:
     """One row per agent call (tree: per candidate); UID from (rollout_idx // group_size, turn_idx, agent_idx)
-    (seed 000). Tree episodes pass ``group_size=1``: the group is the K candidates of one episode's turn."""
+    (PettingLLMs' trainer). Tree episodes pass ``group_size=1``: the group is the K candidates of one episode's turn."""
     rows: list[dict[str, Any]] = []
     for ep in episodes:
         for turn in ep.turns:
@@ -152,7 +152,7 @@ def per_turn_rows(episodes: list[EpisodeRecord], run_id: str, iteration: int, gr
 def per_episode_rows(
     episodes: list[EpisodeRecord], run_id: str, iteration: int, group_size: int
 ) -> list[dict[str, Any]]:
-    """One row per agent per episode: actions masked 1, env tokens between them masked 0 (seed 003)."""
+    """One row per agent per episode: actions masked 1, env tokens between them masked 0 (verl's multi-turn recipe)."""
     rows: list[dict[str, Any]] = []
     for ep in episodes:
         agents: dict[str, list[TurnRecord]] = {}

@@ -26,7 +26,7 @@ TRAJECTORY_FIELDS: list[pa.Field] = [
     # where it belongs
     pa.field("run_id", pa.string(), nullable=False),
     pa.field("iteration", pa.int32(), nullable=False),
-    # the group: same task + same seed (GRPO group, seed 003)
+    # the group: same task + same seed (GRPO group, as in verl's multi-turn recipe)
     pa.field("env_name", pa.string(), nullable=False),
     pa.field("env_idx", pa.int32(), nullable=False),
     pa.field("group_id", pa.string(), nullable=False),

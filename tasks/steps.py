@@ -73,7 +73,7 @@ def collect_rollouts(run: RunRef, iteration: int, runtime: Runtime, ahead: bool 
 
 @task(name="filter_and_group", cache_policy=NO_CACHE)
 def filter_and_group(run: RunRef, iteration: int, attempt: int, from_step: str, upstream: Any = None):
-    """UID groups (seed 000) and the configured filter (mean/std/dapo/uid)."""
+    """UID groups (PettingLLMs' trainer) and the configured filter (mean/std/dapo/uid)."""
     config = load_run_config(run, iteration, attempt)
     return finished(batches.filter_step(context(run, iteration, attempt, from_step), config))
 

@@ -185,7 +185,7 @@ def test_env_spec_from_settings_passes_env_keys() -> None:
 
 
 # --------------------------------------------------------------------------------------------------
-# mixed-env batches (seed 001)
+# mixed-env batches
 # --------------------------------------------------------------------------------------------------
 def test_rows_grouped_by_env_and_merged_in_order() -> None:
     default = EnvSpec.of(COUNTER_PATH, {"target": 2})

@@ -1,4 +1,4 @@
-"""Masked PPO/GRPO losses (seed 001, T3): exact masking, hand-computed values, clipping, KL, entropy."""
+"""Masked PPO/GRPO losses: exact masking, hand-computed values, clipping, KL, entropy."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Group UIDs and sample filters (seed 000 ``_assign_consistent_uids``), with exact hand-built cases."""
+"""Group UIDs and sample filters (PettingLLMs' ``_assign_consistent_uids``), with exact hand-built cases."""
 
 from __future__ import annotations
 

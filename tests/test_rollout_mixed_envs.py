@@ -1,4 +1,4 @@
-"""One batch, several envs (seed 001): rows name their env class and config; factories are cached."""
+"""One batch, several envs: rows name their env class and config; factories are cached."""
 
 from __future__ import annotations
 

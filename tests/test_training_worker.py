@@ -130,7 +130,7 @@ def mean_logprob(model, samples) -> float:
 
 # ------------------------------------------------------------------------------------------------ masking and the loss
 def test_masked_positions_do_not_change_loss_or_gradients(tiny_model_dir):
-    """Seed 001 T3: garbage at env-token/prompt/padding positions (advantages, old and ref log-probs) changes
+    """Garbage at env-token/prompt/padding positions (advantages, old and ref log-probs) changes
     neither the loss nor any parameter gradient, bit for bit; the logits' gradient there is exactly 0."""
     model = load_model(tiny_model_dir)
     table = trajectories_to_table(make_rows(3)).append_column("advantage", pa.array([1.0, -0.5, 2.0], pa.float32()))

@@ -1,6 +1,6 @@
 """Policy and reference models of an update job, log-prob and loss computation for one micro-batch.
 
-Two shapes of trainable weights (seed 000):
+Two shapes of trainable weights (PettingLLMs' trainer):
 
 - full (``specialization: prompt`` L0/L1 and ``full`` L3): every weight of ``AutoModelForCausalLM`` loaded
   from an HF folder trains. The KL reference is a separate frozen copy of the *initial* weights
