@@ -9,6 +9,8 @@ Neither agent sees the other's reply directly: the plan and what happened live i
 
 from __future__ import annotations
 
+from typing import Any
+
 from pettingflow.agents.base import Agent
 from pettingflow.envs.base import Env
 from pettingflow.envs.plan_path import ParsedMoves, PlanPathEnv, PlanPathState, describe_walk, parse_moves
@@ -76,7 +78,33 @@ def turns_left(env: Env) -> str:
     return f"Turns left for the team: {left}."
 
 
-class PlannerAgent(Agent):
+def board_parts(env: Env) -> list[str]:
+    """What both roles see first: the board, its legend, where the agent and the goal are, the last walk."""
+    penv = plan_env(env)
+    s = penv.state
+    parts = ["The board:", render_board(s), LEGEND, where(s, penv.config.show_offset)]
+    happened = last_execution(s)
+    if happened:
+        parts.append(happened)
+    return parts
+
+
+class _GridAgent(Agent):
+    """A plan-path role: replies are move lists (at most ``max_moves_per_turn``); ``_submit`` hands them to the env."""
+
+    def parse_response(self, response_text: str, env: Env) -> ParsedMoves:
+        return parse_moves(response_text, plan_env(env).config.max_moves_per_turn)
+
+    def _submit(self, env: Env) -> Any:
+        raise NotImplementedError
+
+    async def apply_action(self, env: Env) -> tuple[float, bool]:
+        outcome = self._submit(env)
+        self.turn_info = outcome.info
+        return outcome.reward, outcome.success
+
+
+class PlannerAgent(_GridAgent):
     """Proposes the next moves (``plan-path-planner``). Reward: the progress its plan would make."""
 
     default_name = "planner"
@@ -85,18 +113,9 @@ class PlannerAgent(Agent):
     )
 
     def turn_prompt(self, env: Env) -> str:
-        penv = plan_env(env)
-        s, limit = penv.state, penv.config.max_moves_per_turn
+        limit = plan_env(env).config.max_moves_per_turn
         parts = [
-            "The board:",
-            render_board(s),
-            LEGEND,
-            where(s, penv.config.show_offset),
-        ]
-        happened = last_execution(s)
-        if happened:
-            parts.append(happened)
-        parts += [
+            *board_parts(env),
             MOVE_HELP,
             turns_left(env),
             f"Plan the next {_count(limit, 'move')} at most toward G, avoiding walls. "
@@ -104,16 +123,11 @@ class PlannerAgent(Agent):
         ]
         return "\n".join(parts)
 
-    def parse_response(self, response_text: str, env: Env) -> ParsedMoves:
-        return parse_moves(response_text, plan_env(env).config.max_moves_per_turn)
-
-    async def apply_action(self, env: Env) -> tuple[float, bool]:
-        outcome = plan_env(env).submit_plan(self.current_action)
-        self.turn_info = outcome.info
-        return outcome.reward, outcome.success
+    def _submit(self, env: Env) -> Any:
+        return plan_env(env).submit_plan(self.current_action)
 
 
-class ExecutorAgent(Agent):
+class ExecutorAgent(_GridAgent):
     """Makes the moves the env executes (``plan-path-executor``). Reward: the progress actually made."""
 
     default_name = "executor"
@@ -122,15 +136,7 @@ class ExecutorAgent(Agent):
     def turn_prompt(self, env: Env) -> str:
         penv = plan_env(env)
         s, limit = penv.state, penv.config.max_moves_per_turn
-        parts = [
-            "The board:",
-            render_board(s),
-            LEGEND,
-            where(s, penv.config.show_offset),
-        ]
-        happened = last_execution(s)
-        if happened:
-            parts.append(happened)
+        parts = board_parts(env)
         if s.plan is None:
             parts.append("The planner has not planned yet.")
         elif s.plan.valid:
@@ -145,10 +151,5 @@ class ExecutorAgent(Agent):
         ]
         return "\n".join(parts)
 
-    def parse_response(self, response_text: str, env: Env) -> ParsedMoves:
-        return parse_moves(response_text, plan_env(env).config.max_moves_per_turn)
-
-    async def apply_action(self, env: Env) -> tuple[float, bool]:
-        outcome = plan_env(env).execute(self.current_action)
-        self.turn_info = outcome.info
-        return outcome.reward, outcome.success
+    def _submit(self, env: Env) -> Any:
+        return plan_env(env).execute(self.current_action)
