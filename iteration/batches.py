@@ -24,6 +24,7 @@ import pyarrow.compute as pc
 
 from pettingflow.configs.settings import ExperimentConfig
 from pettingflow.iteration.context import IterationContext
+from pettingflow.iteration.weights import start_version
 from pettingflow.rl.advantages import compute_advantages
 from pettingflow.rl.filters import filter_samples
 from pettingflow.rl.rewards import discounted_returns, mix_rewards
@@ -198,10 +199,15 @@ def advantage_step(ctx: IterationContext, config: ExperimentConfig) -> StepOutco
     out.begin()
     for policy in policies:
         part = policy_batch(table, policy)
+        # the lag each row will be trained at: versions between its sampler's weights and the update's start
+        start = start_version(ctx.layout, policy, ctx.iteration)
+        lag = np.maximum(0, start - part.column("policy_version").to_numpy(zero_copy_only=False).astype(np.int64))
+        part = part.append_column("policy_lag", pa.array(lag, pa.int32()))
         out.write_table(batch_file(policy), part)
         adv = part.column("advantage").to_numpy() if part.num_rows else np.zeros(0)
         metrics["policies"][policy] = {
             "rows": part.num_rows,
+            "policy_lag_max": int(lag.max()) if len(lag) else 0,
             "advantage_mean": float(adv.mean()) if len(adv) else 0.0,
             "advantage_abs_mean": float(np.abs(adv).mean()) if len(adv) else 0.0,
             "nonzero_advantage_rows": int((adv != 0).sum()),

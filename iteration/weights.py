@@ -22,7 +22,14 @@ from pettingflow.storage.fs import join, uri_of
 from pettingflow.storage.steps import CorruptFileError, FileEntry
 from pettingflow.training.checkpoint import ADAPTERS_SUBDIR, DEEPSPEED_SUBDIR, MODEL_SUBDIR, PolicyWeights
 
-__all__ = ["PolicyWeights", "base_model_dir", "update_step_name", "weights_before", "weights_in_step"]
+__all__ = [
+    "PolicyWeights",
+    "base_model_dir",
+    "start_version",
+    "update_step_name",
+    "weights_before",
+    "weights_in_step",
+]
 
 
 def update_step_name(policy: str) -> str:
@@ -58,6 +65,16 @@ def weights_before(layout: RunLayout, config: ExperimentConfig, policy: str, ite
                 snapshot = weights_in_step(step, policy, base, version=k + 1).deepspeed_dir
                 return replace(weights, deepspeed_dir=snapshot, optimizer_age=age)
     return weights or PolicyWeights(policy=policy, base_dir=base, model_dir=base)
+
+
+def start_version(layout: RunLayout, policy: str, iteration: int) -> int:
+    """The version of the weights ``policy`` starts ``iteration`` from (``weights_before(...).version``), read from
+    the commit markers alone: no model folder is resolved or downloaded."""
+    for k in range(iteration - 1, -1, -1):
+        step = layout.step(k, update_step_name(policy))
+        if step.is_committed() and not step.manifest().metadata.get("skipped"):
+            return k + 1
+    return 0
 
 
 def weights_in_step(step: Step, policy: str, base_dir: str, version: int) -> PolicyWeights:

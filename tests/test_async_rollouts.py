@@ -65,6 +65,8 @@ def test_async_rollouts_keep_the_lag_bound_under_random_timing(tmp_path, prefect
         lags = Counter(start - v for v in rows.column("policy_version").to_pylist())
         # iteration 0 is collected before any update; every later one beside the previous update, one version old
         assert lags == Counter({0 if k == 0 else 1: rows.num_rows}), (k, lags)
+        batch = layout.step(k, "advantages").read_table("batch-shared.parquet", columns=["policy_lag"])
+        assert set(batch.column("policy_lag").to_pylist()) == {0 if k == 0 else 1}  # every trained row says its lag
         update = layout.step(k, "update-shared").manifest().metadata["metrics"]
         batch_rows = layout.step(k, "advantages").manifest().rows
         assert update["policy_lag_max"] == (0 if k == 0 else 1)

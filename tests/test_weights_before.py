@@ -8,7 +8,7 @@ import pytest
 from test_storage import s3_server  # noqa: F401 (module fixture: moto's S3 server on loopback)
 
 from pettingflow.configs.loader import load_config
-from pettingflow.iteration.weights import weights_before
+from pettingflow.iteration.weights import start_version, weights_before
 from pettingflow.storage import RunLayout
 from pettingflow.training.checkpoint import BASE_VERSION, optimizer_snapshot_due
 
@@ -60,6 +60,8 @@ def test_start_weights_and_snapshot_age(setup) -> None:
     # a version names the update that wrote the weights: iteration k's update writes version k + 1
     assert (exact.version, one_old.version, weights_before(layout, config, "shared", 3).version) == (1, 2, 2)
     assert two_old.version == 4
+    # the same versions from the markers alone (what the advantage step records as each row's lag)
+    assert [start_version(layout, "shared", k) for k in range(5)] == [0, 1, 2, 2, 4]
     assert two_old.deepspeed_dir.endswith("iter-0/update-shared/deepspeed")
 
 
