@@ -28,7 +28,7 @@ from pettingflow.iteration.weights import (
     weights_in_step,
 )
 from pettingflow.storage.fs import join, uri_of
-from pettingflow.training.launch import run_update, spec_from_config
+from pettingflow.training.launch import METRICS_FILE, _rebase_outputs, run_update, spec_from_config
 
 
 def update_step(ctx: IterationContext, config: ExperimentConfig, policy: str, runtime: Any = None) -> StepOutcome:
@@ -91,7 +91,15 @@ def update_step(ctx: IterationContext, config: ExperimentConfig, policy: str, ru
         metrics["policy_lag_max"] = max(lags, default=0)
         metrics.update({f"policy_lag/{lag}": n for lag, n in sorted(lags.items())})
         metrics.update(_flat_timings(metrics))
+        if not (Path(out_dir) / METRICS_FILE).is_file():  # rank 0 writes it last, beside the checkpoint
+            raise RuntimeError(
+                f"the update of {policy!r} wrote no {METRICS_FILE} into {out_dir} on this machine: its rank 0 ran "
+                "on another node and wrote the checkpoint there. Give the learner a folder both nodes share (a "
+                "shared filesystem as run.storage_root), or keep rank 0 on the flow's node for a remote storage_root"
+            )
         step.add_tree(out_dir)
+        if local is None:  # name the uploaded files (log, checkpoint), not the temp folder deleted below
+            metrics = _rebase_outputs(metrics, str(out_dir), step.uri)
         meta = {"metrics": _small(metrics), "starts_from": start.source, "skipped": bool(metrics.get("skipped"))}
         manifest = step.commit(meta)
     finally:
