@@ -56,6 +56,13 @@ def wait_http(url: str, timeout_s: float) -> None:
     raise TimeoutError(f"{url} did not answer within {timeout_s} s")
 
 
+def stop_worker(proc: subprocess.Popen) -> None:
+    """SIGINT (Prefect's orderly stop), then SIGKILL whatever is left: a worker that outlives its test would poll
+    the pool and take the next test's flow run."""
+    kill_tree(proc, signal.SIGINT)
+    kill_tree(proc)
+
+
 def kill_tree(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
     """Kill a process and all its descendants (a crash of the worker and everything it started)."""
     try:
@@ -205,7 +212,7 @@ def test_deployment_run_two_iterations(stack, tmp_path, vllm_server, default_mod
         out, flow_run_id = deployment_run(env, run_overrides(tmp_path, vllm_server, default_model_dir), watch=True)
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     finally:
-        kill_tree(worker, signal.SIGINT)
+        stop_worker(worker)
     state, tasks, artifacts = read_flow_run(env, flow_run_id)
     assert state == "Completed"
     for name in ("collect_rollouts", "filter_and_group", "compute_advantages", "sync_weights", "validate", "report"):
@@ -277,7 +284,7 @@ def test_worker_crash_during_update_then_resume(
         out, second_id = deployment_run(env, overrides, watch=True, run_id=layout.run_id)
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     finally:
-        kill_tree(worker, signal.SIGINT)
+        stop_worker(worker)
     state, tasks, _ = read_flow_run(env, second_id)
     assert state == "Completed"
     # iteration 0's committed steps were not executed again
@@ -370,7 +377,7 @@ def test_async_deployment_run_three_iterations(
         out, flow_run_id = deployment_run(env, async_overrides(tmp_path, vllm_server, default_model_dir, 3), watch=True)
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     finally:
-        kill_tree(worker, signal.SIGINT)
+        stop_worker(worker)
     state, tasks, _ = read_flow_run(env, flow_run_id)
     assert state == "Completed"
     # iterations 1 and 2 were collected ahead, in the subflow of the iteration before; their own task skips
@@ -439,7 +446,7 @@ def test_async_worker_crash_while_update_and_next_rollouts_overlap_then_resume(
         out, second_id = deployment_run(env, overrides, watch=True, run_id=layout.run_id)
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     finally:
-        kill_tree(worker, signal.SIGINT)
+        stop_worker(worker)
     state, tasks, _ = read_flow_run(env, second_id)
     assert state == "Completed" and first_id != second_id
     # the resumed iteration 0 skipped its committed steps, trained again and collected iteration 1's missing
