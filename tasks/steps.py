@@ -23,7 +23,7 @@ from pettingflow.iteration.batches import StepOutcome
 from pettingflow.iteration.context import BASELINE_STEP, IterationContext
 from pettingflow.iteration.run import RunRef, load_run_config
 from pettingflow.iteration.runtime import Runtime
-from pettingflow.iteration.weights import weights_before
+from pettingflow.iteration.weights import start_version, weights_before
 
 
 def context(run: RunRef, iteration: int, attempt: int = 0, from_step: str = "rollouts") -> IterationContext:
@@ -56,7 +56,7 @@ def collect_rollouts(run: RunRef, iteration: int, runtime: Runtime, ahead: bool 
     ctx = context(run, iteration)
     step = ctx.step("rollouts")
     if not ahead:
-        starts = {p: weights_before(ctx.layout, config, p, iteration).version for p in runtime.servers}
+        starts = {p: start_version(ctx.layout, p, iteration) for p in runtime.servers}
         if reason := rollouts.stale_rollouts(ctx, config, starts):
             get_run_logger().warning(
                 "%s: collecting them again (the old ones moved to %s)", reason, rollouts.set_aside(step)
