@@ -23,6 +23,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from pettingflow.configs.settings import ExperimentConfig
+from pettingflow.faults import maybe_crash
 from pettingflow.iteration.context import IterationContext
 from pettingflow.iteration.weights import start_version
 from pettingflow.rl.advantages import compute_advantages
@@ -197,6 +198,7 @@ def advantage_step(ctx: IterationContext, config: ExperimentConfig) -> StepOutco
         "policies": {},
     }
     out.begin()
+    maybe_crash("advantages:mid")  # kill matrix
     for policy in policies:
         part = policy_batch(table, policy)
         # the lag each row will be trained at: versions between its sampler's weights and the update's start

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from pettingflow.faults import maybe_crash
 from pettingflow.iteration.context import IterationContext
 from pettingflow.paths import home
 from pettingflow.storage import RunLayout, StepNotCommittedError, read_step_trajectories
@@ -176,6 +177,7 @@ def write_report(ctx: IterationContext, metrics: Mapping[str, float], links: Map
         {"iteration": ctx.iteration, **metrics}
     ]
     png = curve_png(sorted(points, key=lambda p: p["iteration"]))
+    maybe_crash("report:mid")  # kill matrix: metrics and curve made, nothing written
     step.begin()
     step.write_json("metrics.json", dict(metrics))
     step.write_bytes("samples.md", samples.encode())

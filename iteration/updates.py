@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from pettingflow.configs.settings import ExperimentConfig
+from pettingflow.faults import crash_soon, maybe_crash
 from pettingflow.iteration.batches import StepOutcome, already_done, batch_file
 from pettingflow.iteration.context import IterationContext
 from pettingflow.iteration.weights import (
@@ -82,6 +83,7 @@ def update_step(ctx: IterationContext, config: ExperimentConfig, policy: str, ru
                 spec = spec.model_copy(
                     update={"algorithm": spec.algorithm.model_copy(update={"use_sampler_logprobs": True})}
                 )
+            crash_soon("update:mid")  # kill matrix: a few seconds into the training
             if learner is not None:
                 metrics = learner.update(spec, timeout_s=config.training.update_timeout_s)
             else:
@@ -177,6 +179,7 @@ def sync_step(ctx: IterationContext, config: ExperimentConfig, runtime: Any) -> 
     for policy in runtime.servers:
         results[policy] = runtime.ensure_serving(weights_after(ctx, config, policy))
     step = ctx.step("sync")
+    maybe_crash("sync:mid")  # kill matrix: servers synced, the step not committed
     if not step.is_committed():
         step.begin()
         step.write_json("sync.json", results)

@@ -29,6 +29,7 @@ import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pettingflow.faults import maybe_crash
 from pettingflow.storage.fs import is_local, join, uri_of, write_bytes_atomic
 from pettingflow.storage.schema import READABLE_VERSIONS, SCHEMA_VERSION, schema_version_of, upgrade_table
 
@@ -213,6 +214,7 @@ class Step:
             committed_at=time.time(),
             metadata=metadata or {},
         )
+        maybe_crash(f"before_marker:{self.name}")  # kill matrix: every file written, the marker not
         write_bytes_atomic(self.fs, self.marker_path, manifest.to_json().encode())
         self._pending = []
         return manifest

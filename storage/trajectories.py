@@ -11,6 +11,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from pettingflow.faults import maybe_crash
 from pettingflow.storage.fs import join
 from pettingflow.storage.layout import RunLayout
 from pettingflow.storage.schema import TRAJECTORY_SCHEMA, trajectories_to_table, validate_trajectories
@@ -38,6 +39,7 @@ def write_trajectories(
     validate_trajectories(table)
     table = table.replace_schema_metadata(TRAJECTORY_SCHEMA.metadata)
     step.begin(keep)
+    maybe_crash(f"{step.name}:mid")  # kill matrix: filtered/validation/baseline computed, nothing written
     n_files = max(1, -(-table.num_rows // rows_per_file))
     for i in range(n_files):
         chunk = table.slice(i * rows_per_file, rows_per_file)
@@ -139,6 +141,7 @@ class TrajectoryShards:
         """Commit one whole shard and return its rows as a table."""
         table = trajectories_to_table(rows)
         write_trajectories(self._shard(key), table)
+        maybe_crash(f"{self.step.name}:shard")  # kill matrix: rollouts mid-flight, a group committed
         return table
 
     def commit(self, shards: Mapping[int, pa.Table], metadata: dict[str, Any] | None = None) -> Manifest:

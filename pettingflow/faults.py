@@ -1,0 +1,117 @@
+"""Fault injection for the crash tests: ``maybe_crash(point)`` SIGKILLs the process tree running a flow, once.
+
+Why: "a crashed run resumes where it stopped" is only worth something if a crash at *every* step was tried. The
+step code calls ``maybe_crash("<point>")`` at named places (one line each); it does nothing unless the process
+environment asks for that point:
+
+- ``PETTINGFLOW_CRASH_AT``: the point(s) to crash at, comma-separated (e.g. ``filtered:mid``);
+- ``PETTINGFLOW_CRASH_DIR``: where a point that fired leaves ``<point>.fired`` (default
+  ``$PETTINGFLOW_STATE/faults``), so a resumed attempt that inherits the same environment does not crash again;
+- ``PETTINGFLOW_CRASH_SCOPE``: ``worker`` (default): the Prefect worker this process runs under and everything
+  below it (the flow run, Ray, learner ranks, sandbox actors), as a machine losing the worker would; without a
+  worker above it, this process and its descendants. ``process``: this process alone (what the deathsig
+  watchers must then clean up after);
+- ``PETTINGFLOW_CRASH_DELAY_S``: for ``crash_soon`` (points inside a long call, ``update:mid``), seconds to wait.
+
+Points (docs/flows.md, "Kill matrix"): ``rollouts:mid`` (a group shard committed, the step not), ``filtered:mid``,
+``advantages:mid`` (a batch file written, the step not committed), ``update:mid`` (the learner training),
+``sync:mid`` (servers synced, the step not committed), ``baseline:mid``/``validation:mid`` (episodes run, not
+committed), ``report:mid``, and ``before_marker:<step>`` for every step: all files written, the marker not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+ENV_POINTS = "PETTINGFLOW_CRASH_AT"
+ENV_DIR = "PETTINGFLOW_CRASH_DIR"
+ENV_SCOPE = "PETTINGFLOW_CRASH_SCOPE"
+ENV_DELAY = "PETTINGFLOW_CRASH_DELAY_S"
+WORKER_MARK = "prefect worker start"  # the command line of a Prefect worker (``prefect worker start --pool ...``)
+
+
+def armed(point: str) -> bool:
+    """Whether the environment asks for a crash at ``point`` (cheap: one environment lookup when unset)."""
+    wanted = os.environ.get(ENV_POINTS)
+    return bool(wanted) and point in (p.strip() for p in wanted.split(","))
+
+
+def maybe_crash(point: str) -> None:
+    """SIGKILL the configured scope at ``point`` if ``PETTINGFLOW_CRASH_AT`` names it and it has not fired yet."""
+    if not armed(point) or not _claim(point):
+        return
+    _kill(point, os.environ.get(ENV_SCOPE, "worker"))
+
+
+def crash_soon(point: str) -> None:
+    """``maybe_crash(point)`` after ``PETTINGFLOW_CRASH_DELAY_S`` (default 3 s), from a daemon thread: for a point
+    inside a call that blocks this thread (an update running in learner ranks)."""
+    if not armed(point):
+        return
+    delay = float(os.environ.get(ENV_DELAY, "3"))
+    threading.Thread(target=lambda: (time.sleep(delay), maybe_crash(point)), daemon=True, name=f"crash-{point}").start()
+
+
+def fired_dir() -> Path:
+    state = Path(os.environ.get("PETTINGFLOW_STATE", Path.cwd() / ".pettingflow"))
+    return Path(os.environ.get(ENV_DIR) or state / "faults")
+
+
+def fired(point: str) -> dict | None:
+    """What a point that fired recorded (pid, time, the processes killed), or None."""
+    path = fired_dir() / f"{_file_name(point)}.fired"
+    with contextlib.suppress(FileNotFoundError, ValueError):
+        return json.loads(path.read_text())
+    return None
+
+
+def _file_name(point: str) -> str:
+    return point.replace("/", "_").replace(":", "_")
+
+
+def _claim(point: str) -> bool:
+    """Create ``<point>.fired`` exclusively: only the first caller (of any process) crashes at a point."""
+    folder = fired_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(folder / f"{_file_name(point)}.fired", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "w") as fh:
+        json.dump({"point": point, "pid": os.getpid(), "at": time.time()}, fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+    return True
+
+
+def _kill(point: str, scope: str) -> None:
+    """SIGKILL the scope; this process last (it never returns)."""
+    import psutil
+
+    me = psutil.Process()
+    victims: list[psutil.Process] = []
+    if scope != "process":
+        root = next((p for p in me.parents() if WORKER_MARK in _cmdline(p)), me)
+        victims = [p for p in [root, *root.children(recursive=True)] if p.pid != me.pid]
+    record = fired_dir() / f"{_file_name(point)}.fired"
+    with contextlib.suppress(OSError, ValueError):  # what was killed, for the test that checks nothing survived
+        info = json.loads(record.read_text())
+        info["killed"] = [{"pid": p.pid, "cmdline": _cmdline(p)[:200]} for p in [*victims, me]]
+        record.write_text(json.dumps(info))
+    for proc in victims:
+        with contextlib.suppress(psutil.Error):
+            proc.send_signal(signal.SIGKILL)
+    os.kill(me.pid, signal.SIGKILL)
+
+
+def _cmdline(proc) -> str:
+    try:
+        return " ".join(proc.cmdline())
+    except Exception:  # a process that ended, or that we may not read, is no worker
+        return ""
