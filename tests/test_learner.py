@@ -72,6 +72,7 @@ def safetensors_of(metrics: dict) -> dict[str, torch.Tensor]:
 
 @pytest.mark.slow
 def test_resident_updates_equal_updates_with_a_kill_and_resume(local_ray, tiny_model_dir, tmp_path):
+    from pettingflow.allocator import describe
     from pettingflow.training.learner import Learner
 
     data = batches(tmp_path, 3)
@@ -91,6 +92,8 @@ def test_resident_updates_equal_updates_with_a_kill_and_resume(local_ray, tiny_m
     assert [m["optimizer_state"] for m in ma] == ["new", "resident", "resident"]
     assert [m["learner_loaded"] for m in ma] == [True, False, False]
     assert a.starts == 1 and state_a["version"] == "v2" and state_a["updates_done"] == 3
+    # the ranks run with the allocator the default (auto) resolves to here: tcmalloc when installed
+    assert state_a["malloc"] == describe("auto")
     # Adam was not reset between updates: its step count went on by one per update
     steps = {float(s["step"]) for s in opt_a["state"].values()}
     assert len(steps_after_first) == 1 and steps == {steps_after_first.pop() + 2} and state_a["global_steps"] == 3

@@ -39,6 +39,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pettingflow import deathsig
+from pettingflow.allocator import preload_env
 from pettingflow.configs.settings import AlgorithmSettings, LoraSettings, Specialization, TrainingSettings
 from pettingflow.training.checkpoint import PolicyWeights, optimizer_snapshot_due
 
@@ -219,7 +220,7 @@ def run_update(
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env=worker_env(n, port, env),
+            env=worker_env(n, port, {**preload_env(spec.training.malloc), **(env or {})}),
             text=True,
             bufsize=1,
             start_new_session=True,

