@@ -63,6 +63,8 @@ from typing import Any
 
 import common
 
+from pettingflow.allocator import describe, preload_env
+
 GOAL = 0.5  # PettingFlow (sync) wall / TRL wall per warm iteration
 ASYNC_GOAL = 0.33  # PettingFlow async wall / TRL wall
 ASYNC_SPEEDUP_GOAL = 1.5  # sync wall / async wall
@@ -142,6 +144,8 @@ def pf_overrides(root: Path, task_file: Path, model: Path, url: str | None, args
         "training.epochs=1",
         f"training.dtype={args.dtype}",
         "training.zero_stage=0",
+        f"training.malloc={args.malloc}",
+        f"inference.malloc={args.malloc}",
         "validation.frequency=0",
         *args.overrides,
     ]
@@ -232,6 +236,8 @@ def trl_run(model: Path, prompt_ids: list[list[int]], args: Any, threads: int, o
     }
     (out / "spec.json").write_text(json.dumps(spec))
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    env.pop("LD_PRELOAD", None)
+    env.update(preload_env(args.malloc, env))  # the same allocator as PettingFlow's learner
     cmd = [common.python(), str(Path(__file__).resolve()), "--trl-worker", str(out / "spec.json")]
     with common.Timer() as t:
         proc = subprocess.run(cmd, env=env, cwd=common.REPO)
@@ -413,6 +419,13 @@ def main(argv: list[str] | None = None) -> int:
         "pauses it during updates (inference.between_updates=pause: the update gets both cores); shared: one "
         "server started by the bench (or --url), attached by every run, never paused",
     )
+    parser.add_argument(
+        "--malloc",
+        choices=["auto", "tcmalloc", "system"],
+        default="auto",
+        help="allocator of both sides' compute processes: TRL's child, PettingFlow's learner and vLLM server "
+        "(training.malloc, inference.malloc); auto: tcmalloc when installed",
+    )
     parser.add_argument("--quick", action="store_true", help="smoke test: 2 tasks, G=2, 32 tokens, 2x2 rows, N=1")
     parser.add_argument("--url", help="attach to a running vLLM server (default model, dev mode; see common.py)")
     parser.add_argument("--json", type=Path, help="write the raw numbers here")
@@ -443,6 +456,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from pettingflow.training.model import resolve_dtype
 
+    describe(args.malloc)  # fails early when tcmalloc is required but missing
     model = common.model_dir()
     shared_server = args.pf_server == "shared" or args.url is not None
     args.dtype = resolve_dtype(args.dtype)
@@ -457,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
         f"max_new_tokens {args.max_new_tokens}, one optimizer step of {args.micro_batch} x {args.grad_accum} rows, "
         f"1 cold + {args.iterations} warm iteration(s) per side, {args.rounds} round(s); "
         f"{args.dtype}; PettingFlow OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}"
-        + f"; modes {args.modes}"
+        + f"; modes {args.modes}; malloc {describe(args.malloc)} on both sides"
         + (
             f", managed vLLM (sync: paused during updates, {args.vllm_threads or 'auto'} vLLM threads)"
             if not shared_server
@@ -670,6 +684,7 @@ def report(
                             "trl_threads",
                             "dtype",
                             "pf_server",
+                            "malloc",
                             "modes",
                             "vllm_threads",
                             "overrides",
