@@ -7,12 +7,7 @@ Without: the config's base model(s). Results are stored as an evaluation run of 
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from typing import Any
-
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from prefect import flow, get_run_logger
 

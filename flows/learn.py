@@ -19,14 +19,10 @@ what it needs (the trained weights for the final evaluation).
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
-
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from prefect import flow, get_run_logger
 

@@ -14,12 +14,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import sys
-from pathlib import Path
 from typing import Any
-
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact

@@ -11,11 +11,7 @@ Without ``run_id``, the id is derived from the Prefect flow run (its name and sc
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 from typing import Any
-
-if __package__ in (None, ""):  # loaded by path (Prefect entrypoint flows/train.py:train)
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from prefect import flow, get_run_logger
 
