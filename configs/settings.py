@@ -120,7 +120,7 @@ class DatasetSettings(_Strict):
     path: str | None = Field(
         None,
         description="source=file: a .jsonl, .parquet or datasets save_to_disk folder of HumanEval-shaped tasks or of "
-        "seed-001 rows {env_class_path, env_config, task_data} (docs/datasets.md); relative: to the working "
+        "env rows {env_class_path, env_config, task_data} (docs/datasets.md); relative: to the working "
         "directory, else to configs/.",
     )
     num_tasks: int = Field(

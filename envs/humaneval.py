@@ -58,7 +58,7 @@ def load_humaneval() -> list[dict[str, Any]]:
 def load_task_file(path: str | Path) -> list[dict[str, Any]]:
     """Rows of a ``.jsonl`` / ``.jsonl.gz`` / ``.parquet`` file or a ``datasets.save_to_disk`` folder.
 
-    Seed-001 rows (``{"env_class_path", "env_config"?, "task_data"}``) are checked by
+    Env rows (``{"env_class_path", "env_config"?, "task_data"}``) are checked by
     ``task_files.validate_env_rows`` (each row's env class, config and task); other rows must be
     HumanEval-shaped tasks for the configured env.
     """
@@ -71,7 +71,7 @@ def load_task_file(path: str | Path) -> list[dict[str, Any]]:
         if missing:
             raise TaskFileError(
                 f"{path} is missing columns {missing}; every row needs {list(REQUIRED_COLUMNS)} "
-                f"(found {raw.columns}), or give seed-001 rows {{env_class_path, env_config, task_data}}"
+                f"(found {raw.columns}), or give env rows {{env_class_path, env_config, task_data}}"
             )
     return validate_tasks(raw.rows, source=str(path))
 
@@ -105,7 +105,7 @@ def split_key(task_id: str, split_seed: int) -> str:
 
 
 def task_key(task: Mapping[str, Any]) -> str:
-    """The id the split hashes: ``task_id`` of a bare task, or of a seed-001 row's ``task_data``."""
+    """The id the split hashes: ``task_id`` of a bare task, or of an env row's ``task_data``."""
     data = task.get("task_data", task)
     return str(data["task_id"])
 

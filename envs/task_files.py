@@ -1,8 +1,8 @@
-"""Task files on disk: JSONL, Parquet or a Hugging Face ``datasets`` folder, and seed-001 rows.
+"""Task files on disk: JSONL, Parquet or a Hugging Face ``datasets`` folder, and env rows.
 
 A task file holds either bare tasks (HumanEval-shaped rows, checked by ``humaneval.validate_tasks``) or
-seed-001 rows that name their own env (``{"env_class_path", "env_config"?, "task_data"}``), so one
-dataset -- and one batch -- can mix envs. Seed-001 rows are checked here, when the file is loaded, so a
+env rows that name their own env (``{"env_class_path", "env_config"?, "task_data"}``), so one
+dataset -- and one batch -- can mix envs. Env rows are checked here, when the file is loaded, so a
 bad row fails with its file, row and field before any server starts, not in the middle of a rollout.
 
 Columnar formats (Parquet, ``datasets``) store ``env_config`` and ``task_data`` as struct columns whose
@@ -62,12 +62,12 @@ def read_rows(path: Path) -> RawRows:
 
 
 def is_env_row_file(rows: list[dict[str, Any]]) -> bool:
-    """Whether the rows are seed-001 rows (any row has one of ``env_class_path``, ``env_config``, ``task_data``)."""
+    """Whether the rows are env rows (any row has one of ``env_class_path``, ``env_config``, ``task_data``)."""
     return any(set(ENV_ROW_KEYS) & set(row) for row in rows)
 
 
 def validate_env_rows(raw: RawRows, source: str) -> list[dict[str, Any]]:
-    """Check seed-001 rows and return them normalized: ``{"env_class_path", "env_config"?, "task_data"}``.
+    """Check env rows and return them normalized: ``{"env_class_path", "env_config"?, "task_data"}``.
 
     Checks per row: only the three keys; ``env_class_path`` resolves to an ``Env`` class; ``env_config`` (if
     given) validates against that class's ``Config``; ``task_data`` is an object with a ``task_id`` that no other
@@ -110,7 +110,7 @@ def _check_env_row(row: Mapping[str, Any], columnar: bool) -> dict[str, Any]:
     if extra:
         raise _RowError(
             extra[0],
-            f"is not a seed-001 key; a row holds only {list(ENV_ROW_KEYS)}: move task fields into task_data",
+            f"is not an env-row key; a row holds only {list(ENV_ROW_KEYS)}: move task fields into task_data",
         )
     class_path = row.get("env_class_path")
     if not isinstance(class_path, str) or not class_path.strip():
@@ -188,7 +188,7 @@ def save_task_file(rows: list[Mapping[str, Any]], path: str | Path) -> Path:
 
     Why a helper: ``pyarrow.Table.from_pylist`` and ``datasets.Dataset.from_list`` take the columns from the
     first row, so a file whose first row has no ``env_config`` silently loses every row's ``env_config``.
-    Seed-001 rows are written with all three keys (``null`` where absent), which the loader reads back as absent.
+    Env rows are written with all three keys (``null`` where absent), which the loader reads back as absent.
     """
     path = Path(path)
     if is_env_row_file([dict(r) for r in rows]):

@@ -1,4 +1,4 @@
-"""Seed-001 task files (issue 14 item 4): rows that name their env load from JSONL, Parquet and datasets folders;
+"""Env-row task files (issue 14 item 4): rows that name their env load from JSONL, Parquet and datasets folders;
 bad rows fail with the file, the row and the field."""
 
 from __future__ import annotations
@@ -220,7 +220,7 @@ def test_several_bad_rows_are_reported_together(tmp_path: Path) -> None:
 def test_jsonl_only_shapes(tmp_path: Path) -> None:
     path = tmp_path / "t.jsonl"
     path.write_text(json.dumps({**code_row(), "task_id": "x"}) + "\n")
-    with pytest.raises(TaskFileError, match=r"line 1: field 'task_id': is not a seed-001 key.*move task fields"):
+    with pytest.raises(TaskFileError, match=r"line 1: field 'task_id': is not an env-row key.*move task fields"):
         load_task_file(path)
     path.write_text(json.dumps({**plan_row(), "env_config": [1]}) + "\n")
     with pytest.raises(TaskFileError, match=r"line 1: field 'env_config': must be an object"):
