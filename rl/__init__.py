@@ -7,7 +7,6 @@ from pettingflow.rl.advantages import (
     ADVANTAGE_ESTIMATORS,
     broadcast_advantages,
     compute_advantages,
-    place_token_rewards,
 )
 from pettingflow.rl.filters import FILTER_METHODS, FilterResult, filter_samples, range_normalized_variance
 from pettingflow.rl.losses import (
@@ -36,7 +35,6 @@ __all__ = [
     "group_indices",
     "kl_penalty",
     "masked_aggregate",
-    "place_token_rewards",
     "policy_loss",
     "range_normalized_variance",
     "total_loss",

@@ -66,23 +66,6 @@ def _check_pair(values: torch.Tensor, mask: torch.Tensor, name: str) -> None:
         raise ValueError("mask must contain only 0 and 1")
 
 
-def place_token_rewards(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``[B] -> [B, T]``: ``scores[b]`` at the LAST position where ``mask[b] == 1``, 0 elsewhere.
-
-    Rows whose mask is all zero stay all zero. This is how verl stores outcome rewards per token.
-    """
-    _check_pair(scores, mask, "scores")
-    B, T = mask.shape
-    out = torch.zeros(B, T, dtype=scores.dtype, device=scores.device)
-    if T == 0:
-        return out
-    valid = mask != 0
-    has_token = valid.any(dim=1)
-    last = T - 1 - valid.flip(dims=[1]).int().argmax(dim=1)  # first valid from the right
-    values = torch.where(has_token, scores, torch.zeros_like(scores))
-    return out.scatter(1, last.unsqueeze(1), values.unsqueeze(1))
-
-
 def broadcast_advantages(adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """``[B] -> [B, T]``: ``adv[b] * mask[b, t]`` (every model token of a sample shares its advantage)."""
     _check_pair(adv, mask, "adv")

@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pettingflow.rl import broadcast_advantages, compute_advantages, group_indices, place_token_rewards
+from pettingflow.rl import broadcast_advantages, compute_advantages, group_indices
 
 EPS = 1e-6
 # group a: [1, 0, 0] (mean 1/3), group b: [2, 2] (zero variance), group c: [5] (single sample)
@@ -121,37 +121,13 @@ def test_group_relative_properties(batch: tuple[list[str], list[float]]) -> None
 # ---------------------------------------------------------------- token placement
 
 
-def test_place_token_rewards_at_last_valid_token() -> None:
-    mask = torch.tensor([[1, 1, 0, 0], [0, 1, 0, 1], [0, 0, 0, 0], [1, 0, 0, 0], [1, 1, 1, 1]])
-    scores = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0])
-    expected = torch.tensor([[0, 1, 0, 0], [0, 0, 0, 2], [0, 0, 0, 0], [4, 0, 0, 0], [0, 0, 0, 5]], dtype=torch.float32)
-    assert torch.equal(place_token_rewards(scores, mask), expected)
-    assert torch.equal(place_token_rewards(scores, mask.bool()), expected)
-    assert place_token_rewards(scores, torch.zeros(5, 0)).shape == (5, 0)
-
-
-def test_place_token_rewards_all_zero_row_stays_zero_even_for_nonfinite_score() -> None:
-    out = place_token_rewards(torch.tensor([float("nan"), 1.0]), torch.tensor([[0, 0], [0, 1]]))
-    assert torch.equal(out, torch.tensor([[0.0, 0.0], [0.0, 1.0]]))
-
-
-def test_place_token_rewards_sums_back_to_the_score() -> None:
-    gen = torch.Generator().manual_seed(0)
-    mask = (torch.rand(16, 9, generator=gen) > 0.5).long()
-    scores = torch.randn(16, generator=gen, dtype=torch.float64)
-    out = place_token_rewards(scores, mask)
-    has = mask.any(dim=1)
-    assert torch.equal(out.sum(dim=1), torch.where(has, scores, torch.zeros_like(scores)))
-    assert torch.equal(out * (1 - mask), torch.zeros_like(out))
-
-
 def test_broadcast_advantages() -> None:
     mask = torch.tensor([[1, 0, 1], [0, 0, 0]])
     out = broadcast_advantages(torch.tensor([0.5, -2.0]), mask)
     assert torch.equal(out, torch.tensor([[0.5, 0.0, 0.5], [0.0, 0.0, 0.0]]))
 
 
-@pytest.mark.parametrize("fn", [place_token_rewards, broadcast_advantages])
+@pytest.mark.parametrize("fn", [broadcast_advantages])
 def test_token_helpers_validate(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
     with pytest.raises(ValueError, match="must be 1-D"):
         fn(torch.zeros(2, 1), torch.ones(2, 3))

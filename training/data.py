@@ -40,6 +40,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from pettingflow.rl.advantages import broadcast_advantages
+
 log = logging.getLogger(__name__)
 
 BATCH_COLUMNS = (
@@ -273,7 +275,6 @@ def collate(samples: Sequence[Sample], pad_id: int = 0, adapter: str | None = No
     input_ids = torch.full((B, L), pad_id, dtype=torch.long)
     attention_mask = torch.zeros((B, L), dtype=torch.long)
     loss_mask = torch.zeros((B, W), dtype=torch.float32)
-    advantages = torch.zeros((B, W), dtype=torch.float32)
     sampler_logprobs = torch.zeros((B, W), dtype=torch.float32)
     for b, s in enumerate(samples):
         P, R = len(s.prompt_ids), len(s.response_ids)
@@ -284,9 +285,10 @@ def collate(samples: Sequence[Sample], pad_id: int = 0, adapter: str | None = No
         lo = P - 1 - start
         mask = torch.from_numpy(s.response_mask.astype(np.float32))
         loss_mask[b, lo : lo + R] = mask
-        advantages[b, lo : lo + R] = mask * s.advantage
         sampler_logprobs[b, lo : lo + R] = torch.from_numpy(s.sampler_logprobs) * mask
     targets = input_ids[:, start + 1 :].clone()
+    # every model token of a row carries the row's advantage; env tokens, prompt and padding carry 0
+    advantages = broadcast_advantages(torch.tensor([s.advantage for s in samples], dtype=torch.float32), loss_mask)
     return MicroBatch(
         prompt_lens=[len(s.prompt_ids) for s in samples],
         prompt_groups=prompt_groups(samples),
