@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from pettingflow.iteration.report import figure_png, history
+from pettingflow.rollout import records
 from pettingflow.storage import RunLayout
 
 #: The agent whose held-out success is the headline: the one that writes the code.
@@ -262,18 +263,11 @@ def read_trajectories_of(layout: RunLayout) -> list[dict[str, Any]]:
 
 
 def agent_scores(rows: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, float]]:
-    """Per agent over its final turns: success rate, reward mean and episode count (as ``evaluate`` reports)."""
-    finals: dict[str, list[Mapping[str, Any]]] = {}
+    """Per agent over its final turns of stored rows: the scores rollouts report (``rollout.records.agent_scores``)."""
+    finals: dict[str, list[tuple[float, bool]]] = {}
     for (agent, _task, _sample), row in last_turns(rows).items():
-        finals.setdefault(agent, []).append(row)
-    return {
-        agent: {
-            "success_rate": sum(bool(r["success"]) for r in turns) / len(turns),
-            "reward_mean": sum(float(r["reward"]) for r in turns) / len(turns),
-            "episodes": float(len(turns)),
-        }
-        for agent, turns in finals.items()
-    }
+        finals.setdefault(agent, []).append((float(row["reward"]), bool(row["success"])))
+    return {agent: records.agent_scores(values) for agent, values in finals.items()}
 
 
 def smooth(values: Sequence[float], window: int = 4) -> list[float]:

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from pettingflow.rollout.chat import env_tokens_between
-from pettingflow.rollout.records import EpisodeRecord, TurnRecord
+from pettingflow.rollout.records import EpisodeRecord, TurnRecord, agent_scores
 
 log = logging.getLogger(__name__)
 
@@ -470,15 +470,7 @@ def summarize(records: Sequence[EpisodeRecord]) -> EngineStats:
         for name in dict.fromkeys(t.agent_name for t in rec.turns):
             finals.setdefault(name, []).append((rec.final_reward(name), rec.final_success(name)))
     for name, values in finals.items():
-        rewards = [r for r, _ in values]
-        mean = sum(rewards) / len(rewards)
-        std = (sum((r - mean) ** 2 for r in rewards) / len(rewards)) ** 0.5
-        stats.per_agent[name] = {
-            "reward_mean": mean,
-            "reward_std": std,
-            "success_rate": sum(ok for _, ok in values) / len(values),
-            "episodes": float(len(values)),
-        }
+        stats.per_agent[name] = agent_scores(values)
     return stats
 
 

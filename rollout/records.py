@@ -23,7 +23,7 @@ Token ids are never re-derived from decoded text: rows carry the exact ids the s
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -247,3 +247,18 @@ def _attach_uids(rows: list[dict[str, Any]], group_size: int, namespace: str) ->
     )
     for row, uid in zip(rows, uids, strict=True):
         row["uid"] = uid
+
+
+def agent_scores(finals: Sequence[tuple[float, bool]]) -> dict[str, float]:
+    """An agent's scores over its final turns (``(reward, success)`` per episode): reward mean and
+    (population) std, success rate and episode count. One definition for rollout stats and evaluations."""
+    n = len(finals)
+    if n == 0:
+        return {"reward_mean": float("nan"), "reward_std": float("nan"), "success_rate": float("nan"), "episodes": 0.0}
+    mean = sum(r for r, _ in finals) / n
+    return {
+        "reward_mean": mean,
+        "reward_std": (sum((r - mean) ** 2 for r, _ in finals) / n) ** 0.5,
+        "success_rate": sum(bool(ok) for _, ok in finals) / n,
+        "episodes": float(n),
+    }
