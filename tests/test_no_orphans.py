@@ -9,6 +9,7 @@ server, as in the first minute of a real rollout.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -20,7 +21,9 @@ from pathlib import Path
 
 import psutil
 import pytest
+from test_flows import scripted, tiny_model  # noqa: F401 (module fixtures)
 
+REPO = Path(__file__).resolve().parent.parent
 FAKE_SERVER = r"""
 import json, os, signal, subprocess, sys, time
 record = os.environ["FAKE_RECORD"]
@@ -124,3 +127,115 @@ def test_rollout_command_leaves_no_process_behind(tmp_path: Path, sig: signal.Si
         for proc in _live([*snapshot, psutil.Process(command.pid)] if command.poll() is None else snapshot):
             proc.kill()
         command.wait()
+
+
+# ------------------------------------------------------------------------------------------ flows and learners
+# Process kinds the project starts below a flow or learner driver; Prefect's own temporary API server (a child of
+# a flow run started without PREFECT_API_URL) is Prefect's, not ours, and is only cleaned up.
+OURS = ("ray::", "raylet", "gcs_server", "LearnerRank", "pettingflow.deathsig", "pettingflow.training", "vllm")
+
+
+def _watch_tree(proc: subprocess.Popen, seen: dict[int, psutil.Process], until: float) -> None:
+    """Record every descendant of ``proc`` until it exits (or ``until``): the tree right before it died."""
+    root = psutil.Process(proc.pid)
+    while proc.poll() is None and time.monotonic() < until:
+        try:
+            for child in root.children(recursive=True):
+                seen.setdefault(child.pid, child)
+        except psutil.NoSuchProcess:
+            break
+        time.sleep(0.2)
+
+
+def _ours(procs: list[psutil.Process]) -> list[psutil.Process]:
+    mine = []
+    for proc in _live(procs):
+        with contextlib.suppress(psutil.Error):
+            line = " ".join(proc.cmdline()) + " " + proc.name()
+            if any(m in line for m in OURS):
+                mine.append(proc)
+    return mine
+
+
+@pytest.mark.slow
+def test_flow_process_sigkilled_mid_update_leaves_no_process(tmp_path, tiny_model, scripted) -> None:  # noqa: F811
+    """The ``train`` flow's process (the Ray driver of the sandbox actors and the resident learner) SIGKILLs itself
+    a few seconds into iteration 0's update (``PETTINGFLOW_CRASH_AT=update:mid``, scope ``process``): the learner
+    ranks, Ray's processes and the sandbox actors must all end without anybody cleaning up after them."""
+    from pettingflow import faults
+
+    env = {
+        **os.environ,
+        "PETTINGFLOW_STATE": str(tmp_path / "state"),
+        "PREFECT_HOME": str(tmp_path / "prefect"),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "OMP_NUM_THREADS": "1",
+        "RAY_USAGE_STATS_ENABLED": "0",
+        faults.ENV_POINTS: "update:mid",
+        faults.ENV_SCOPE: "process",
+        faults.ENV_DELAY: "0.5",  # the tiny model's update is short
+        faults.ENV_DIR: str(tmp_path / "faults"),
+    }
+    env.pop("PREFECT_API_URL", None)  # Prefect's temporary server, started by the flow process
+    argv = [sys.executable, str(REPO / "flows" / "train.py"), "code-env", f"run.storage_root={tmp_path / 'runs'}",
+            "run.iterations=1", f"policies.0.model={tiny_model}", f"inference.url={scripted.url}",
+            "rollout.use_ray=true", "rollout.ray_num_cpus=2", "env.tasks_per_iteration=2", "validation.frequency=0",
+            "training.zero_stage=0", "training.learner=resident"]  # fmt: skip
+    log = tmp_path / "flow.log"
+    with open(log, "w") as out:
+        flow = subprocess.Popen(argv, env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    seen: dict[int, psutil.Process] = {}
+    try:
+        _watch_tree(flow, seen, time.monotonic() + 600)
+        assert flow.wait(timeout=30) == -signal.SIGKILL, log.read_text()[-3000:]
+        record = json.loads((tmp_path / "faults" / "update_mid.fired").read_text())
+        assert [k["pid"] for k in record["killed"]] == [flow.pid]  # the flow process alone was killed
+        ours = _ours(list(seen.values()))
+        kinds = " ".join(" ".join(p.cmdline()) for p in ours)
+        assert "LearnerRank" in kinds and "raylet" in kinds, kinds  # positive control: they were running
+        _, alive = psutil.wait_procs(ours, timeout=60)
+        assert _live(alive) == [], f"outlived the flow process: {[p.cmdline()[:3] for p in _live(alive)]}"
+    finally:
+        for proc in _live([*seen.values(), psutil.Process(flow.pid)] if flow.poll() is None else list(seen.values())):
+            proc.kill()
+        flow.wait()
+
+
+LEARNER_DRIVER = """
+import json, sys, time
+import ray
+ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+from pettingflow.training.learner import Learner
+learner = Learner("shared", 1, sys.argv[1], master_host="127.0.0.1").start()
+print(json.dumps(learner.pids), flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.slow
+def test_learner_driver_sigkilled_leaves_no_rank(tmp_path) -> None:
+    """A process that started a resident learner (Ray and its rank actors) dies by SIGKILL: ranks and Ray end."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_USAGE_STATS_ENABLED": "0"}
+    driver = subprocess.Popen(
+        [sys.executable, "-c", LEARNER_DRIVER, str(tmp_path / "logs")],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    seen: list[psutil.Process] = []
+    try:
+        line = driver.stdout.readline().decode()
+        ranks = json.loads(line) if line.startswith("[") else pytest.fail(f"no learner: {line}")
+        seen = [*psutil.Process(driver.pid).children(recursive=True), *map(psutil.Process, ranks)]
+        assert any("LearnerRank" in " ".join(p.cmdline()) for p in seen), [p.cmdline()[:2] for p in seen]
+        os.kill(driver.pid, signal.SIGKILL)
+        assert driver.wait(timeout=30) == -signal.SIGKILL
+        _, alive = psutil.wait_procs(_live(seen), timeout=60)
+        assert _live(alive) == [], f"outlived the learner's driver: {[p.cmdline()[:3] for p in _live(alive)]}"
+    finally:
+        for proc in _live(seen):
+            proc.kill()
+        if driver.poll() is None:
+            driver.kill()
+        driver.wait()
