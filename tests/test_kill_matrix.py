@@ -306,9 +306,9 @@ def crash_at(stack: Stack, point: str, overrides: list[str], root: Path, run_id:
 def killed_summary(record: dict) -> str:
     """What the crash killed, in words: the worker, the flow run, and how many Ray/learner processes."""
     lines = [k["cmdline"] for k in record["killed"]]
-    ray = sum("ray" in c.lower() or "raylet" in c or "gcs_server" in c for c in lines)
-    learner = sum("LearnerRank" in c for c in lines)
-    return f"worker + flow run + {len(lines) - 2} more ({ray} Ray, {learner} learner rank)"
+    ray = sum("ray" in c.lower() for c in lines)  # raylet, GCS, sandbox actors, the learner rank's actor
+    other = len(lines) - 2 - ray
+    return f"worker, flow run, {ray} Ray processes" + (f", {other} other" if other > 0 else "")
 
 
 def matrix_overrides(root: Path, vllm_server, model_dir: Path) -> list[str]:
@@ -481,13 +481,14 @@ def test_kill_matrix(stack, tmp_path, vllm_server, default_model_dir, restore_ba
     if can_restart_vllm:  # iteration 1's collection failed while the server was down, then was retried
         counts = flow_runs_of(stack.env, clean_id)[1]
         assert counts["collect_rollouts"] >= 2, counts
+        resumed = layout.step(1, "rollouts").manifest().metadata["groups_resumed"]
         rows.append(
             {
                 "point": "vLLM server SIGKILLed (iteration 1, requests running)",
                 "killed": "the vLLM server's process group (restarted on its port)",
                 "redone": f"collect_rollouts attempts: {counts['collect_rollouts']} (server back after "
                 f"{vllm_back_s:.0f} s)",
-                "kept": "iteration 0; committed group shards of iteration 1",
+                "kept": f"iteration 0; {resumed} of {TASKS} groups of iteration 1 (committed before the kill)",
                 "result": "the task's retry completed the rollouts",
             }
         )

@@ -5,6 +5,10 @@ The server is a fake (``$PETTINGFLOW_VLLM_LAUNCHER``) that, like vLLM, starts an
 process group, and that on SIGTERM exits at once *without* stopping that child: the way the real API server
 left its engine core behind. It never becomes healthy, so the command is signalled while it waits for the
 server, as in the first minute of a real rollout.
+
+Slow: the ``train`` flow's process SIGKILLed a moment into its update (``pettingflow.faults``, scope ``process``),
+and a process driving a resident learner SIGKILLed: the learner ranks, the sandbox actors, raylet and GCS must end
+with it. Ray's dashboard and runtime-env agents do not (``RAY_AGENTS``): those two tests xfail naming them.
 """
 
 from __future__ import annotations
@@ -132,29 +136,30 @@ def test_rollout_command_leaves_no_process_behind(tmp_path: Path, sig: signal.Si
 # ------------------------------------------------------------------------------------------ flows and learners
 # Process kinds the project starts below a flow or learner driver; Prefect's own temporary API server (a child of
 # a flow run started without PREFECT_API_URL) is Prefect's, not ours, and is only cleaned up.
+# Known gap (issue 15 item 9, open): after a SIGKILL of the driver that started a local Ray, the learner ranks, the
+# sandbox actors, raylet and GCS end, but Ray's dashboard and runtime-env agents were seen running 60 s later
+# (ray.init(include_dashboard=False) still starts them). The flow test reports them as xfail, not as passing.
+RAY_AGENTS = ("ray::DashboardAgent", "ray::RuntimeEnvAgent")
 OURS = ("ray::", "raylet", "gcs_server", "LearnerRank", "pettingflow.deathsig", "pettingflow.training", "vllm")
 
 
-def _watch_tree(proc: subprocess.Popen, seen: dict[int, psutil.Process], until: float) -> None:
-    """Record every descendant of ``proc`` until it exits (or ``until``): the tree right before it died."""
+def _watch_tree(proc: subprocess.Popen, seen: dict[int, tuple[psutil.Process, str]], until: float) -> None:
+    """Record every descendant of ``proc`` with its latest command line until it exits (or ``until``): the tree right
+    before it died (its members may be gone a moment later, so their command lines are kept)."""
     root = psutil.Process(proc.pid)
     while proc.poll() is None and time.monotonic() < until:
         try:
             for child in root.children(recursive=True):
-                seen.setdefault(child.pid, child)
+                with contextlib.suppress(psutil.Error):  # the latest title: a Ray worker becomes ray::LearnerRank
+                    seen[child.pid] = (seen.get(child.pid, (child,))[0], " ".join(child.cmdline()) + " " + child.name())
         except psutil.NoSuchProcess:
             break
         time.sleep(0.2)
 
 
-def _ours(procs: list[psutil.Process]) -> list[psutil.Process]:
-    mine = []
-    for proc in _live(procs):
-        with contextlib.suppress(psutil.Error):
-            line = " ".join(proc.cmdline()) + " " + proc.name()
-            if any(m in line for m in OURS):
-                mine.append(proc)
-    return mine
+def _ours(seen: dict[int, tuple[psutil.Process, str]]) -> list[tuple[psutil.Process, str]]:
+    """The recorded processes the project started (``OURS``), alive or not."""
+    return [(proc, line) for proc, line in seen.values() if any(m in line for m in OURS)]
 
 
 @pytest.mark.slow
@@ -184,19 +189,24 @@ def test_flow_process_sigkilled_mid_update_leaves_no_process(tmp_path, tiny_mode
     log = tmp_path / "flow.log"
     with open(log, "w") as out:
         flow = subprocess.Popen(argv, env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    seen: dict[int, psutil.Process] = {}
+    seen: dict[int, tuple[psutil.Process, str]] = {}
     try:
         _watch_tree(flow, seen, time.monotonic() + 600)
         assert flow.wait(timeout=30) == -signal.SIGKILL, log.read_text()[-3000:]
         record = json.loads((tmp_path / "faults" / "update_mid.fired").read_text())
         assert [k["pid"] for k in record["killed"]] == [flow.pid]  # the flow process alone was killed
-        ours = _ours(list(seen.values()))
-        kinds = " ".join(" ".join(p.cmdline()) for p in ours)
+        ours = _ours(seen)
+        kinds = " ".join(line for _, line in ours)
         assert "LearnerRank" in kinds and "raylet" in kinds, kinds  # positive control: they were running
-        _, alive = psutil.wait_procs(ours, timeout=60)
-        assert _live(alive) == [], f"outlived the flow process: {[p.cmdline()[:3] for p in _live(alive)]}"
+        _, alive = psutil.wait_procs(_live([p for p, _ in ours]), timeout=60)
+        left = [line.split()[0] for p, line in ours if p in _live(alive)]
+        known = [name for name in left if name in RAY_AGENTS]
+        assert len(known) == len(left), f"outlived the flow process: {left}"
+        if known:  # everything else ended; see RAY_AGENTS
+            pytest.xfail(f"Ray's per-node agents outlived the SIGKILLed driver by more than 60 s: {known}")
     finally:
-        for proc in _live([*seen.values(), psutil.Process(flow.pid)] if flow.poll() is None else list(seen.values())):
+        procs = [p for p, _ in seen.values()]
+        for proc in _live([*procs, psutil.Process(flow.pid)] if flow.poll() is None else procs):
             proc.kill()
         flow.wait()
 
@@ -225,14 +235,30 @@ def test_learner_driver_sigkilled_leaves_no_rank(tmp_path) -> None:
     )
     seen: list[psutil.Process] = []
     try:
-        line = driver.stdout.readline().decode()
-        ranks = json.loads(line) if line.startswith("[") else pytest.fail(f"no learner: {line}")
-        seen = [*psutil.Process(driver.pid).children(recursive=True), *map(psutil.Process, ranks)]
-        assert any("LearnerRank" in " ".join(p.cmdline()) for p in seen), [p.cmdline()[:2] for p in seen]
+        output = []
+        while not (line := driver.stdout.readline().decode()).startswith("["):  # Ray logs before the pids
+            output.append(line)
+            if not line:
+                pytest.fail(f"the driver ended without starting its learner: {''.join(output)[-3000:]}")
+        names: dict[int, str] = {}
+        deadline = time.monotonic() + 60
+        while not any("LearnerRank" in n for n in names.values()):  # positive control: the rank actor runs
+            assert time.monotonic() < deadline, f"no learner rank below the driver: {sorted(names.values())}"
+            seen = psutil.Process(driver.pid).children(recursive=True)
+            for proc in seen:
+                with contextlib.suppress(psutil.Error):
+                    names[proc.pid] = " ".join(proc.cmdline()).split(" ")[0]
+            time.sleep(0.5)
+        ranks = [pid for pid, name in names.items() if "LearnerRank" in name]
         os.kill(driver.pid, signal.SIGKILL)
         assert driver.wait(timeout=30) == -signal.SIGKILL
         _, alive = psutil.wait_procs(_live(seen), timeout=60)
-        assert _live(alive) == [], f"outlived the learner's driver: {[p.cmdline()[:3] for p in _live(alive)]}"
+        left = [names.get(p.pid, str(p.pid)) for p in _live(alive)]
+        assert not any(p.pid in ranks for p in _live(alive)), f"a learner rank outlived its driver: {left}"
+        known = [name for name in left if name in RAY_AGENTS]
+        assert len(known) == len(left), f"outlived the learner's driver: {left}"
+        if known:  # everything else ended; see RAY_AGENTS
+            pytest.xfail(f"Ray's per-node agents outlived the SIGKILLed driver by more than 60 s: {known}")
     finally:
         for proc in _live(seen):
             proc.kill()
