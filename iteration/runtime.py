@@ -161,6 +161,8 @@ class Runtime:
             ranks = self.config.training.num_processes * len({a.policy for a in self.config.agents})
             cpus = cfg.ray_num_cpus or max(os.cpu_count() or 1, ranks + 1)
             ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False)
+            # Ray's per-node agents outlive a SIGKILLed driver: a watcher kills this local Ray's processes with us
+            deathsig.kill_with_this_process(deathsig.local_ray_processes())
         self._owns_ray = True
 
     def _start_sandbox_pool(self) -> None:

@@ -175,7 +175,77 @@ def _fork_watcher(parent: int, sig: signal.Signals, grace_s: float) -> bool:
     return True
 
 
+def _start_time(pid: int) -> str | None:
+    """The kernel's start time of ``pid`` (``/proc/<pid>/stat`` field 22): with the pid, a process's identity."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            return fh.read().rsplit(b")", 1)[1].split()[19].decode()
+    except (OSError, IndexError):
+        return None
+
+
+def local_ray_processes() -> list[int]:
+    """Pids of the Ray processes this process started (a local Ray: raylet, GCS, their agents, workers).
+    Empty when attached to a cluster started elsewhere."""
+    import psutil
+
+    out = []
+    for child in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            text = " ".join([child.name(), *child.cmdline()])
+            if child.name() in ("raylet", "gcs_server") or "ray::" in text or "/site-packages/ray/" in text:
+                out.append(child.pid)
+    return out
+
+
+_SWEPT: set[int] = set()
+
+
+def kill_with_this_process(pids: list[int]) -> None:
+    """SIGKILL ``pids`` once this process is gone, whatever ends it (a detached watcher, started once per pid).
+
+    For processes that do not die with us by themselves: Ray's dashboard and runtime-env agents outlived a
+    SIGKILLed driver (and its raylet) by minutes. Each pid is checked against its start time before the kill,
+    so a reused pid is never hit. After a normal exit the watcher finds them gone already (``ray.shutdown``).
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    todo = [(p, t) for p in pids if p not in _SWEPT and (t := _start_time(p)) is not None]
+    if not todo:
+        return
+    import subprocess
+
+    subprocess.Popen(
+        [sys.executable, "-m", "pettingflow.deathsig", "--sweep", str(os.getpid()), *[f"{p}:{t}" for p, t in todo]],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,  # not in our group: our own stop() of the group must not end the watcher
+    )
+    _SWEPT.update(p for p, _ in todo)
+
+
+def _sweep(parent: int, targets: list[str]) -> None:
+    """The sweeper's body: wait until ``parent`` is gone, then SIGKILL each ``pid:starttime`` still alive."""
+    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(s, signal.SIG_IGN)
+    try:
+        fd = os.pidfd_open(parent)
+        select.select([fd], [], [])
+    except (AttributeError, OSError):  # no pidfds (Linux < 5.3), or the parent is gone already
+        while os.path.exists(f"/proc/{parent}") and _start_time(parent) is not None:
+            time.sleep(1.0)
+    for target in targets:
+        pid, _, started = target.partition(":")
+        if _start_time(int(pid)) == started:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(int(pid), signal.SIGKILL)
+
+
 def main(argv: list[str]) -> None:
+    if argv[:1] == ["--sweep"] and len(argv) > 2:
+        _sweep(int(argv[1]), argv[2:])
+        return
     group_grace_s: float | None = None
     if argv[:1] == ["--group"] and len(argv) > 1:
         group_grace_s = float(argv[1])

@@ -244,6 +244,10 @@ class Learner:
             self.actors.append(actor)
         self.starts += 1
         self._joined = False
+        if self.master_host == "127.0.0.1":  # a local Ray started by this process: its agents die with it too
+            from pettingflow import deathsig
+
+            deathsig.kill_with_this_process(deathsig.local_ray_processes())
         log.info("learner %s: started %d rank actor(s) (start #%d)", self.policy, self.num_processes, self.starts)
         return self
 
