@@ -96,3 +96,20 @@ def test_group_mode_runs_the_command_and_keeps_its_exit_status() -> None:
     wrapped = deathsig.wrap([sys.executable, "-c", "import sys; print('hi'); sys.exit(3)"], group_grace_s=1.0)
     proc = subprocess.run(wrapped, capture_output=True, text=True, timeout=30, start_new_session=True)
     assert proc.returncode == 3 and proc.stdout == "hi\n"  # the watcher holds no pipe: EOF came at once
+
+
+def test_kill_with_this_process_kills_registered_pids_once_the_process_is_gone(tmp_path):
+    """A process registers a pid it did not start as its child's child; when it exits, the watcher kills it."""
+    victim = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    bystander = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    try:
+        code = f"from pettingflow import deathsig; deathsig.kill_with_this_process([{victim.pid}]); print('ok')"
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+        assert out.stdout.strip() == "ok", out.stderr
+        assert victim.wait(timeout=20) == -signal.SIGKILL
+        assert bystander.poll() is None  # only the registered pid
+    finally:
+        for p in (victim, bystander):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
