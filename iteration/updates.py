@@ -64,11 +64,12 @@ def update_step(ctx: IterationContext, config: ExperimentConfig, policy: str, ru
     local = step.local_path
     out_dir = local if local is not None else Path(tempfile.mkdtemp(prefix="pettingflow-update-"))
     learner = runtime.learner(policy) if runtime is not None and config.training.learner == "resident" else None
-    paused = runtime.servers_paused() if runtime is not None else contextlib.nullcontext(False)
+    # inference.between_updates: the servers keep running, are paused, sleep or are stopped while this trains
+    released = runtime.servers_released() if runtime is not None else contextlib.nullcontext(False)
     # a failure below leaves the step uncommitted; a resident learner then holds weights named after this
     # step (``version``), never the retry's starting weights, so the retry reloads the committed ones
     try:
-        with paused as servers_paused:
+        with released as servers_released:
             spec = spec_from_config(
                 config,
                 policy=policy,
@@ -77,7 +78,7 @@ def update_step(ctx: IterationContext, config: ExperimentConfig, policy: str, ru
                 start=start,
                 iteration=ctx.iteration,
                 version=step.uri,
-                num_threads=update_threads(config, servers_paused),
+                num_threads=update_threads(config, servers_released),
             )
             if any(lag > 0 for lag in lags):  # off-policy rows: the sampler's log-probs are the behaviour policy
                 spec = spec.model_copy(
@@ -88,7 +89,8 @@ def update_step(ctx: IterationContext, config: ExperimentConfig, policy: str, ru
                 metrics = learner.update(spec, timeout_s=config.training.update_timeout_s)
             else:
                 metrics = run_update(spec, timeout_s=config.training.update_timeout_s)
-        metrics["servers_paused"] = servers_paused
+        metrics["servers_paused"] = servers_released  # (name kept for older reports) paused, asleep or stopped
+        metrics["between_updates"] = config.inference.between_updates
         metrics["behaviour_logprobs"] = "sampler" if spec.algorithm.use_sampler_logprobs else "recomputed"
         metrics["policy_lag_max"] = max(lags, default=0)
         metrics.update({f"policy_lag/{lag}": n for lag, n in sorted(lags.items())})
@@ -117,12 +119,12 @@ def policy_lags(table: Any, start_version: int) -> Counter[int]:
     return Counter(max(0, start_version - int(v)) for v in table.column("policy_version").to_pylist())
 
 
-def update_threads(config: ExperimentConfig, servers_paused: bool) -> int | None:
+def update_threads(config: ExperimentConfig, servers_released: bool) -> int | None:
     """torch threads per rank: ``training.num_threads``, or every core split over the ranks while the servers
-    are paused (nothing else runs then), or None (the process default, ``OMP_NUM_THREADS``)."""
+    are paused, asleep or stopped (nothing else runs then), or None (the process default, ``OMP_NUM_THREADS``)."""
     if config.training.num_threads is not None:
         return config.training.num_threads
-    if servers_paused:
+    if servers_released:
         return max(1, (os.cpu_count() or 1) // config.training.num_processes)
     return None
 
@@ -173,7 +175,8 @@ def sync_step(ctx: IterationContext, config: ExperimentConfig, runtime: Any) -> 
     """Make every server serve the weights of this iteration; the next rollout uses them.
 
     Not skipped on re-runs: a restarted server serves the base model again, and syncing is cheap and
-    idempotent (the runtime only reloads what differs).
+    idempotent (the runtime only reloads what differs). With ``inference.between_updates: restart`` the servers
+    are down after the update: this starts them from the new weights (no reload on top).
     """
     results = {}
     for policy in runtime.servers:

