@@ -386,6 +386,29 @@ def test_config_errors_name_the_key() -> None:
 
 
 # --------------------------------------------------------------------------------------------------
+# the package (envs/code_env/): one name for the env class, one knob for merging
+# --------------------------------------------------------------------------------------------------
+def test_the_env_class_keeps_its_registry_path() -> None:
+    """Class paths are cache keys and row labels: the split into modules must not change them."""
+    from pettingflow.envs.registry import ENV_REGISTRY
+
+    assert ENV_REGISTRY.class_path("code-env") == "pettingflow.envs.code_env:CodeEnv"
+    assert ENV_REGISTRY.short_name("pettingflow.envs.code_env:CodeEnv") == "code-env"
+
+
+def test_max_merged_episodes_is_read_from_the_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bench/rollout.py's ablation sets ``code_env.MAX_MERGED_EPISODES`` on the package."""
+    import pettingflow.envs.code_env as code_env
+
+    monkeypatch.setattr(code_env, "MAX_MERGED_EPISODES", 1)
+
+    async def max_batch() -> int:
+        return code_env.SandboxBatcher.get(FakeSandbox(), CodeEnvConfig()).max_batch
+
+    assert asyncio.run(max_batch()) == 1
+
+
+# --------------------------------------------------------------------------------------------------
 # the real sandbox (pettingflow.envs.sandbox, written separately); these need bubblewrap or docker
 # --------------------------------------------------------------------------------------------------
 def real_env(task: dict[str, Any], timeout_s: float = 20, **config: Any) -> CodeEnv:
