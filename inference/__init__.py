@@ -24,7 +24,6 @@ from pettingflow.inference.server import (
     attach,
     check_health,
     detect_device,
-    free_port,
     server_from_settings,
 )
 from pettingflow.inference.weight_sync import (
@@ -55,7 +54,6 @@ __all__ = [
     "check_health",
     "detect_device",
     "fingerprint",
-    "free_port",
     "is_prepared",
     "load_lora_adapter",
     "model_dir",

@@ -26,7 +26,6 @@ import os
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -42,6 +41,7 @@ from pettingflow import deathsig
 from pettingflow.allocator import preload_env
 from pettingflow.inference.models import resolve_model
 from pettingflow.paths import home
+from pettingflow.processes import free_port, stop_process_group
 
 log = logging.getLogger(__name__)
 
@@ -55,13 +55,6 @@ class ServerError(RuntimeError):
 
 class ServerStartupError(ServerError):
     """The server process exited or did not become healthy in time; the message ends with its log tail."""
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (the OS picks it; another process could still take it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def server_dtype(dtype: str, device: str = "auto") -> str:
@@ -309,29 +302,19 @@ class VLLMServer:
         raise AssertionError("unreachable")  # pragma: no cover
 
     def stop(self) -> None:
-        """Stop the whole process group: SIGINT, then SIGTERM, then SIGKILL, each after a grace period."""
+        """Stop the whole process group: SIGINT, then SIGTERM, then SIGKILL, each after a grace period (a paused
+        server gets SIGCONT with each signal, so it acts on it; ``pettingflow.processes.stop_process_group``)."""
         proc, self._proc = self._proc, None
         if proc is None:
             return
-        pgid = proc.pid  # start_new_session=True: the leader's pid is the group id
-        graces = (*self.stop_grace_s, 5.0)
-        started = time.perf_counter()
-        for sig, grace in zip((signal.SIGINT, signal.SIGTERM, signal.SIGKILL), graces, strict=True):
-            if not _group_alive(proc, pgid):
-                break
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pgid, sig)
-            deadline = time.monotonic() + grace
-            while time.monotonic() < deadline and _group_alive(proc, pgid):
-                time.sleep(0.1)
-            if _group_alive(proc, pgid) and sig != signal.SIGKILL:
-                log.warning("vLLM pid %d still running %.0f s after %s; escalating", pgid, grace, sig.name)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=5)
-        if _group_alive(proc, pgid):
-            log.error("processes of group %d survived SIGKILL (zombies not reaped by init?)", pgid)
-        else:
-            log.info("vLLM pid %d stopped in %.1f s", pgid, time.perf_counter() - started)
+        stop_process_group(
+            proc,
+            ((signal.SIGINT, self.stop_grace_s[0]), (signal.SIGTERM, self.stop_grace_s[1])),
+            kill_grace_s=5.0,
+            reap_timeout_s=5.0,
+            logger=log,
+            name="vLLM server",
+        )
 
     def restart(self) -> VLLMServer:
         """Stop (if running) and start again on the same port, so clients keep their URL."""
@@ -538,17 +521,6 @@ def _models_if_healthy(url: str) -> list[str] | None:
         return served_models(url)
     except (httpx.HTTPError, ValueError, KeyError):
         return None
-
-
-def _group_alive(proc: subprocess.Popen[bytes], pgid: int) -> bool:
-    proc.poll()  # reap the leader so that a zombie leader does not count as alive
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 _LIVE: weakref.WeakSet[VLLMServer] = weakref.WeakSet()

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from pettingflow.inference.client import Completion, InferenceClient, InferenceError, normalize_base_url
-from pettingflow.inference.server import free_port
+from pettingflow.processes import free_port
 
 
 @dataclass

@@ -216,7 +216,7 @@ def test_attach_never_stops_the_server(fake_vllm) -> None:
 
 
 def test_attach_to_nothing_fails_fast() -> None:
-    from pettingflow.inference.server import free_port
+    from pettingflow.processes import free_port
 
     with pytest.raises(ServerError, match="not healthy"):
         attach(f"http://127.0.0.1:{free_port()}", timeout_s=1)

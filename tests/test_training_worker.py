@@ -52,7 +52,7 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 @pytest.fixture
 def in_process(monkeypatch):
     """Environment for running the worker inside the test process (single rank, gloo)."""
-    from pettingflow.training.launch import free_port
+    from pettingflow.processes import free_port
 
     for key, value in {
         "MASTER_ADDR": "127.0.0.1",

@@ -21,13 +21,11 @@ model/adapter/resume inputs must be local folders.
 from __future__ import annotations
 
 import collections
-import contextlib
 import json
 import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -41,6 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pettingflow import deathsig
 from pettingflow.allocator import preload_env
 from pettingflow.configs.settings import AlgorithmSettings, LoraSettings, Specialization, TrainingSettings
+from pettingflow.processes import free_port, stop_process_group
 from pettingflow.training.checkpoint import PolicyWeights, optimizer_snapshot_due
 
 log = logging.getLogger(__name__)
@@ -143,13 +142,6 @@ class UpdateError(RuntimeError):
         super().__init__(message)
         self.returncode = returncode
         self.log_path = log_path
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def worker_command(spec_path: str | Path, num_processes: int, port: int) -> list[str]:
@@ -277,16 +269,9 @@ def run_update(
 
 
 def _kill(proc: subprocess.Popen[str]) -> None:
-    """Stop the worker's process group (torchrun and its ranks), SIGTERM then SIGKILL."""
-    if proc.poll() is not None:
-        return
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=10)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    """Stop the worker's process group (torchrun and its ranks): SIGTERM, then SIGKILL if the worker itself
+    has not exited 10 s later (torchrun passes SIGTERM on to its ranks and waits for them)."""
+    stop_process_group(proc, ((signal.SIGTERM, 10.0),), scope="leader")
 
 
 class StagedOutput:

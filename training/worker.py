@@ -67,7 +67,7 @@ def _env_int(name: str, default: int) -> int:
 def ensure_dist_env() -> None:
     """Single-process defaults for the variables torch.distributed reads (torchrun sets them per rank)."""
     if "MASTER_PORT" not in os.environ:
-        from pettingflow.training.launch import free_port
+        from pettingflow.processes import free_port
 
         os.environ["MASTER_PORT"] = str(free_port())
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

@@ -12,7 +12,6 @@ never make the host raise, hang or skip a limit.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import fcntl
 import functools
 import math
@@ -26,6 +25,8 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
+
+from pettingflow.processes import stop_process_group
 
 #: Seconds the supervisor waits for a killed tree to be reaped before escalating to SIGKILL of the group.
 KILL_GRACE_S = 5.0
@@ -221,26 +222,13 @@ def terminate_process_tree(proc: subprocess.Popen, kill_first: Callable[[], bool
 
     ``kill_first`` is the backend's precise kill (bubblewrap: SIGKILL to the pid namespace's init,
     which makes the kernel kill every process in the namespace; docker: ``docker kill``) and returns
-    whether it delivered. Then ``proc`` is waited for; if it does not end (or there was no precise
-    kill), ``proc``'s whole process group gets SIGKILL. ``killpg`` is only sent while ``proc`` is not
-    reaped, so its pgid cannot have been reused by an unrelated process.
+    whether it delivered; it is called even when ``proc`` has exited. Then ``proc`` is waited for; if it
+    does not end (or there was no precise kill), ``proc``'s whole process group gets SIGKILL. ``killpg`` is
+    only sent while ``proc`` is not reaped (scope "leader"), so its pgid cannot have been reused by an
+    unrelated process.
     """
-    delivered = False
-    if kill_first is not None:
-        try:
-            delivered = bool(kill_first())
-        except Exception:
-            delivered = False
-    if delivered:
-        try:
-            proc.wait(timeout=KILL_GRACE_S)
-            return
-        except subprocess.TimeoutExpired:
-            pass
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    steps = ((kill_first, KILL_GRACE_S),) if kill_first is not None else ()
+    stop_process_group(proc, steps, scope="leader")
 
 
 def supervise(
