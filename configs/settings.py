@@ -176,6 +176,19 @@ class RolloutSettings(_Strict):
     ray_address: str | None = Field(None, description="Attach to a Ray cluster; None starts a local runtime.")
     ray_num_cpus: int | None = Field(None, ge=1, description="CPUs of the local Ray runtime (default: all).")
     ray_sandbox_workers: int = Field(1, ge=1, description="Ray actors that run sandboxed code.")
+    workers: Literal["local", "ray"] = Field(
+        "local",
+        description="Where a rollout step's episodes run. local: one asyncio loop in the flow process. ray: the "
+        "step's groups are split over num_workers Ray actors (each with its own env cache, sandbox and inference "
+        "client; on the cluster at ray_address when set); the flow process only schedules and commits groups "
+        "(docs/scaling.md).",
+    )
+    num_workers: int = Field(
+        2,
+        ge=1,
+        description="With workers=ray: rollout actors per step. max_concurrent_requests is split between them, so "
+        "a server sees the same load as with local workers.",
+    )
     async_rollouts: bool = Field(
         False,
         description="Collect iteration k+1's rollouts while iteration k's update trains, with the weights iteration k "

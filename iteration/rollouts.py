@@ -99,6 +99,7 @@ async def run_episodes(
     skip_groups: Collection[int] = (),
     on_episode: Callable[[EpisodeRecord], None] | None = None,
     tree_branches: int | None = None,
+    clients: dict[str, InferenceClient] | None = None,
 ) -> tuple[list[Any], EngineStats]:
     """Run ``group_size`` episodes per task with the configured team; return records and stats.
 
@@ -107,8 +108,11 @@ async def run_episodes(
 
     ``skip_groups``: task indexes (``env_idx``) not to run (already stored); the others keep their indexes,
     seeds and UIDs. ``on_episode``: called with each finished episode (see ``ExecutionEngine.run``).
+    ``clients``: URL -> client, owned by the caller and kept open (a rollout worker reuses its clients across
+    calls, so its concurrency bound holds over all of them); None: clients of this call, closed at its end.
     """
-    clients: dict[str, InferenceClient] = {}
+    owned = clients is None
+    clients = {} if clients is None else clients
 
     def client_for(url: str) -> InferenceClient:
         if url not in clients:
@@ -146,8 +150,9 @@ async def run_episodes(
     try:
         return await engine.run(specs, on_episode=on_episode)
     finally:
-        for client in clients.values():
-            await client.aclose()
+        if owned:
+            for client in clients.values():
+                await client.aclose()
 
 
 def episode_specs(
@@ -209,6 +214,9 @@ def collect_step(
     Each group (the G episodes of one task) is committed as a shard the moment its last episode ends
     (``TrajectoryShards``), so a crash mid-rollout keeps the finished groups: the next attempt collects
     only the missing ones, with the same seeds and UIDs, and commits the step once from all shards.
+
+    ``rollout.workers: ray``: the groups run in Ray actors (``rollout_workers``); this process commits each
+    group the moment an actor returns it, so the shards, the resume and the rows are the same as above.
     """
     step = ctx.step("rollouts")
     if done := already_done(step):
@@ -243,23 +251,46 @@ def collect_step(
             stored[record.env_idx] = shards.write(record.env_idx, rows)
             del pending[record.env_idx]
 
-    _, stats = asyncio.run(
-        run_episodes(
-            config,
-            endpoints,
-            tasks,
-            group_size=episodes_per_task,
-            tree_branches=group_size if tree else None,
-            # seeds follow run.seed and the iteration only (not the run id, which holds the clock): a config
-            # reproduces its samples, and tests do not depend on when they run
-            seed_namespace=f"iter-{ctx.iteration}/",
-            env_cache=env_cache or EnvCache(),
-            show_progress=show_progress,
-            skip_groups=set(stored),
-            on_episode=commit_group,
+    # seeds follow run.seed and the iteration only (not the run id, which holds the clock): a config
+    # reproduces its samples, and tests do not depend on when they run
+    seed_namespace = f"iter-{ctx.iteration}/"
+    tree_branches = group_size if tree else None
+    workers: list[dict[str, Any]] | None = None
+    if config.rollout.workers == "ray":  # groups run in Ray actors; this process commits them as they arrive
+        from pettingflow.iteration.rollout_workers import RayRolloutWorkers
+
+        def commit_records(records: list[EpisodeRecord]) -> None:
+            for record in records:
+                commit_group(record)
+
+        with RayRolloutWorkers(config, endpoints) as pool:
+            ran = pool.run(
+                tasks,
+                [i for i in range(len(tasks)) if i not in stored],
+                group_size=episodes_per_task,
+                seed_namespace=seed_namespace,
+                tree_branches=tree_branches,
+                on_group=commit_records,
+            )
+        stats, workers = ran.stats, ran.workers
+    else:
+        _, stats = asyncio.run(
+            run_episodes(
+                config,
+                endpoints,
+                tasks,
+                group_size=episodes_per_task,
+                tree_branches=tree_branches,
+                seed_namespace=seed_namespace,
+                env_cache=env_cache or EnvCache(),
+                show_progress=show_progress,
+                skip_groups=set(stored),
+                on_episode=commit_group,
+            )
         )
-    )
     metrics = stats_metrics(stats)
+    if workers is not None:  # which actor (pid, Ray node) ran which groups of this attempt
+        metrics["workers"] = workers
     metrics["tasks"] = [task_id(t, i) for i, t in enumerate(tasks)]
     metrics["layout"] = config.env.sample_layout
     metrics["mode"] = config.rollout.mode
