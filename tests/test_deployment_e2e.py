@@ -176,13 +176,16 @@ def deployment_run(env, overrides: list[str], *, watch: bool, run_id: str | None
 
 
 def read_flow_run(env, flow_run_id: str):
-    """(flow run state name, {task name: [state messages]}, artifact keys), including subflows."""
-    os.environ["PREFECT_API_URL"] = env["PREFECT_API_URL"]
-    from prefect.client.orchestration import get_client
+    """(flow run state name, {task name: [state messages]}, artifact keys), including subflows.
+
+    The client is pointed at the stack's server explicitly: Prefect freezes this process's settings when it is
+    first imported (any earlier test module may import it), so setting PREFECT_API_URL here would be ignored and
+    a temporary server, which knows no flow runs, would answer."""
+    from prefect.client.orchestration import PrefectClient
     from prefect.client.schemas.filters import ArtifactFilter, FlowRunFilter, FlowRunFilterParentFlowRunId
 
     async def read():
-        async with get_client() as client:
+        async with PrefectClient(api=env["PREFECT_API_URL"]) as client:
             run = await client.read_flow_run(flow_run_id)
             children = await client.read_flow_runs(
                 flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[run.id]))
@@ -198,10 +201,7 @@ def read_flow_run(env, flow_run_id: str):
                 keys |= {a.key for a in arts if a.key}
             return run.state.name, tasks, keys
 
-    try:
-        return asyncio.run(read())
-    finally:
-        os.environ.pop("PREFECT_API_URL", None)
+    return asyncio.run(read())
 
 
 def test_deployment_run_two_iterations(stack, tmp_path, vllm_server, default_model_dir, restore_base_weights) -> None:
