@@ -34,7 +34,7 @@ format: venv
 # that is a failure here, never a silent pass.
 test: venv lint
 	@command -v bwrap >/dev/null || scripts/bootstrap.sh
-	$(BIN)/python -m pytest $(PYTEST_ARGS); rc=$$?; \
+	$(BIN)/python -m pytest --durations=30 $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 # The quick local loop: no end-to-end tests with real servers.
