@@ -95,6 +95,23 @@ def served_models(url: str, timeout_s: float = 10.0) -> list[str]:
     return [str(m["id"]) for m in resp.json().get("data", [])]
 
 
+# vLLM accepts only these values for --max-lora-rank (vllm/config/lora.py, MaxLoRARanks); it refuses others at
+# start-up. tests/test_inference_vllm.py checks this tuple against the installed vLLM.
+VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def servable_lora_rank(rank: int) -> int:
+    """The smallest ``--max-lora-rank`` vLLM accepts that serves adapters of rank ``rank`` (a rank-4 adapter is
+    served with 8: the cap only sizes vLLM's LoRA buffers)."""
+    for allowed in VLLM_MAX_LORA_RANKS:
+        if allowed >= rank:
+            return allowed
+    raise ServerError(
+        f"LoRA rank {rank} is above the largest rank vLLM serves ({VLLM_MAX_LORA_RANKS[-1]}): "
+        "lower policies.<i>.lora.rank"
+    )
+
+
 class VLLMServer:
     """One vLLM OpenAI-compatible server process, managed from Python.
 
@@ -165,7 +182,7 @@ class VLLMServer:
         self.kv_cache_gib = kv_cache_gib
         self.gpu_memory_utilization = gpu_memory_utilization
         self.enable_lora = enable_lora
-        self.max_lora_rank = max_lora_rank
+        self.max_lora_rank = servable_lora_rank(max_lora_rank) if enable_lora else max_lora_rank
         self.max_loras = max_loras
         self.dev_mode = dev_mode
         if sleep_mode and self.device == "cpu":

@@ -555,3 +555,21 @@ def test_real_vllm_startup_failure_reports_log_tail(tmp_path) -> None:
     finally:
         server.stop()
     assert server.pid is None
+
+
+def test_lora_rank_is_rounded_up_to_a_rank_vllm_accepts(fake_vllm) -> None:
+    """vLLM refuses --max-lora-rank 4 (found by the L2 end-to-end run: policies.0.lora.rank=4 failed at start-up)."""
+    from typing import get_args
+
+    from vllm.config.lora import MaxLoRARanks
+
+    from pettingflow.inference.server import VLLM_MAX_LORA_RANKS, ServerError, servable_lora_rank
+
+    assert get_args(MaxLoRARanks) == VLLM_MAX_LORA_RANKS  # the installed vLLM's choices
+    assert [servable_lora_rank(r) for r in (1, 2, 4, 8, 9, 16, 300, 512)] == [1, 8, 8, 8, 16, 16, 320, 512]
+    with pytest.raises(ServerError, match="above the largest rank vLLM serves"):
+        servable_lora_rank(513)
+    server = fake_vllm(enable_lora=True, max_lora_rank=4)
+    with server:
+        argv = _dump(server)["argv"]
+        assert argv[argv.index("--max-lora-rank") + 1] == "8"
