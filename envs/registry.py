@@ -26,7 +26,6 @@ if TYPE_CHECKING:
     from pettingflow.configs.settings import EnvSettings
 
 T = TypeVar("T")
-R = TypeVar("R")
 
 
 class RegistryError(LookupError):
@@ -224,44 +223,6 @@ class TaskSpec:
 
 def task_specs_from_rows(rows: Sequence[Mapping[str, Any]], default_env: EnvSpec) -> list[TaskSpec]:
     return [TaskSpec.from_row(row, default_env, i) for i, row in enumerate(rows)]
-
-
-@dataclass(frozen=True)
-class TaskGroup:
-    """Tasks of one batch that share an env spec, with their original batch positions."""
-
-    env: EnvSpec
-    indices: tuple[int, ...]
-    tasks: tuple[Mapping[str, Any], ...]
-
-
-def group_tasks(tasks: Sequence[TaskSpec]) -> list[TaskGroup]:
-    """Group by env spec; groups in order of first appearance, tasks in batch order within a group."""
-    order: dict[EnvSpec, list[TaskSpec]] = {}
-    for spec in tasks:
-        order.setdefault(spec.env, []).append(spec)
-    return [TaskGroup(env, tuple(s.index for s in specs), tuple(s.task for s in specs)) for env, specs in order.items()]
-
-
-def merge_group_results(groups: Sequence[TaskGroup], results: Sequence[Sequence[R]]) -> list[R]:
-    """Put per-group results (aligned with each group's tasks) back in original batch order."""
-    if len(groups) != len(results):
-        raise ValueError(f"got results for {len(results)} groups, expected {len(groups)}")
-    size = sum(len(g.indices) for g in groups)
-    merged: list[Any] = [_MISSING] * size
-    for group, group_results in zip(groups, results, strict=True):
-        if len(group_results) != len(group.indices):
-            raise ValueError(
-                f"group {group.env.class_path} has {len(group.indices)} tasks but {len(group_results)} results"
-            )
-        for index, value in zip(group.indices, group_results, strict=True):
-            if not 0 <= index < size or merged[index] is not _MISSING:
-                raise ValueError(f"task index {index} is out of range or appears in two groups")
-            merged[index] = value
-    return merged
-
-
-_MISSING = object()
 
 
 # --------------------------------------------------------------------------------------------------

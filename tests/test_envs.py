@@ -30,8 +30,6 @@ from pettingflow.envs.registry import (
     RegistryError,
     TaskSpec,
     env_spec_from_settings,
-    group_tasks,
-    merge_group_results,
     register_env,
     registered_envs,
     resolve_env_class,
@@ -187,7 +185,7 @@ def test_env_spec_from_settings_passes_env_keys() -> None:
 # --------------------------------------------------------------------------------------------------
 # mixed-env batches
 # --------------------------------------------------------------------------------------------------
-def test_rows_grouped_by_env_and_merged_in_order() -> None:
+def test_rows_become_task_specs_in_order() -> None:
     default = EnvSpec.of(COUNTER_PATH, {"target": 2})
     rows = [
         {"task_id": "bare-0"},
@@ -198,21 +196,12 @@ def test_rows_grouped_by_env_and_merged_in_order() -> None:
         {"env_class_path": COUNTER_PATH, "task_data": {"task_id": "default-5"}},
     ]
     specs = task_specs_from_rows(rows, default)
-    groups = group_tasks(specs)
-    assert [g.indices for g in groups] == [(0, 2, 5), (1, 4), (3,)]
-    assert [t["task_id"] for t in groups[1].tasks] == ["t5-1", "t5-4"]
-    assert groups[2].env.class_path.endswith(":CodeEnv") and groups[2].env.config["max_turns"] == 2
-    results = [[f"r:{t['task_id']}" for t in g.tasks] for g in groups]
-    merged = merge_group_results(groups, results)
-    assert merged == [f"r:{(r.get('task_data') or r)['task_id']}" for r in rows]
-
-
-def test_merge_checks_lengths() -> None:
-    groups = group_tasks([TaskSpec(EnvSpec.of(COUNTER_PATH), {"i": i}, i) for i in range(3)])
-    with pytest.raises(ValueError, match="3 tasks but 2 results"):
-        merge_group_results(groups, [["a", "b"]])
-    with pytest.raises(ValueError, match="results for 0 groups"):
-        merge_group_results(groups, [])
+    assert [s.index for s in specs] == list(range(6))
+    assert [s.task["task_id"] for s in specs] == [(r.get("task_data") or r)["task_id"] for r in rows]
+    # a row without its own config on the default class shares the default spec
+    assert specs[0].env == specs[2].env == specs[5].env == default
+    assert specs[1].env == specs[4].env != default
+    assert specs[3].env.class_path.endswith(":CodeEnv") and specs[3].env.config["max_turns"] == 2
 
 
 def test_row_naming_env_without_task_data_is_an_error() -> None:
