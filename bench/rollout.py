@@ -125,15 +125,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--no-merge",
         action="store_true",
-        help="ablation: every sandbox evaluation runs on its own (code_env.MAX_MERGED_EPISODES = 1)",
+        help="ablation: every sandbox evaluation runs on its own (code_env.batching.MAX_MERGED_EPISODES = 1)",
     )
     parser.add_argument("overrides", nargs="*", help="extra config overrides, e.g. env.max_turns=4")
     args = common.parse_args(parser, argv)
 
     if args.no_merge:
-        import pettingflow.envs.code_env as code_env
+        from pettingflow.envs.code_env import batching
 
-        code_env.MAX_MERGED_EPISODES = 1
+        batching.MAX_MERGED_EPISODES = 1
     solo = args.workload == "w"
     n_tasks = args.tasks or 8
     group_size = args.group_size or (4 if solo else 2)

@@ -396,14 +396,14 @@ def test_the_env_class_keeps_its_registry_path() -> None:
     assert ENV_REGISTRY.short_name("pettingflow.envs.code_env:CodeEnv") == "code-env"
 
 
-def test_max_merged_episodes_is_read_from_the_package(monkeypatch: pytest.MonkeyPatch) -> None:
-    """bench/rollout.py's ablation sets ``code_env.MAX_MERGED_EPISODES`` on the package."""
-    import pettingflow.envs.code_env as code_env
+def test_max_merged_episodes_is_read_at_call_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bench/rollout.py's ablation sets ``batching.MAX_MERGED_EPISODES`` after import."""
+    from pettingflow.envs.code_env import batching
 
-    monkeypatch.setattr(code_env, "MAX_MERGED_EPISODES", 1)
+    monkeypatch.setattr(batching, "MAX_MERGED_EPISODES", 1)
 
     async def max_batch() -> int:
-        return code_env.SandboxBatcher.get(FakeSandbox(), CodeEnvConfig()).max_batch
+        return batching.SandboxBatcher.get(FakeSandbox(), CodeEnvConfig()).max_batch
 
     assert asyncio.run(max_batch()) == 1
 

@@ -19,7 +19,7 @@ One concern per module; this package re-exports their public names, so
 
 from __future__ import annotations
 
-from pettingflow.envs.code_env.batching import MAX_MERGED_EPISODES, SandboxBatcher
+from pettingflow.envs.code_env.batching import SandboxBatcher
 from pettingflow.envs.code_env.env import (
     TASK_KEYS,
     CodeEnv,
@@ -39,7 +39,6 @@ CodeEnv.__module__ = __name__
 
 __all__ = [
     "HARNESS",
-    "MAX_MERGED_EPISODES",
     "TASK_KEYS",
     "AssertSuite",
     "CaseResult",

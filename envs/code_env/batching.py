@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-import sys
 import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -20,14 +19,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: Most episodes merged into one sandbox run. ``SandboxBatcher.get`` reads it from the package
-#: (``pettingflow.envs.code_env.MAX_MERGED_EPISODES``), where an ablation sets it (bench/rollout.py).
+#: Most episodes merged into one sandbox run. ``SandboxBatcher.get`` reads this module global at call
+#: time, so an ablation can set ``pettingflow.envs.code_env.batching.MAX_MERGED_EPISODES`` (bench/rollout.py).
 MAX_MERGED_EPISODES = 16
-
-
-def _max_merged_episodes() -> int:
-    package = sys.modules.get("pettingflow.envs.code_env")
-    return getattr(package, "MAX_MERGED_EPISODES", MAX_MERGED_EPISODES)
 
 
 _BATCHERS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[tuple[Any, ...], SandboxBatcher]] = (
@@ -73,7 +67,7 @@ class SandboxBatcher:
         batcher = per_loop.get(key)
         if batcher is None or batcher.sandbox is not sandbox:
             batcher = per_loop[key] = cls(
-                sandbox, config, slots=cfg.sandbox.max_concurrency, max_batch=_max_merged_episodes()
+                sandbox, config, slots=cfg.sandbox.max_concurrency, max_batch=MAX_MERGED_EPISODES
             )
         return batcher
 
