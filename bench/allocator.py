@@ -39,7 +39,8 @@ from pettingflow.allocator import loaded_malloc
 from pettingflow.configs.settings import AlgorithmSettings
 from pettingflow.inference.models import prepare_model
 from pettingflow.training.data import Sample, collate
-from pettingflow.training.model import load_causal_lm, micro_batch_loss
+from pettingflow.training.logprobs import micro_batch_loss
+from pettingflow.training.model import load_causal_lm
 
 model = load_causal_lm(prepare_model(sys.argv[3]), torch.float32)
 model.train()

@@ -20,7 +20,7 @@ from pettingflow.configs.settings import AlgorithmSettings
 from pettingflow.storage.schema import trajectories_to_table
 from pettingflow.training import UpdateError, UpdateSpec, run_update
 from pettingflow.training.data import collate, samples_from_table
-from pettingflow.training.model import micro_batch_logprobs, micro_batch_loss
+from pettingflow.training.logprobs import micro_batch_logprobs, micro_batch_loss
 
 VOCAB = 256
 

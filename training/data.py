@@ -308,7 +308,7 @@ def prompt_groups(samples: Sequence[Sample]) -> list[list[int]]:
     """Positions of ``samples`` grouped by identical prompt ids, groups in order of first appearance.
 
     The G samples of a GRPO group drawn from one prompt share it token for token; the update computes that
-    prompt once per group (``model.response_logits``).
+    prompt once per group (``logprobs.response_logits``).
     """
     groups: dict[bytes, list[int]] = {}
     for b, s in enumerate(samples):

@@ -243,6 +243,7 @@ class UpdateWorker:
         import torch.distributed as dist
 
         from pettingflow.training import model as M
+        from pettingflow.training.optim import GroupMaskedAdamW
 
         torch.manual_seed(spec.seed)
         if not dist.is_initialized():
@@ -270,7 +271,7 @@ class UpdateWorker:
             if spec.algorithm.kl_coef > 0:
                 self.reference = M.load_reference(spec.reference_dir, dtype)
         # fused=True: torch's single-kernel CPU/CUDA AdamW, ~7x faster than foreach on CPU here, no JIT build
-        self.client_optimizer = M.GroupMaskedAdamW(
+        self.client_optimizer = GroupMaskedAdamW(
             groups,
             lr=spec.training.lr,
             weight_decay=spec.training.weight_decay,
@@ -407,6 +408,7 @@ class UpdateWorker:
     def train(self) -> None:
         import torch
 
+        from pettingflow.training import logprobs as L
         from pettingflow.training import model as M
 
         spec, algo, engine = self.spec, self.spec.algorithm, self.engine
@@ -428,7 +430,7 @@ class UpdateWorker:
                     mb.old_logprobs = None
                     forwards_skipped += 1
                 else:
-                    mb.old_logprobs = M.micro_batch_logprobs(module, mb, share)
+                    mb.old_logprobs = L.micro_batch_logprobs(module, mb, share)
                     if not mb.is_padding:
                         valid = mb.loss_mask != 0
                         diff_sum += float((mb.old_logprobs - mb.sampler_logprobs).abs()[valid].sum())
@@ -436,9 +438,9 @@ class UpdateWorker:
                 if algo.kl_coef > 0:
                     if spec.uses_lora:
                         with M.adapters_disabled(module):
-                            mb.ref_logprobs = M.micro_batch_logprobs(module, mb, share)
+                            mb.ref_logprobs = L.micro_batch_logprobs(module, mb, share)
                     else:
-                        mb.ref_logprobs = M.micro_batch_logprobs(self.reference, mb, share)
+                        mb.ref_logprobs = L.micro_batch_logprobs(self.reference, mb, share)
         self.timings["logprob_s"] = time.perf_counter() - t0
         self.metrics["old_logprob_forwards_skipped"] = forwards_skipped
 
@@ -455,7 +457,7 @@ class UpdateWorker:
                 for i, mb in enumerate(slots):
                     if mb.adapter is not None:
                         M.activate_adapter(module, mb.adapter)
-                    loss, m = M.micro_batch_loss(engine, mb, algo, old_is_current=current_is_old, share_prompts=share)
+                    loss, m = L.micro_batch_loss(engine, mb, algo, old_is_current=current_is_old, share_prompts=share)
                     engine.backward(loss * scale)
                     if i == len(slots) - 1 and spec.training.zero_stage == 0 and self.dtype == "fp32":
                         # DeepSpeed does not report the norm for plain fp32 without ZeRO; grads are reduced here
