@@ -176,7 +176,7 @@ def code_env_config(model: Path, *overrides: str) -> Any:
 
 
 def rollout_endpoints(config: Any, server: Any, served_name: str, model: Path) -> dict[str, Any]:
-    from pettingflow.iteration.rollouts import PolicyEndpoint
+    from pettingflow.runs.endpoint import PolicyEndpoint
 
     return {
         p.name: PolicyEndpoint(policy=p.name, url=server.url, served_model=served_name, model_dir=str(model))
@@ -188,7 +188,7 @@ def run_rollouts(config: Any, endpoints: dict[str, Any], tasks: list[dict[str, A
     """One engine round; returns (records, stats, wall seconds measured around ``run_episodes``)."""
     import asyncio
 
-    from pettingflow.iteration.rollouts import run_episodes
+    from pettingflow.steps.rollouts import run_episodes
 
     with Timer() as t:
         records, stats = asyncio.run(

@@ -39,15 +39,15 @@ STATE = common.temp_prefect_state("orch")  # Prefect's database and our state: t
 sys.path.insert(0, str(common.REPO / "tests"))
 
 LIBRARY = {  # module -> step functions the Prefect tasks call
-    "pettingflow.iteration.rollouts": ["collect_step", "validation_step"],
-    "pettingflow.iteration.batches": ["filter_step", "advantage_step"],
-    "pettingflow.iteration.updates": ["update_step", "sync_step"],
-    "pettingflow.iteration.report": ["write_report", "log_metrics"],
+    "pettingflow.steps.rollouts": ["collect_step", "validation_step"],
+    "pettingflow.steps.batches": ["filter_step", "advantage_step"],
+    "pettingflow.steps.updates": ["update_step", "sync_step"],
+    "pettingflow.steps.report": ["write_report", "log_metrics"],
 }
 STORAGE = {  # module -> storage functions imported into it
-    "pettingflow.iteration.rollouts": ["write_trajectories"],
-    "pettingflow.iteration.batches": ["read_step_trajectories", "write_trajectories"],
-    "pettingflow.iteration.updates": ["read_step_trajectories"],
+    "pettingflow.steps.rollouts": ["write_trajectories"],
+    "pettingflow.steps.batches": ["read_step_trajectories", "write_trajectories"],
+    "pettingflow.steps.updates": ["read_step_trajectories"],
 }
 STEP_METHODS = [  # pettingflow.storage.steps.Step: every read, write and commit of step folders
     "begin",

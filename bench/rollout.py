@@ -35,8 +35,8 @@ import common
 import httpx
 
 from pettingflow.envs import EnvCache
-from pettingflow.iteration.rollouts import select_train_tasks
 from pettingflow.rollout.engine import EngineStats, timeline
+from pettingflow.steps.rollouts import select_train_tasks
 
 #: the issue's workload W: the code agent alone, one turn, 128 new tokens, 8 HumanEval tasks x G=4
 W_CONFIG = "code-env-learn-solo"

@@ -19,7 +19,7 @@ import sys
 import common
 
 from pettingflow.envs import EnvCache
-from pettingflow.iteration.rollouts import select_train_tasks
+from pettingflow.steps.rollouts import select_train_tasks
 
 
 def main(argv: list[str] | None = None) -> int:

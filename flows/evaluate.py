@@ -12,11 +12,10 @@ from typing import Any
 from prefect import flow, get_run_logger
 
 from pettingflow.configs.loader import load_config
-from pettingflow.iteration.context import IterationContext
-from pettingflow.iteration.rollouts import validation_step
-from pettingflow.iteration.run import RunRef, load_run_config, start_or_resume
-from pettingflow.iteration.runtime import Runtime
-from pettingflow.iteration.weights import weights_before
+from pettingflow.runs.context import IterationContext
+from pettingflow.runs.run import RunRef, load_run_config, start_or_resume
+from pettingflow.runs.runtime import Runtime
+from pettingflow.steps.rollouts import validation_step
 
 
 @flow(name="evaluate", log_prints=True)
@@ -41,8 +40,7 @@ def evaluate(
     ctx = IterationContext(ref.layout(), 0)
     with Runtime(cfg, ref.run_id) as runtime:
         if run_id:
-            for policy in runtime.servers:
-                runtime.ensure_serving(weights_before(trained.layout(), cfg, policy, source["after_iteration"] + 1))
+            runtime.serve_start_of(trained.layout(), source["after_iteration"] + 1, cfg)
         outcome = validation_step(ctx, cfg, runtime.endpoints(), env_cache=runtime.env_cache)
     get_run_logger().info("%s: %s", tag, outcome.metrics.get("agents"))
     return {"run_id": ref.run_id, "uri": outcome.uri, "source": source, "agents": outcome.metrics.get("agents")}

@@ -19,10 +19,10 @@ from typing import Any
 from prefect import flow, get_run_logger
 
 from pettingflow.configs.settings import ExperimentConfig
-from pettingflow.iteration.context import STEP_ORDER, step_kind
-from pettingflow.iteration.run import RunRef, load_run_config
-from pettingflow.iteration.runtime import Runtime, active_runtime
-from pettingflow.iteration.weights import update_step_name
+from pettingflow.runs.context import STEP_ORDER, step_kind
+from pettingflow.runs.run import RunRef, load_run_config
+from pettingflow.runs.runtime import Runtime, active_runtime
+from pettingflow.runs.weights import update_step_name
 from pettingflow.tasks.report import report_iteration
 from pettingflow.tasks.steps import (
     collect_rollouts,

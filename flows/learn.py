@@ -26,18 +26,17 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 
+from pettingflow.analysis.learning import (
+    ArmResult,
+    arm_from_runs,
+    results_table,
+    write_learning_report,
+)
 from pettingflow.configs.loader import load_config
 from pettingflow.flows.evaluate import evaluate
 from pettingflow.flows.train import train
 from pettingflow.inference.models import resolve_model
-from pettingflow.iteration.learning import (
-    ArmResult,
-    arm_from_runs,
-    results_table,
-    serve_base_weights,
-    shared_server,
-    write_learning_report,
-)
+from pettingflow.runs.runtime import serve_base_weights, shared_server
 
 DEFAULT_CONFIGS = ("code-env-learn-solo", "code-env-learn")
 

@@ -3,7 +3,7 @@
 No new rollouts: filter, advantages and the update run again on the committed ``rollouts`` of
 ``iteration`` into a new ``iter-<k>/attempt-<a>/`` folder, optionally with ``overrides`` of the
 sections that do not describe how the trajectories were made (algorithm, training, validation; see
-``iteration/run.rerun_config``): another filter, estimator, clip or learning rate on the same rollouts.
+``runs/run.rerun_config``): another filter, estimator, clip or learning rate on the same rollouts.
 The attempt's resolved config and what it changed versus ``run.json`` are stored in its
 ``attempt.json`` and shown as an artifact. The original attempt is never overwritten, and later
 iterations are not affected. Validation (which needs an inference server) runs only when
@@ -21,7 +21,7 @@ from prefect.artifacts import create_markdown_artifact
 
 from pettingflow import __version__
 from pettingflow.flows.iteration import iteration as iteration_flow
-from pettingflow.iteration.run import RunRef, format_change, rerun_config
+from pettingflow.runs.run import RunRef, format_change, rerun_config
 from pettingflow.tasks.report import artifact_key
 
 

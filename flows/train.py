@@ -17,8 +17,8 @@ from prefect import flow, get_run_logger
 
 from pettingflow.configs.loader import load_config
 from pettingflow.flows.iteration import iteration
-from pettingflow.iteration.run import start_or_resume
-from pettingflow.iteration.runtime import Runtime
+from pettingflow.runs.run import start_or_resume
+from pettingflow.runs.runtime import Runtime
 from pettingflow.storage import new_run_id
 
 

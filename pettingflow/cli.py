@@ -75,10 +75,10 @@ def rollout(
 
     Starts a vLLM server per policy unless inference.url is set.
     """
-    from pettingflow.iteration.context import IterationContext
-    from pettingflow.iteration.rollouts import collect_step
-    from pettingflow.iteration.run import start_or_resume
-    from pettingflow.iteration.runtime import Runtime
+    from pettingflow.runs.context import IterationContext
+    from pettingflow.runs.run import start_or_resume
+    from pettingflow.runs.runtime import Runtime
+    from pettingflow.steps.rollouts import collect_step
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     extra = [f"run.storage_root={out}", *([f"env.tasks_per_iteration={limit}"] if limit else [])]
@@ -128,7 +128,7 @@ def _as_batch(uri: str, cfg, policy: str, out: str) -> str:
     import pyarrow.dataset as ds
     import pyarrow.parquet as pq
 
-    from pettingflow.iteration.batches import batch_file, filter_table, policy_batch, with_advantages
+    from pettingflow.steps.batches import batch_file, filter_table, policy_batch, with_advantages
     from pettingflow.storage.fs import filesystem, join
 
     fs, path = filesystem(uri)
@@ -158,7 +158,7 @@ def runs_list(root: RootOpt = "") -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from pettingflow.iteration.inspect import run_rows
+    from pettingflow.analysis.inspect import run_rows
 
     rows = run_rows(root or _default_root())
     table = Table(title=f"runs under {root or _default_root()}")
@@ -176,7 +176,7 @@ def runs_show(
     """Steps of every iteration (committed or not), row counts and the main metrics."""
     from rich.console import Console
 
-    from pettingflow.iteration.inspect import show_run
+    from pettingflow.analysis.inspect import show_run
     from pettingflow.storage import RunLayout
 
     try:
@@ -192,7 +192,7 @@ def runs_timeline(
     width: Annotated[int, typer.Option("--width", help="Columns of the chart.", min=10)] = 64,
 ) -> None:
     """When each step of each iteration ran (a text Gantt chart), and how much async rollouts overlapped."""
-    from pettingflow.iteration.inspect import timeline_text
+    from pettingflow.analysis.inspect import timeline_text
     from pettingflow.storage import RunLayout
 
     try:
@@ -211,7 +211,7 @@ def runs_learning_report(
     out: Annotated[str, typer.Option("--out", help="Folder or fsspec URI for learning.{json,png,md}.")] = "",
 ) -> None:
     """Rebuild the `make learn` summary from stored runs: held-out before/after, paired CI, curves."""
-    from pettingflow.iteration.learning import arm_from_runs, write_learning_report
+    from pettingflow.analysis.learning import arm_from_runs, write_learning_report
 
     root = root or _default_root()
     try:
@@ -231,7 +231,7 @@ def runs_summary(
     ui: Annotated[str | None, typer.Option("--ui", help="Prefect UI address.")] = None,
 ) -> None:
     """Where a run's trajectories and checkpoints are, and how to re-run an iteration."""
-    from pettingflow.iteration.inspect import summary_lines
+    from pettingflow.analysis.inspect import summary_lines
     from pettingflow.storage import RunLayout, list_runs
 
     root = root or _default_root()
@@ -257,7 +257,7 @@ def trajectories_show(
     """A readable table of an iteration's samples."""
     from rich.console import Console
 
-    from pettingflow.iteration.inspect import trajectories_table
+    from pettingflow.analysis.inspect import trajectories_table
     from pettingflow.storage import RunLayout, StepNotCommittedError
 
     try:
@@ -290,7 +290,7 @@ def rerun(
     (against PREFECT_API_URL if set, else a temporary local Prefect).
     """
     from pettingflow.flows.rerun import rerun as rerun_flow
-    from pettingflow.iteration.run import RerunOverrideError, RunRef, format_change, rerun_config
+    from pettingflow.runs.run import RerunOverrideError, RunRef, format_change, rerun_config
 
     root = root or _default_root()
     try:  # refuse bad overrides before a Prefect server is started

@@ -9,54 +9,14 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
-from pettingflow.iteration import report
-from pettingflow.iteration.run import RunRef, load_run_config
+from pettingflow.runs.run import RunRef, load_run_config
+from pettingflow.steps import report
 from pettingflow.tasks.steps import context
 
 
 def artifact_key(*parts: str) -> str:
     """Prefect artifact keys: lowercase letters, digits and dashes."""
     return re.sub(r"[^a-z0-9-]+", "-", "-".join(parts).lower()).strip("-")[:100]
-
-
-def iteration_metrics(
-    outcomes: dict[str, Any], durations: dict[str, float], iteration_s: float | None = None
-) -> dict[str, float]:
-    """The flat metrics of one iteration, from what the step tasks returned.
-
-    ``iteration_s``: the iteration flow's wall time up to the report. What of it the step tasks do not
-    account for is Prefect's and the flow's own cost (``orchestration/...``), visible per iteration.
-    """
-    flat: dict[str, float] = {}
-    rollout = (outcomes.get("rollouts") or {}).get("metrics") or {}
-    for agent, values in (rollout.get("agents") or {}).items():
-        report.flatten(f"rollout/{agent}", values, flat)
-    for key in ("tokens_generated", "tokens_per_s", "episodes", "wall_s", "llm_s", "env_s"):
-        if key in rollout:
-            flat[f"rollout/{key}"] = float(rollout[key])
-    filtered = (outcomes.get("filtered") or {}).get("metrics") or {}
-    for key in ("rows_in", "rows_kept", "removed_samples", "removed_groups"):
-        if key in filtered:
-            flat[f"filter/{key}"] = float(filtered[key])
-    for name, outcome in outcomes.items():
-        if name.startswith("update-") and outcome:
-            report.flatten(
-                name.replace("update-", "update/", 1), (outcome.get("metrics") or {}).get("metrics", {}), flat
-            )
-    for step in ("baseline", "validation"):  # baseline: the base weights, before iteration 0's update
-        scored = (outcomes.get(step) or {}).get("metrics") or {}
-        for agent, values in (scored.get("agents") or {}).items():
-            report.flatten(f"{step}/{agent}", values, flat)
-    for key, number in (outcomes.get("async") or {}).items():  # rollouts of k+1 collected beside k's update
-        flat[f"async/{key}"] = round(float(number), 3)
-    for step, seconds in durations.items():
-        flat[f"duration/{step}_s"] = round(seconds, 3)
-    if iteration_s:
-        outside = max(iteration_s - sum(durations.values()), 0.0)
-        flat["duration/iteration_before_report_s"] = round(iteration_s, 3)
-        flat["orchestration/outside_step_tasks_s"] = round(outside, 3)
-        flat["orchestration/outside_step_tasks_share"] = round(outside / iteration_s, 5)
-    return flat
 
 
 @task(name="report", cache_policy=NO_CACHE)
@@ -72,7 +32,7 @@ def report_iteration(
     """Commit the report step and publish it: a metrics table, sample trajectories, links, the curve."""
     ctx = context(run, iteration, attempt, from_step)
     config = load_run_config(run, iteration, attempt)
-    metrics = iteration_metrics(outcomes, durations, iteration_s)
+    metrics = report.iteration_metrics(outcomes, durations, iteration_s)
     links = {name: o["uri"] for name, o in outcomes.items() if isinstance(o, dict) and "uri" in o}
     result = report.write_report(ctx, metrics, links)
     metrics = result["metrics"]

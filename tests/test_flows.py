@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pyarrow.compute as pc
 import pytest
+from factories import random_llama
 from scripted_server import ScriptedServer
 
 from pettingflow.envs import load_humaneval
@@ -38,26 +39,9 @@ def prefect_env(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory, default_tokenizer) -> Path:
     """A 2-layer random Llama with the default tokenizer: real training, seconds per update."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=len(default_tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
-        bos_token_id=default_tokenizer.bos_token_id,
-        eos_token_id=default_tokenizer.eos_token_id,
+    return random_llama(
+        tmp_path_factory.mktemp("tiny-model"), default_tokenizer, hidden=32, intermediate=64, heads=4, kv_heads=2
     )
-    path = tmp_path_factory.mktemp("tiny-model")
-    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
-    default_tokenizer.save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +89,7 @@ def flow_run_task_states(flow_run_id) -> dict[str, list[str]]:
 def test_train_two_iterations_then_resume_then_rerun(tmp_path, prefect_env, tiny_model, scripted) -> None:
     from pettingflow.flows.rerun import rerun
     from pettingflow.flows.train import train
-    from pettingflow.iteration.run import RerunOverrideError
+    from pettingflow.runs.run import RerunOverrideError
 
     state = train("code-env", overrides(tmp_path, tiny_model, scripted.url), return_state=True)
     assert state.is_completed(), state
@@ -199,7 +183,7 @@ def test_train_two_iterations_then_resume_then_rerun(tmp_path, prefect_env, tiny
 
 def test_resumed_run_with_other_config_is_refused(tmp_path, prefect_env, tiny_model, scripted) -> None:
     from pettingflow.flows.train import train
-    from pettingflow.iteration.run import RunConfigMismatchError
+    from pettingflow.runs.run import RunConfigMismatchError
 
     base = overrides(tmp_path, tiny_model, scripted.url, "run.iterations=1", "validation.frequency=0")
     state = train("code-env", base, return_state=True)
@@ -237,8 +221,8 @@ def test_learn_evaluates_trains_and_reevaluates_each_config(tmp_path, prefect_en
     """The learn flow: base evaluation, training, final evaluation per config, then one summary."""
     import json
 
+    from pettingflow.analysis.learning import arm_from_runs
     from pettingflow.flows.learn import learn
-    from pettingflow.iteration.learning import arm_from_runs
 
     extra = [
         f"run.storage_root={tmp_path}",

@@ -11,8 +11,8 @@ from factories import trajectory_row
 
 from pettingflow.configs import load_config
 from pettingflow.configs.loader import CONFIG_DIR, validate_config
-from pettingflow.iteration.batches import advantage_step, batch_file, filter_step
-from pettingflow.iteration.context import IterationContext
+from pettingflow.runs.context import IterationContext
+from pettingflow.steps.batches import advantage_step, batch_file, filter_step
 from pettingflow.storage import RunLayout, read_step_trajectories, write_trajectories
 
 

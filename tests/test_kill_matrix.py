@@ -38,8 +38,6 @@ from pettingflow import faults
 from pettingflow.storage import Step
 from pettingflow.storage.steps import MARKER
 
-REPO = Path(__file__).resolve().parent.parent
-
 
 # ------------------------------------------------------------------------------------------ the hook (fast)
 def test_unset_crash_points_change_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -136,19 +134,23 @@ def test_crash_kills_the_worker_tree_or_the_process(
 
 
 # ------------------------------------------------------------------------------------------ the matrix (slow)
-from test_deployment_e2e import (  # noqa: E402 - the e2e harness: servers, workers, flow runs
-    PREFECT,
+from e2e_stack import (  # noqa: E402 - the e2e harness: servers, workers
+    create_pool_and_deployments,
+    free_port,
+    kill_tree,
+    stack_env,
+    start_server,
+    start_worker,
+    stop_worker,
+    update_jobs,
+)
+from test_deployment_e2e import (  # noqa: E402 - the e2e run: its config, flow runs and checks
     TASKS,
     assert_committed_files_intact,
     assert_rows_once,
     committed_shards,
     deployment_run,
-    free_port,
-    kill_tree,
     run_overrides,
-    stop_worker,
-    update_jobs,
-    wait_http,
 )
 
 from pettingflow.storage import RunLayout, list_runs  # noqa: E402
@@ -190,30 +192,14 @@ class Stack:
         self.workers: list[subprocess.Popen] = []
 
     def start_server(self) -> None:
-        log = open(self.state / f"server-{time.time():.0f}.log", "w")  # noqa: SIM115 - the server writes to it
-        self.server = subprocess.Popen(
-            [PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(self.port)],
-            env=self.env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        wait_http(f"http://127.0.0.1:{self.port}/api/health", 120)
+        self.server = start_server(self.env, self.port, self.state / f"server-{time.time():.0f}.log")
 
     def kill_server(self) -> None:
         if self.server is not None:
             kill_tree(self.server)
 
     def start_worker(self, **extra_env: str) -> subprocess.Popen:
-        log = open(self.state / f"worker-{len(self.workers)}.log", "w")  # noqa: SIM115 - lives as long as the worker
-        proc = subprocess.Popen(
-            [PREFECT, "worker", "start", "--pool", "pettingflow"],
-            env={**self.env, **extra_env},
-            cwd=REPO,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+        proc = start_worker({**self.env, **extra_env}, self.state / f"worker-{len(self.workers)}.log")
         self.workers.append(proc)
         return proc
 
@@ -229,35 +215,19 @@ class Stack:
 def stack(tmp_path_factory, pettingflow_home, default_model_dir):
     state = tmp_path_factory.mktemp("kill-matrix-state")
     port = free_port()
-    env = {
-        **os.environ,
-        "PETTINGFLOW_STATE": str(state),
-        "PETTINGFLOW_HOME": str(pettingflow_home),
-        "PETTINGFLOW_REPO": str(REPO),
-        "PREFECT_HOME": str(state / "prefect"),
-        "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
-        "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{state}/prefect.db",
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        "PREFECT_CLI_PROMPT": "false",
-        "PREFECT_WORKER_QUERY_SECONDS": "1",
-        "PREFECT_LOGGING_EXTRA_LOGGERS": "pettingflow",
-        "OMP_NUM_THREADS": "1",
-        "HF_HUB_OFFLINE": "1",
-        "RAY_USAGE_STATS_ENABLED": "0",
-        "TORCH_EXTENSIONS_DIR": str(pettingflow_home / "torch_extensions"),
-        "PYTHONUNBUFFERED": "1",  # whole logs of the workers and flow runs, also up to a SIGKILL
-        faults.ENV_DIR: str(state / "faults"),
-    }
+    env = stack_env(
+        state,
+        pettingflow_home,
+        port,
+        PYTHONUNBUFFERED="1",  # whole logs of the workers and flow runs, also up to a SIGKILL
+        **{faults.ENV_DIR: str(state / "faults")},
+    )
     for name in (faults.ENV_POINTS, faults.ENV_SCOPE):
         env.pop(name, None)
     s = Stack(state, env, port)
     try:
         s.start_server()
-        run = lambda *args: subprocess.run(  # noqa: E731
-            [PREFECT, *args], env=env, cwd=REPO, capture_output=True, text=True, timeout=300, check=True
-        )
-        run("work-pool", "create", "pettingflow", "--type", "process")
-        run("--no-prompt", "deploy", "--all")
+        create_pool_and_deployments(env)
         yield s
     finally:
         s.close()

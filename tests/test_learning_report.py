@@ -4,16 +4,9 @@ from __future__ import annotations
 
 import math
 
-from pettingflow.iteration.learning import (
-    ArmResult,
-    final_successes,
-    first_last_mean,
-    learning_png,
-    markdown_table,
-    paired_bootstrap,
-    results_table,
-    smooth,
-)
+from pettingflow.analysis.figures import learning_png, markdown_table
+from pettingflow.analysis.learning import ArmResult, final_successes, results_table
+from pettingflow.analysis.stats import first_last_mean, paired_bootstrap, smooth
 
 
 def _arm(config: str, before: float, after: float, rewards: list[float]) -> ArmResult:
@@ -101,7 +94,7 @@ def test_paired_bootstrap_needs_shared_tasks():
 
 
 def test_iteration_metrics_report_the_time_outside_step_tasks():
-    from pettingflow.tasks.report import iteration_metrics
+    from pettingflow.steps.report import iteration_metrics
 
     flat = iteration_metrics({}, {"rollouts": 10.0, "update-shared": 28.0}, iteration_s=40.0)
     assert flat["orchestration/outside_step_tasks_s"] == 2.0

@@ -10,14 +10,14 @@ from collections import Counter
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from rollout_fakes import CharChatTokenizer, ScriptedLLM
+from rollout_fakes import CharChatTokenizer, plan_path_engine_rows
 from scripted_server import plan_path_answer
 
-from pettingflow.agents import build_agent, resolve_agent_class
+from pettingflow.agents import resolve_agent_class
 from pettingflow.agents.plan_agents import ExecutorAgent, PlannerAgent
 from pettingflow.configs import load_config
 from pettingflow.configs.settings import DatasetSettings
-from pettingflow.envs import EnvCache, EnvConfigError, load_tasks, resolve_env_class
+from pettingflow.envs import EnvConfigError, load_tasks, resolve_env_class
 from pettingflow.envs.plan_path import (
     MOVES,
     Grid,
@@ -29,9 +29,6 @@ from pettingflow.envs.plan_path import (
     parse_moves,
     walk,
 )
-from pettingflow.iteration.rollouts import episode_specs
-from pettingflow.rollout.engine import AgentBinding, ExecutionEngine
-from pettingflow.rollout.records import build_rows
 
 TOK = CharChatTokenizer()
 KNOBS = [
@@ -307,24 +304,8 @@ def test_prompts_show_board_plan_and_what_happened() -> None:
 # through the real rollout engine
 # --------------------------------------------------------------------------------------------------
 def engine_rows(reply, *, layout: str = "per_turn", tasks=None, group_size: int = 2):
-    config = load_config("plan-path", ["env.max_turns=6", f"env.sample_layout={layout}"])
     tasks = tasks or [{"task_id": "a", "grid": BOARD}, {"task_id": "plan-path/3", "seed": 3}]
-    specs = episode_specs(config, tasks, group_size=group_size, seed_namespace="t/", env_cache=EnvCache())
-    llm = ScriptedLLM(TOK, reply=reply)
-    bindings = {
-        a.name: AgentBinding(client=llm, served_model=a.name, tokenizer=TOK, policy_name="shared")
-        for a in config.agents
-    }
-    engine = ExecutionEngine(
-        lambda: [build_agent(a, agent_idx=i, tokenizer=TOK, layout=layout) for i, a in enumerate(config.agents)],
-        bindings,
-        max_turns=config.env.max_turns,
-        token_budget=config.env.token_budget,
-        layout=layout,
-        show_progress=False,
-    )
-    records, stats = run(engine.run(specs))
-    return records, stats, build_rows(records, layout, "run", 0, group_size), llm
+    return plan_path_engine_rows(reply, tokenizer=TOK, tasks=tasks, layout=layout, group_size=group_size)
 
 
 def test_scripted_team_solves_through_the_engine_with_rows_like_the_code_env() -> None:
@@ -369,8 +350,9 @@ def test_collect_step_against_the_scripted_server(tmp_path, default_model_dir, d
     """The rollouts step over HTTP: real tokenizer and inference client, committed Parquet rows."""
     from scripted_server import ScriptedServer
 
-    from pettingflow.iteration.context import IterationContext
-    from pettingflow.iteration.rollouts import PolicyEndpoint, collect_step
+    from pettingflow.runs.context import IterationContext
+    from pettingflow.runs.endpoint import PolicyEndpoint
+    from pettingflow.steps.rollouts import collect_step
     from pettingflow.storage import RunLayout, read_step_trajectories
 
     config = load_config("plan-path", [f"run.storage_root={tmp_path}", "env.max_turns=6", "env.token_budget=200"])

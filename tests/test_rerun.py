@@ -10,10 +10,10 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
+from pettingflow.analysis.inspect import show_run
 from pettingflow.configs.loader import ConfigError, load_config
-from pettingflow.iteration.context import BASELINE_STEP, IterationContext
-from pettingflow.iteration.inspect import show_run
-from pettingflow.iteration.run import (
+from pettingflow.runs.context import BASELINE_STEP, IterationContext
+from pettingflow.runs.run import (
     RerunOverrideError,
     RunRef,
     load_run_config,
@@ -135,8 +135,7 @@ def test_baseline_is_due_once_at_the_start_unless_validation_is_off() -> None:
 
 
 def test_baseline_metrics_are_reported_and_start_the_validation_curve() -> None:
-    from pettingflow.iteration.report import curve_png
-    from pettingflow.tasks.report import iteration_metrics
+    from pettingflow.steps.report import curve_png, iteration_metrics
 
     scored = {"agents": {"code_generator": {"success_rate": 0.25, "reward_mean": 0.5}}}
     after = {"agents": {"code_generator": {"success_rate": 0.5, "reward_mean": 0.75}}}

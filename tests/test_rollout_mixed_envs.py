@@ -9,9 +9,9 @@ from rollout_fakes import CharChatTokenizer, ScriptedLLM, ToyAgent
 
 from pettingflow.configs import load_config
 from pettingflow.envs import EnvCache
-from pettingflow.iteration.rollouts import episode_specs, task_id
 from pettingflow.rollout.engine import AgentBinding, ExecutionEngine
 from pettingflow.rollout.records import build_rows
+from pettingflow.steps.rollouts import episode_specs, task_id
 
 TOK = CharChatTokenizer()
 

@@ -7,14 +7,15 @@ import logging
 from pathlib import Path
 
 import pytest
-from factories import trajectory_row
+from factories import crash_after_first_shard, trajectory_row
 from scripted_server import ScriptedServer
 from test_storage import s3_server  # noqa: F401 (module fixture: moto's S3 server on loopback)
 
 from pettingflow.configs import load_config
 from pettingflow.envs import EnvCache, load_humaneval
-from pettingflow.iteration.context import IterationContext
-from pettingflow.iteration.rollouts import PolicyEndpoint, collect_step
+from pettingflow.runs.context import IterationContext
+from pettingflow.runs.endpoint import PolicyEndpoint
+from pettingflow.steps.rollouts import collect_step
 from pettingflow.storage import RunLayout, Step, TrajectoryShards, read_step_trajectories
 from pettingflow.storage.steps import MARKER
 
@@ -78,24 +79,13 @@ def test_collect_step_resumes_from_committed_groups(
         reference_layout, reference = collect("run-straight")
 
         # attempt 1 dies when its second group is complete: the first group's shard is committed
-        real_write = TrajectoryShards.write
-        writes: list[int] = []
-
-        def write_then_crash(self, key, rows):
-            if writes:
-                raise RuntimeError("simulated crash")
-            writes.append(key)
-            return real_write(self, key, rows)
-
-        monkeypatch.setattr(TrajectoryShards, "write", write_then_crash)
-        with pytest.raises(RuntimeError, match="simulated crash"):
+        with crash_after_first_shard(monkeypatch) as writes:
             collect("run-crash")
-        monkeypatch.setattr(TrajectoryShards, "write", real_write)
         layout = RunLayout(str(tmp_path), "run-crash")
         assert not layout.step(0, "rollouts").is_committed()
         assert sorted(TrajectoryShards(layout.step(0, "rollouts")).committed()) == writes
 
-        with caplog.at_level(logging.INFO, logger="pettingflow.iteration.rollouts"):
+        with caplog.at_level(logging.INFO, logger="pettingflow.steps.rollouts"):
             _, resumed = collect("run-crash")
     assert "1 of 3 groups were committed by an earlier attempt; collecting the other 2" in caplog.text
     assert resumed.metrics["groups_resumed"] == 1
@@ -119,7 +109,7 @@ def test_stale_rollouts_are_set_aside_whole(
     readable beside it. On S3 (no rename) by copy, then the original's marker, then its files."""
     from factories import trajectory_rows
 
-    from pettingflow.iteration.rollouts import set_aside
+    from pettingflow.steps.rollouts import set_aside
     from pettingflow.storage import write_trajectories
 
     if where == "s3":

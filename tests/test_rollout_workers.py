@@ -18,15 +18,17 @@ from pathlib import Path
 
 import psutil
 import pytest
+from factories import crash_after_first_shard
 from scripted_server import ScriptedServer
 from test_flows import overrides, prefect_env, tiny_model  # noqa: F401 (module fixtures: Prefect's server, a tiny model)
 
 from pettingflow.configs import load_config
 from pettingflow.envs import EnvCache, load_humaneval
-from pettingflow.iteration.context import IterationContext
-from pettingflow.iteration.rollout_workers import RolloutWorker
-from pettingflow.iteration.rollouts import PolicyEndpoint, collect_step, run_episodes
-from pettingflow.storage import RunLayout, TrajectoryShards, read_step_trajectories
+from pettingflow.runs.context import IterationContext
+from pettingflow.runs.endpoint import PolicyEndpoint
+from pettingflow.steps.rollout_workers import RolloutWorker
+from pettingflow.steps.rollouts import collect_step, run_episodes
+from pettingflow.storage import RunLayout, read_step_trajectories
 
 RUN_SPECIFIC = {"run_id", "uid"}  # namespaced by the run id; every other column must match
 
@@ -67,7 +69,7 @@ def test_worker_body_runs_one_group_with_the_steps_seeds(tmp_path, scripted, def
     that group gets when the whole step runs in one loop, and shares its clients across calls."""
     config = config_for(tmp_path, default_model_dir, "rollout.max_concurrent_requests=5")
     endpoints = endpoints_for(scripted, default_model_dir)
-    from pettingflow.iteration.rollouts import select_train_tasks
+    from pettingflow.steps.rollouts import select_train_tasks
 
     tasks = select_train_tasks(config, 0)
     worker = RolloutWorker(config, endpoints, worker=1, num_workers=2)
@@ -128,19 +130,8 @@ def test_ray_workers_commit_the_rows_of_local_mode_and_resume_a_crash(
         assert comparable(ray_layout) == comparable(local_layout)
 
         # a crash after the first group's shard: the resume runs the other three groups in the actors
-        real_write = TrajectoryShards.write
-        writes: list[int] = []
-
-        def write_then_crash(self, key, rows):
-            if writes:
-                raise RuntimeError("simulated crash")
-            writes.append(key)
-            return real_write(self, key, rows)
-
-        monkeypatch.setattr(TrajectoryShards, "write", write_then_crash)
-        with pytest.raises(RuntimeError, match="simulated crash"):
+        with crash_after_first_shard(monkeypatch) as writes:
             collect("run-crash", "rollout.workers=ray", "rollout.num_workers=2")
-        monkeypatch.setattr(TrajectoryShards, "write", real_write)
         crash_layout, resumed = collect("run-crash", "rollout.workers=ray", "rollout.num_workers=2")
     finally:
         ray.shutdown()

@@ -28,7 +28,7 @@ def complete(url: str) -> str:
 
 
 def test_servers_are_stopped_during_the_update_and_serve_after_it(vllm_server) -> None:
-    from pettingflow.iteration.runtime import Runtime
+    from pettingflow.runs.runtime import Runtime
 
     if not getattr(vllm_server, "pid", None):
         pytest.skip("the session server is attached by URL: its processes are not ours to pause")
@@ -53,7 +53,7 @@ def test_servers_are_stopped_during_the_update_and_serve_after_it(vllm_server) -
 
 
 def test_servers_are_continued_when_the_update_fails(vllm_server) -> None:
-    from pettingflow.iteration.runtime import Runtime
+    from pettingflow.runs.runtime import Runtime
 
     if not getattr(vllm_server, "pid", None):
         pytest.skip("the session server is attached by URL")

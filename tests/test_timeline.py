@@ -8,8 +8,8 @@ import time
 import pytest
 from typer.testing import CliRunner
 
+from pettingflow.analysis.inspect import timeline_spans, timeline_text
 from pettingflow.cli import app
-from pettingflow.iteration.inspect import timeline_spans, timeline_text
 from pettingflow.storage import RunLayout
 
 T0 = 1_800_000_000.0  # 2027-01-15 08:00:00 UTC

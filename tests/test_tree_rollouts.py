@@ -10,16 +10,12 @@ import random
 from collections import Counter, defaultdict
 
 import pytest
-from rollout_fakes import BoardEnv, CharChatTokenizer, ScriptedLLM, ToyAgent, ToyEnv
+from rollout_fakes import BoardEnv, CharChatTokenizer, ScriptedLLM, ToyAgent, ToyEnv, plan_path_engine_rows
 from scripted_server import plan_path_answer
 
-from pettingflow.agents import build_agent
 from pettingflow.configs import load_config
-from pettingflow.envs import EnvCache
 from pettingflow.envs.plan_path import PlanPathEnv, parse_moves
-from pettingflow.iteration.rollouts import episode_specs
 from pettingflow.rollout.engine import AgentBinding, ExecutionEngine, group_specs, select_branch
-from pettingflow.rollout.records import build_rows
 from pettingflow.storage import trajectories_to_table
 
 TOK = CharChatTokenizer()
@@ -33,26 +29,17 @@ def by_seed(model, prompt, params):
 
 
 def tree_run(reply=by_seed, *, layout="per_turn", branches=K, select="best", token_budget=1000, max_turns=6):
-    config = load_config("plan-path", [f"env.max_turns={max_turns}", f"env.sample_layout={layout}"])
     tasks = [{"task_id": "a", "grid": BOARD}, {"task_id": "plan-path/3", "seed": 3}]
-    specs = episode_specs(config, tasks, group_size=1, seed_namespace="t/", env_cache=EnvCache())
-    llm = ScriptedLLM(TOK, reply=reply)
-    bindings = {
-        a.name: AgentBinding(client=llm, served_model=a.name, tokenizer=TOK, policy_name="shared")
-        for a in config.agents
-    }
-    engine = ExecutionEngine(
-        lambda: [build_agent(a, agent_idx=i, tokenizer=TOK, layout=layout) for i, a in enumerate(config.agents)],
-        bindings,
+    return plan_path_engine_rows(
+        reply,
+        tokenizer=TOK,
+        tasks=tasks,
+        layout=layout,
         max_turns=max_turns,
         token_budget=token_budget,
-        layout=layout,
-        show_progress=False,
         tree_branches=branches,
         tree_select=select,
     )
-    records, stats = asyncio.run(engine.run(specs))
-    return records, stats, build_rows(records, layout, "run", 0, group_size=branches), llm
 
 
 def groups(rows):
@@ -188,8 +175,9 @@ def test_collect_step_in_tree_mode_against_the_scripted_server(tmp_path, default
     """The rollouts step over HTTP in tree mode: one request with n = G per turn, one shard per task."""
     from scripted_server import ScriptedServer
 
-    from pettingflow.iteration.context import IterationContext
-    from pettingflow.iteration.rollouts import PolicyEndpoint, collect_step
+    from pettingflow.runs.context import IterationContext
+    from pettingflow.runs.endpoint import PolicyEndpoint
+    from pettingflow.steps.rollouts import collect_step
     from pettingflow.storage import RunLayout, read_step_trajectories
 
     config = load_config(

@@ -10,8 +10,9 @@ import pytest
 
 from pettingflow.configs import load_config
 from pettingflow.envs import EnvCache
-from pettingflow.iteration.context import IterationContext
-from pettingflow.iteration.rollouts import PolicyEndpoint, collect_step
+from pettingflow.runs.context import IterationContext
+from pettingflow.runs.endpoint import PolicyEndpoint
+from pettingflow.steps.rollouts import collect_step
 from pettingflow.storage import RunLayout, read_step_trajectories
 
 pytestmark = pytest.mark.slow

@@ -8,7 +8,7 @@ import pytest
 from test_storage import s3_server  # noqa: F401 (module fixture: moto's S3 server on loopback)
 
 from pettingflow.configs.loader import load_config
-from pettingflow.iteration.weights import start_version, weights_before
+from pettingflow.runs.weights import start_version, weights_before
 from pettingflow.storage import RunLayout
 from pettingflow.training.checkpoint import BASE_VERSION, optimizer_snapshot_due
 
@@ -82,7 +82,7 @@ def test_snapshot_cadence() -> None:
 def test_weights_on_s3_are_downloaded_verified_and_cached(setup, s3_server, tmp_path, monkeypatch) -> None:  # noqa: F811
     """On S3 the starting weights are a verified local copy under ``$PETTINGFLOW_HOME/cache`` (vLLM and
     transformers need folders): never half-written, re-downloaded when the marker changes, refused when corrupt."""
-    from pettingflow.iteration.weights import COMPLETE, local_copy
+    from pettingflow.runs.weights import COMPLETE, local_copy
     from pettingflow.storage.steps import CorruptFileError
 
     _, config, base = setup

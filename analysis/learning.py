@@ -4,21 +4,21 @@
 same tasks and budget and hands each one's numbers to the functions here, which turn them into one
 JSON document, one PNG and one markdown table. Nothing here starts a server or a flow, so the
 summary can be rebuilt from stored runs (``pettingflow runs learning-report``) without training again.
+This module finds the runs and their evaluations and assembles each arm; the statistics are in
+``stats.py`` (pure), the table and the figure in ``figures.py``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
-from pettingflow.iteration.report import figure_png, history
+from pettingflow.analysis.figures import HEADLINE_AGENT, learning_png, markdown_table
+from pettingflow.analysis.stats import first_last_mean, paired_bootstrap
 from pettingflow.rollout import records
+from pettingflow.steps.report import history
 from pettingflow.storage import RunLayout
-
-#: The agent whose held-out success is the headline: the one that writes the code.
-HEADLINE_AGENT = "code_generator"
 
 
 @dataclass
@@ -44,32 +44,6 @@ class ArmResult:
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def shared_server(model: Path, inference: Any, lora: bool, url: str | None, tag: str) -> Any:
-    """The one inference server of a learning run: attached to ``url``, or a dev-mode vLLM (weights reloadable)."""
-    from pettingflow.inference.server import ExternalServer, VLLMServer
-    from pettingflow.iteration.runtime import state_dir
-
-    if url:
-        return ExternalServer(url)
-    return VLLMServer(
-        model,
-        served_model_name=model.name,
-        max_model_len=inference.max_model_len,
-        kv_cache_gib=inference.kv_cache_gib,
-        startup_timeout_s=inference.startup_timeout_s,
-        enable_lora=lora,
-        dev_mode=True,
-        log_path=state_dir() / "logs" / f"vllm-{tag}.log",
-    )
-
-
-def serve_base_weights(server: Any, model: Path) -> None:
-    """Reload the base model's weights into a started ``shared_server`` (a no-op in effect when they are loaded)."""
-    from pettingflow.inference.weight_sync import sync_full_weights
-
-    sync_full_weights(server, model, model=str(server.served_model_name))
 
 
 def run_curve(layout: RunLayout, agent: str = HEADLINE_AGENT) -> list[dict[str, float]]:
@@ -111,34 +85,6 @@ def final_successes(rows: Sequence[Mapping[str, Any]], agent: str = HEADLINE_AGE
     return out
 
 
-def paired_bootstrap(
-    before: Mapping[int, Sequence[bool]], after: Mapping[int, Sequence[bool]], n_boot: int = 5000, seed: int = 0
-) -> dict[str, float]:
-    """Change in success rate on the same held-out tasks, with a 95 % interval from resampling tasks.
-
-    Why tasks and not episodes: samples of one task are correlated (an easy task is solved by most of
-    its samples), so the task is the unit of independent evidence. Both evaluations use the same tasks
-    and sampling seeds, so the difference is paired task by task.
-    """
-    import numpy as np
-
-    tasks = sorted(set(before) & set(after))
-    if not tasks:
-        raise ValueError("the two evaluations share no held-out task; were they run on the same split?")
-    diffs = np.array([np.mean(after[t]) - np.mean(before[t]) for t in tasks])
-    rng = np.random.default_rng(seed)
-    boots = diffs[rng.integers(0, len(diffs), size=(n_boot, len(diffs)))].mean(axis=1)
-    low, high = np.percentile(boots, [2.5, 97.5])
-    return {
-        "delta": float(diffs.mean()),
-        "ci95_low": float(low),
-        "ci95_high": float(high),
-        "tasks": float(len(tasks)),
-        "tasks_better": float((diffs > 0).sum()),
-        "tasks_worse": float((diffs < 0).sum()),
-    }
-
-
 def revisited_train_tasks(layout: RunLayout, agent: str = HEADLINE_AGENT) -> dict[str, float] | None:
     """Train tasks drawn twice (the task order wraps after an epoch): success at the first draw vs the last.
 
@@ -148,8 +94,8 @@ def revisited_train_tasks(layout: RunLayout, agent: str = HEADLINE_AGENT) -> dic
     task was drawn twice (fewer iterations than one epoch).
     """
     from pettingflow.envs.humaneval import task_key
-    from pettingflow.iteration.rollouts import select_train_tasks
-    from pettingflow.iteration.run import RunRef, load_run_config
+    from pettingflow.runs.run import RunRef, load_run_config
+    from pettingflow.steps.rollouts import select_train_tasks
     from pettingflow.storage import read_step_trajectories
 
     config = load_run_config(RunRef(root=layout.root, run_id=layout.run_id, storage_options=layout.storage_options))
@@ -270,23 +216,6 @@ def agent_scores(rows: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, float
     return {agent: records.agent_scores(values) for agent, values in finals.items()}
 
 
-def smooth(values: Sequence[float], window: int = 4) -> list[float]:
-    """Trailing moving average: the train reward of one iteration (8 tasks) is noisy."""
-    out = []
-    for i in range(len(values)):
-        chunk = values[max(0, i - window + 1) : i + 1]
-        out.append(sum(chunk) / len(chunk))
-    return out
-
-
-def first_last_mean(values: Sequence[float], n: int = 4) -> tuple[float, float]:
-    """Mean of the first and of the last ``n`` values (or of all of them when there are fewer)."""
-    if not values:
-        return float("nan"), float("nan")
-    n = max(1, min(n, len(values) // 2 or 1))
-    return sum(values[:n]) / n, sum(values[-n:]) / n
-
-
 def results_table(arms: Sequence[ArmResult]) -> list[dict[str, Any]]:
     """One row per arm: held-out success before/after and the train reward at the start and the end."""
     rows = []
@@ -318,80 +247,6 @@ def results_table(arms: Sequence[ArmResult]) -> list[dict[str, Any]]:
 
 def _ci(paired: Mapping[str, float] | None) -> list[float] | None:
     return None if not paired else [paired["ci95_low"], paired["ci95_high"]]
-
-
-def _revisit(row: Mapping[str, Any]) -> str:
-    if row.get("revisit_first") is None:
-        return "n/a (no task drawn twice)"
-    low, high = row["revisit_ci95"]
-    return (
-        f"{100 * row['revisit_first']:.1f} % → {100 * row['revisit_last']:.1f} % "
-        f"[{100 * low:+.1f}, {100 * high:+.1f}], {row['revisit_tasks']} tasks"
-    )
-
-
-def markdown_table(rows: Sequence[Mapping[str, Any]]) -> str:
-    """The results table as markdown (what ``docs/results.md`` quotes)."""
-
-    def pct(v: Any) -> str:
-        return "n/a" if v is None else f"{100 * v:.1f} %"
-
-    def num(v: Any) -> str:
-        return "n/a" if v is None else f"{v:.3f}"
-
-    lines = [
-        "| config | held-out pass@1, sampled: before | after | change (95 % CI over tasks) | greedy: before "
-        "| after | train tasks drawn twice: first draw → last (95 % CI) | train reward, first 4 it. | last 4 it. "
-        "| iterations |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        delta = "n/a" if r["heldout_delta"] is None else f"{100 * r['heldout_delta']:+.1f} pts"
-        if r.get("heldout_ci95"):
-            low, high = r["heldout_ci95"]
-            delta += f" [{100 * low:+.1f}, {100 * high:+.1f}]"
-        lines.append(
-            f"| `{r['config']}` | {pct(r['heldout_before'])} | {pct(r['heldout_after'])} | {delta} | "
-            f"{pct(r['greedy_before'])} | {pct(r['greedy_after'])} | {_revisit(r)} | "
-            f"{num(r['train_reward_first4'])} | {num(r['train_reward_last4'])} | {r['iterations']} |"
-        )
-    return "\n".join(lines)
-
-
-def learning_png(arms: Sequence[ArmResult]) -> bytes:
-    """Left: train reward per iteration (raw and 4-iteration mean). Right: held-out success of the code
-    agent (sampled view), from the base model (x = -1) through any periodic validations to the final
-    evaluation (x = last iteration)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    for i, arm in enumerate(arms):
-        color = f"C{i}"
-        pts = [p for p in arm.curve if "train_reward" in p]
-        xs = [p["iteration"] for p in pts]
-        ys = [p["train_reward"] for p in pts]
-        if xs:
-            left.plot(xs, ys, color=color, alpha=0.35, marker=".", linestyle="-")
-            left.plot(xs, smooth(ys), color=color, linewidth=2, label=f"{arm.config} (4-it. mean)")
-        held = [(-1.0, arm.headline("before"))]
-        held += [(p["iteration"], p["heldout_success"]) for p in arm.curve if "heldout_success" in p]
-        last = max((p["iteration"] for p in arm.curve), default=0.0)
-        if not any(x == last for x, _ in held[1:]):
-            held.append((last, arm.headline("after")))
-        held = [(x, y) for x, y in held if y is not None]
-        if held:
-            hx, hy = zip(*held, strict=True)
-            right.plot(hx, hy, color=color, marker="o", label=arm.config)
-    left.set_title(f"{HEADLINE_AGENT}: train reward per iteration", fontsize=10)
-    right.set_title(f"{HEADLINE_AGENT}: held-out pass@1, sampled (x=-1: base model)", fontsize=10)
-    for ax in (left, right):
-        ax.set_xlabel("iteration")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    return figure_png(fig)
 
 
 def write_learning_report(

@@ -94,7 +94,7 @@ class RolloutWorker:
         temperature: float | None = None,
     ) -> GroupResult:
         """The episodes of task ``env_idx`` of ``tasks`` (the whole step's list: indexes fix seeds and UIDs)."""
-        from pettingflow.iteration.rollouts import run_episodes
+        from pettingflow.steps.rollouts import run_episodes
 
         started_at = time.time()
         records, stats = await run_episodes(

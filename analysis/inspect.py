@@ -15,9 +15,9 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from pettingflow.iteration.context import BASELINE_STEP, STEP_ORDER
-from pettingflow.iteration.report import REPORT_STEP
-from pettingflow.iteration.run import format_change
+from pettingflow.runs.context import BASELINE_STEP, STEP_ORDER
+from pettingflow.runs.run import format_change
+from pettingflow.steps.report import REPORT_STEP
 from pettingflow.storage import RunLayout, list_runs, read_step_trajectories
 
 

@@ -17,7 +17,7 @@ from pydantic import BaseModel, Field
 from pettingflow import __version__
 from pettingflow.configs.loader import ConfigError, parse_override, validate_config
 from pettingflow.configs.settings import ExperimentConfig
-from pettingflow.iteration.context import STEP_ORDER, step_kind
+from pettingflow.runs.context import STEP_ORDER, step_kind
 from pettingflow.storage import RunLayout, new_run_id
 
 

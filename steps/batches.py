@@ -15,7 +15,6 @@ or ``advantages`` with other ``algorithm.*`` values recomputes it. The batch kee
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -24,33 +23,15 @@ import pyarrow.compute as pc
 
 from pettingflow.configs.settings import ExperimentConfig
 from pettingflow.faults import maybe_crash
-from pettingflow.iteration.context import IterationContext
-from pettingflow.iteration.weights import start_version
 from pettingflow.rl.advantages import compute_advantages
 from pettingflow.rl.filters import filter_samples
 from pettingflow.rl.rewards import discounted_returns, mix_rewards
-from pettingflow.storage import Manifest, Step, read_step_trajectories, write_trajectories
+from pettingflow.runs.context import IterationContext
+from pettingflow.runs.weights import start_version
+from pettingflow.steps.outcome import StepOutcome, already_done
+from pettingflow.storage import Manifest, read_step_trajectories, write_trajectories
 
 BATCH_KIND = b"batch"
-
-
-@dataclass(frozen=True)
-class StepOutcome:
-    """What a task returns: small metadata only (never the data itself)."""
-
-    step: str
-    uri: str
-    rows: int
-    skipped: bool
-    metrics: dict[str, Any]
-
-
-def already_done(step: Step) -> StepOutcome | None:
-    """The outcome of a committed step (``skipped=True``), or None when it still has to run."""
-    if not step.is_committed():
-        return None
-    m = step.manifest()
-    return StepOutcome(step.name, step.uri, m.rows, True, m.metadata)
 
 
 def team_rewards(table: pa.Table) -> np.ndarray:

@@ -13,7 +13,6 @@ import logging
 import random
 import time
 from collections.abc import Callable, Collection
-from dataclasses import dataclass, field
 from typing import Any
 
 from pettingflow.agents import build_agent
@@ -21,25 +20,15 @@ from pettingflow.configs.settings import ExperimentConfig, Specialization
 from pettingflow.envs import EnvCache, EnvSpec, TaskSpec, env_spec_from_settings, load_tasks, task_specs_from_rows
 from pettingflow.envs.registry import ENV_REGISTRY
 from pettingflow.inference.client import InferenceClient
-from pettingflow.iteration.batches import StepOutcome, already_done
-from pettingflow.iteration.context import IterationContext
 from pettingflow.rollout.engine import AgentBinding, EngineStats, EpisodeSpec, ExecutionEngine, group_specs
 from pettingflow.rollout.records import EpisodeRecord, build_rows
+from pettingflow.runs.context import IterationContext
+from pettingflow.runs.endpoint import PolicyEndpoint
+from pettingflow.steps.outcome import StepOutcome, already_done
 from pettingflow.storage import Step, TrajectoryShards, read_step_trajectories, write_trajectories
 from pettingflow.storage.fs import is_local
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class PolicyEndpoint:
-    """Where and under which names a policy is served right now."""
-
-    policy: str
-    url: str
-    served_model: str
-    model_dir: str
-    adapters: dict[str, str] = field(default_factory=dict)  # agent name -> served LoRA name (L2)
 
 
 @functools.lru_cache(maxsize=8)
@@ -257,7 +246,7 @@ def collect_step(
     tree_branches = group_size if tree else None
     workers: list[dict[str, Any]] | None = None
     if config.rollout.workers == "ray":  # groups run in Ray actors; this process commits them as they arrive
-        from pettingflow.iteration.rollout_workers import RayRolloutWorkers
+        from pettingflow.steps.rollout_workers import RayRolloutWorkers
 
         def commit_records(records: list[EpisodeRecord]) -> None:
             for record in records:

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from pettingflow.faults import maybe_crash
-from pettingflow.iteration.context import IterationContext
 from pettingflow.paths import home
+from pettingflow.runs.context import IterationContext
 from pettingflow.storage import RunLayout, StepNotCommittedError, read_step_trajectories
 
 log = logging.getLogger(__name__)
@@ -32,6 +32,44 @@ def flatten(prefix: str, value: Any, out: dict[str, float]) -> None:
             flatten(f"{prefix}/{key}" if prefix else str(key), inner, out)
     elif isinstance(value, bool | int | float):
         out[prefix] = float(value)
+
+
+def iteration_metrics(
+    outcomes: dict[str, Any], durations: dict[str, float], iteration_s: float | None = None
+) -> dict[str, float]:
+    """The flat metrics of one iteration, from what the step tasks returned.
+
+    ``iteration_s``: the iteration flow's wall time up to the report. What of it the step tasks do not
+    account for is Prefect's and the flow's own cost (``orchestration/...``), visible per iteration.
+    """
+    flat: dict[str, float] = {}
+    rollout = (outcomes.get("rollouts") or {}).get("metrics") or {}
+    for agent, values in (rollout.get("agents") or {}).items():
+        flatten(f"rollout/{agent}", values, flat)
+    for key in ("tokens_generated", "tokens_per_s", "episodes", "wall_s", "llm_s", "env_s"):
+        if key in rollout:
+            flat[f"rollout/{key}"] = float(rollout[key])
+    filtered = (outcomes.get("filtered") or {}).get("metrics") or {}
+    for key in ("rows_in", "rows_kept", "removed_samples", "removed_groups"):
+        if key in filtered:
+            flat[f"filter/{key}"] = float(filtered[key])
+    for name, outcome in outcomes.items():
+        if name.startswith("update-") and outcome:
+            flatten(name.replace("update-", "update/", 1), (outcome.get("metrics") or {}).get("metrics", {}), flat)
+    for step in ("baseline", "validation"):  # baseline: the base weights, before iteration 0's update
+        scored = (outcomes.get(step) or {}).get("metrics") or {}
+        for agent, values in (scored.get("agents") or {}).items():
+            flatten(f"{step}/{agent}", values, flat)
+    for key, number in (outcomes.get("async") or {}).items():  # rollouts of k+1 collected beside k's update
+        flat[f"async/{key}"] = round(float(number), 3)
+    for step, seconds in durations.items():
+        flat[f"duration/{step}_s"] = round(seconds, 3)
+    if iteration_s:
+        outside = max(iteration_s - sum(durations.values()), 0.0)
+        flat["duration/iteration_before_report_s"] = round(iteration_s, 3)
+        flat["orchestration/outside_step_tasks_s"] = round(outside, 3)
+        flat["orchestration/outside_step_tasks_share"] = round(outside / iteration_s, 5)
+    return flat
 
 
 def metrics_table(metrics: Mapping[str, float]) -> list[dict[str, Any]]:

@@ -19,15 +19,16 @@ from typing import Any
 
 from pettingflow.configs.settings import ExperimentConfig
 from pettingflow.faults import crash_soon, maybe_crash
-from pettingflow.iteration.batches import StepOutcome, already_done, batch_file
-from pettingflow.iteration.context import IterationContext
-from pettingflow.iteration.weights import (
+from pettingflow.runs.context import IterationContext
+from pettingflow.runs.weights import (
     PolicyWeights,
     base_model_dir,
     update_step_name,
     weights_before,
     weights_in_step,
 )
+from pettingflow.steps.batches import batch_file
+from pettingflow.steps.outcome import StepOutcome, already_done
 from pettingflow.storage.fs import join, uri_of
 from pettingflow.training.launch import METRICS_FILE, _rebase_outputs, run_update, spec_from_config
 
@@ -180,7 +181,7 @@ def sync_step(ctx: IterationContext, config: ExperimentConfig, runtime: Any) -> 
     """
     results = {}
     for policy in runtime.servers:
-        results[policy] = runtime.ensure_serving(weights_after(ctx, config, policy))
+        results[policy] = runtime.serve(weights_after(ctx, config, policy))
     step = ctx.step("sync")
     maybe_crash("sync:mid")  # kill matrix: servers synced, the step not committed
     if not step.is_committed():

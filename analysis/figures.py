@@ -1,0 +1,89 @@
+"""The learning report as a person reads it: the markdown results table and the two-panel PNG."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from pettingflow.analysis.stats import smooth
+from pettingflow.steps.report import figure_png
+
+if TYPE_CHECKING:
+    from pettingflow.analysis.learning import ArmResult
+
+#: The agent whose held-out success is the headline: the one that writes the code.
+HEADLINE_AGENT = "code_generator"
+
+
+def _revisit(row: Mapping[str, Any]) -> str:
+    if row.get("revisit_first") is None:
+        return "n/a (no task drawn twice)"
+    low, high = row["revisit_ci95"]
+    return (
+        f"{100 * row['revisit_first']:.1f} % → {100 * row['revisit_last']:.1f} % "
+        f"[{100 * low:+.1f}, {100 * high:+.1f}], {row['revisit_tasks']} tasks"
+    )
+
+
+def markdown_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    """The results table as markdown (what ``docs/results.md`` quotes)."""
+
+    def pct(v: Any) -> str:
+        return "n/a" if v is None else f"{100 * v:.1f} %"
+
+    def num(v: Any) -> str:
+        return "n/a" if v is None else f"{v:.3f}"
+
+    lines = [
+        "| config | held-out pass@1, sampled: before | after | change (95 % CI over tasks) | greedy: before "
+        "| after | train tasks drawn twice: first draw → last (95 % CI) | train reward, first 4 it. | last 4 it. "
+        "| iterations |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        delta = "n/a" if r["heldout_delta"] is None else f"{100 * r['heldout_delta']:+.1f} pts"
+        if r.get("heldout_ci95"):
+            low, high = r["heldout_ci95"]
+            delta += f" [{100 * low:+.1f}, {100 * high:+.1f}]"
+        lines.append(
+            f"| `{r['config']}` | {pct(r['heldout_before'])} | {pct(r['heldout_after'])} | {delta} | "
+            f"{pct(r['greedy_before'])} | {pct(r['greedy_after'])} | {_revisit(r)} | "
+            f"{num(r['train_reward_first4'])} | {num(r['train_reward_last4'])} | {r['iterations']} |"
+        )
+    return "\n".join(lines)
+
+
+def learning_png(arms: Sequence[ArmResult]) -> bytes:
+    """Left: train reward per iteration (raw and 4-iteration mean). Right: held-out success of the code
+    agent (sampled view), from the base model (x = -1) through any periodic validations to the final
+    evaluation (x = last iteration)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for i, arm in enumerate(arms):
+        color = f"C{i}"
+        pts = [p for p in arm.curve if "train_reward" in p]
+        xs = [p["iteration"] for p in pts]
+        ys = [p["train_reward"] for p in pts]
+        if xs:
+            left.plot(xs, ys, color=color, alpha=0.35, marker=".", linestyle="-")
+            left.plot(xs, smooth(ys), color=color, linewidth=2, label=f"{arm.config} (4-it. mean)")
+        held = [(-1.0, arm.headline("before"))]
+        held += [(p["iteration"], p["heldout_success"]) for p in arm.curve if "heldout_success" in p]
+        last = max((p["iteration"] for p in arm.curve), default=0.0)
+        if not any(x == last for x, _ in held[1:]):
+            held.append((last, arm.headline("after")))
+        held = [(x, y) for x, y in held if y is not None]
+        if held:
+            hx, hy = zip(*held, strict=True)
+            right.plot(hx, hy, color=color, marker="o", label=arm.config)
+    left.set_title(f"{HEADLINE_AGENT}: train reward per iteration", fontsize=10)
+    right.set_title(f"{HEADLINE_AGENT}: held-out pass@1, sampled (x=-1: base model)", fontsize=10)
+    for ax in (left, right):
+        ax.set_xlabel("iteration")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    return figure_png(fig)

@@ -1,0 +1,20 @@
+"""Where a policy is served: what the runtime hands the rollout and sync steps.
+
+A module of its own so that the steps (which only read it) and the runtime (which builds it) both import
+it without the steps importing the runtime's server machinery.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class PolicyEndpoint:
+    """Where and under which names a policy is served right now."""
+
+    policy: str
+    url: str
+    served_model: str
+    model_dir: str
+    adapters: dict[str, str] = field(default_factory=dict)  # agent name -> served LoRA name (L2)

@@ -1,0 +1,138 @@
+"""The harness the end-to-end tests share: a private Prefect server, its pool and deployments, workers.
+
+test_deployment_e2e.py and test_kill_matrix.py (and the tests that borrow their fixtures) start the same
+stack; one copy here keeps their environments and process handling from drifting apart.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+from pettingflow.processes import free_port
+
+__all__ = [
+    "PREFECT",
+    "REPO",
+    "create_pool_and_deployments",
+    "free_port",
+    "kill_tree",
+    "stack_env",
+    "start_server",
+    "start_worker",
+    "stop_worker",
+    "update_jobs",
+    "wait_http",
+]
+
+REPO = Path(__file__).resolve().parent.parent
+#: The venv's own prefect CLI, so the server and workers run the code under test.
+PREFECT = str(Path(sys.executable).parent / "prefect")
+
+
+def stack_env(state: Path, pettingflow_home: Path, port: int, **extra: str) -> dict[str, str]:
+    """Environment of the server, the CLI calls and the workers: everything under ``state``, offline."""
+    return {
+        **os.environ,
+        "PETTINGFLOW_STATE": str(state),
+        "PETTINGFLOW_HOME": str(pettingflow_home),
+        "PETTINGFLOW_REPO": str(REPO),
+        "PREFECT_HOME": str(state / "prefect"),
+        "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
+        "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{state}/prefect.db",
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_CLI_PROMPT": "false",
+        "PREFECT_WORKER_QUERY_SECONDS": "1",
+        "PREFECT_LOGGING_EXTRA_LOGGERS": "pettingflow",  # as make run: library lines (learner starts) in the log
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "TORCH_EXTENSIONS_DIR": str(pettingflow_home / "torch_extensions"),
+        **extra,
+    }
+
+
+def wait_http(url: str, timeout_s: float) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{url} did not answer within {timeout_s} s")
+
+
+def start_server(env: dict[str, str], port: int, log: Path) -> subprocess.Popen:
+    """Start a Prefect server on ``port`` and wait for its health check; killed again if it never answers."""
+    server = subprocess.Popen(
+        [PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        env=env,
+        stdout=open(log, "w"),  # noqa: SIM115 - the server writes to it until teardown
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        wait_http(f"http://127.0.0.1:{port}/api/health", 120)
+    except BaseException:
+        kill_tree(server)
+        raise
+    return server
+
+
+def create_pool_and_deployments(env: dict[str, str]) -> None:
+    """The process work pool and every deployment of prefect.yaml, as a user sets them up."""
+    for args in (("work-pool", "create", "pettingflow", "--type", "process"), ("--no-prompt", "deploy", "--all")):
+        subprocess.run([PREFECT, *args], env=env, cwd=REPO, capture_output=True, text=True, timeout=300, check=True)
+
+
+def start_worker(env: dict[str, str], log: Path) -> subprocess.Popen:
+    """A process worker on the pool, in its own session so ``kill_tree`` takes it and its flow runs."""
+    return subprocess.Popen(
+        [PREFECT, "worker", "start", "--pool", "pettingflow"],
+        env=env,
+        cwd=REPO,
+        stdout=open(log, "w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+
+
+def stop_worker(proc: subprocess.Popen) -> None:
+    """SIGINT (Prefect's orderly stop), then SIGKILL whatever is left: a worker that outlives its test would poll
+    the pool and take the next test's flow run."""
+    kill_tree(proc, signal.SIGINT)
+    kill_tree(proc)
+
+
+def kill_tree(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
+    """Kill a process and all its descendants (a crash of the worker and everything it started)."""
+    try:
+        parent = psutil.Process(proc.pid)
+        procs = [*parent.children(recursive=True), parent]
+    except psutil.NoSuchProcess:
+        return
+    for p in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.send_signal(sig)
+    psutil.wait_procs(procs, timeout=30)
+
+
+def update_jobs() -> list[psutil.Process]:
+    """One-shot update processes and resident learner ranks on this machine."""
+    marks = ("pettingflow.training.worker", "ray::LearnerRank")
+    return [
+        p
+        for p in psutil.process_iter(["cmdline"])
+        if p.info["cmdline"] and any(m in " ".join(p.info["cmdline"]) for m in marks)
+    ]
