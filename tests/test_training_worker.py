@@ -442,10 +442,15 @@ def test_spec_validation():
 
 
 def test_cli_builds_the_spec_from_a_config(tmp_path, monkeypatch, tiny_model_dir):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
     from typer.testing import CliRunner
 
+    from pettingflow.cli import app
     from pettingflow.training import cli
 
+    batch = tmp_path / "b.parquet"  # a batch already (it has advantages): the CLI passes it on untouched
+    pq.write_table(pa.table({"advantage": [0.5]}), batch)
     seen = {}
 
     def fake_run_update(spec, **_):
@@ -453,10 +458,8 @@ def test_cli_builds_the_spec_from_a_config(tmp_path, monkeypatch, tiny_model_dir
         return {"skipped": False, "loss": 0.5, "outputs": {"model": f"{spec.out_dir}/model", "deepspeed": "d"}}
 
     monkeypatch.setattr(cli, "run_update", fake_run_update)
-    args = ["code-env", "--batch", "b.parquet", "--policy", "shared", "--init", str(tiny_model_dir)]
-    result = CliRunner().invoke(
-        cli.update_app, [*args, "--out", str(tmp_path / "o"), "training.lr=0.001", "specialization=lora"]
-    )
+    args = ["update", "code-env", "--batch", str(batch), "--policy", "shared", "--init", str(tiny_model_dir)]
+    result = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "o"), "training.lr=0.001", "specialization=lora"])
     assert result.exit_code == 0, result.output
     spec = seen["spec"]
     assert spec.policy == "shared" and spec.training.lr == 0.001 and spec.specialization == "lora"
@@ -467,10 +470,10 @@ def test_cli_builds_the_spec_from_a_config(tmp_path, monkeypatch, tiny_model_dir
     assert spec.seed == 0 and spec.save_resume_state is False
 
     args = [*args, "--out", str(tmp_path / "o3")]
-    assert CliRunner().invoke(cli.update_app, [*args, "--iteration", "3", "run.seed=5"]).exit_code == 0
+    assert CliRunner().invoke(app, [*args, "--iteration", "3", "run.seed=5"]).exit_code == 0
     assert seen["spec"].seed == 8 and seen["spec"].save_resume_state is True  # every 4th update: 3, 7, ...
 
-    bad = CliRunner().invoke(cli.update_app, ["code-env", "--batch", "b", "--policy", "nope", "--out", "o"])
+    bad = CliRunner().invoke(app, ["update", "code-env", "--batch", str(batch), "--policy", "nope", "--out", "o"])
     assert bad.exit_code != 0 and "nope" in bad.output
 
 

@@ -1,7 +1,7 @@
 """``pettingflow update``: run one policy's update job from a config and a batch file.
 
-The lead registers it on the main app with ``app.command("update")(update)`` (``update`` is a plain
-function); ``update_app`` is a one-command Typer app with the same behaviour, for tests or ``add_typer``.
+``update`` is a plain function; the main CLI (``pettingflow/cli.py``) calls it after turning plain
+trajectories into a batch when needed.
 """
 
 from __future__ import annotations
@@ -15,8 +15,6 @@ import typer
 from pettingflow.configs.loader import ConfigError, load_config
 from pettingflow.training.checkpoint import PolicyWeights
 from pettingflow.training.launch import METRICS_FILE, UpdateError, run_update, spec_from_config
-
-update_app = typer.Typer(add_completion=False, help="Run one policy update job (DeepSpeed) on a batch file.")
 
 
 def _fail(message: str, code: int = 2) -> None:
@@ -51,7 +49,6 @@ def _parse_adapters(items: list[str] | None) -> dict[str, str | None] | None:
     return out
 
 
-@update_app.command("update")
 def update(
     config: Annotated[str, typer.Argument(help="A shipped config name (e.g. code-env) or a path to a YAML file.")],
     batch: Annotated[str, typer.Option("--batch", help="Batch Parquet (local path or fsspec URI) with 'advantage'.")],
