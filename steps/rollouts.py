@@ -22,8 +22,9 @@ from pettingflow.envs.registry import ENV_REGISTRY
 from pettingflow.inference.client import InferenceClient
 from pettingflow.rollout.engine import AgentBinding, EngineStats, EpisodeSpec, ExecutionEngine, group_specs
 from pettingflow.rollout.records import EpisodeRecord, build_rows
-from pettingflow.runs.context import IterationContext
+from pettingflow.runs.context import BASELINE_STEP, IterationContext
 from pettingflow.runs.endpoint import PolicyEndpoint
+from pettingflow.runs.weights import start_version
 from pettingflow.steps.outcome import StepOutcome, already_done
 from pettingflow.storage import Step, TrajectoryShards, read_step_trajectories, write_trajectories
 from pettingflow.storage.fs import is_local
@@ -288,6 +289,49 @@ def collect_step(
     metrics["started_at"], metrics["finished_at"] = started_at, time.time()  # wall clock: overlap with the update
     manifest = shards.commit(stored, metadata=metrics)
     return StepOutcome(step.name, step.uri, manifest.rows, False, metrics)
+
+
+def rollouts_step(
+    ctx: IterationContext,
+    config: ExperimentConfig,
+    runtime: Any,
+    *,
+    ahead: bool = False,
+    warn: Callable[[str], Any] = log.warning,
+) -> StepOutcome:
+    """Step 1 as a run takes it: make the servers serve the weights this iteration samples with, then collect.
+
+    ``runtime``: the run's ``Runtime`` (servers, env cache). ``ahead`` (``rollout.async_rollouts``): collected
+    while the previous iteration's update trains, with the weights that iteration started from (rows record
+    their version). Rollouts committed earlier that are too old for ``rollout.max_policy_lag`` (possible
+    only after a crash) are set aside, said through ``warn``, and collected again.
+    """
+    step = ctx.step("rollouts")
+    if not ahead:
+        starts = {p: start_version(ctx.layout, p, ctx.iteration) for p in runtime.servers}
+        if reason := stale_rollouts(ctx, config, starts):
+            warn(f"{reason}: collecting them again (the old ones moved to {set_aside(step)})")
+    if not step.is_committed():
+        runtime.serve_start_of(ctx.layout, ctx.iteration - 1 if ahead else ctx.iteration)
+    return collect_step(
+        ctx, config, runtime.endpoints(), env_cache=runtime.env_cache, policy_versions=dict(runtime.served_versions)
+    )
+
+
+def baseline_step(ctx: IterationContext, config: ExperimentConfig, runtime: Any) -> StepOutcome:
+    """``validation_step`` on the weights ``ctx.iteration`` starts from (the base model at iteration 0), before
+    any update (``validation.at_start``): the first point of the run's validation curve, committed as
+    ``baseline``."""
+    if not ctx.step(BASELINE_STEP).is_committed():
+        runtime.serve_start_of(ctx.layout, ctx.iteration)
+    return validation_step(
+        ctx,
+        config,
+        runtime.endpoints(),
+        env_cache=runtime.env_cache,
+        step_name=BASELINE_STEP,
+        policy_versions=dict(runtime.served_versions),
+    )
 
 
 def stale_rollouts(ctx: IterationContext, config: ExperimentConfig, start_versions: dict[str, int]) -> str | None:

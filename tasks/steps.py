@@ -18,10 +18,9 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.states import Completed, State
 
-from pettingflow.runs.context import BASELINE_STEP, IterationContext
+from pettingflow.runs.context import IterationContext
 from pettingflow.runs.run import RunRef, load_run_config
 from pettingflow.runs.runtime import Runtime
-from pettingflow.runs.weights import start_version
 from pettingflow.steps import batches, rollouts, updates
 from pettingflow.steps.outcome import StepOutcome
 
@@ -46,25 +45,11 @@ def value(result: Any) -> Any:
 
 @task(name="collect_rollouts", retries=2, retry_delay_seconds=[10, 30], cache_policy=NO_CACHE)
 def collect_rollouts(run: RunRef, iteration: int, runtime: Runtime, ahead: bool = False) -> dict[str, Any] | State:
-    """Sync the servers to the weights this iteration starts from, then collect G samples per task.
+    """Serve the weights this iteration samples with, then collect G samples per task (``steps.rollouts``).
 
-    ``ahead`` (``rollout.async_rollouts``): collected while the previous iteration's update trains, with the
-    weights that iteration started from (rows record their version). Rollouts committed earlier that are
-    too old for ``rollout.max_policy_lag`` (possible only after a crash) are set aside and collected again.
-    """
-    config = load_run_config(run)
-    ctx = context(run, iteration)
-    step = ctx.step("rollouts")
-    if not ahead:
-        starts = {p: start_version(ctx.layout, p, iteration) for p in runtime.servers}
-        if reason := rollouts.stale_rollouts(ctx, config, starts):
-            get_run_logger().warning(
-                "%s: collecting them again (the old ones moved to %s)", reason, rollouts.set_aside(step)
-            )
-    if not step.is_committed():
-        runtime.serve_start_of(ctx.layout, iteration - 1 if ahead else iteration)
-    outcome = rollouts.collect_step(
-        ctx, config, runtime.endpoints(), env_cache=runtime.env_cache, policy_versions=dict(runtime.served_versions)
+    ``ahead`` (``rollout.async_rollouts``): collected beside the previous iteration's update."""
+    outcome = rollouts.rollouts_step(
+        context(run, iteration), load_run_config(run), runtime, ahead=ahead, warn=get_run_logger().warning
     )
     return finished(outcome)
 
@@ -130,18 +115,5 @@ def validate(run: RunRef, iteration: int, attempt: int, from_step: str, runtime:
 
 @task(name="validate_baseline", retries=1, retry_delay_seconds=[10], cache_policy=NO_CACHE)
 def validate_baseline(run: RunRef, iteration: int, runtime: Runtime) -> dict[str, Any] | State:
-    """``validate`` on the weights ``iteration`` starts from (the base model at iteration 0), before any update
-    (``validation.at_start``): the first point of the run's validation curve. Committed as ``baseline``."""
-    config = load_run_config(run)
-    ctx = context(run, iteration)
-    if not ctx.step(BASELINE_STEP).is_committed():
-        runtime.serve_start_of(ctx.layout, iteration)
-    outcome = rollouts.validation_step(
-        ctx,
-        config,
-        runtime.endpoints(),
-        env_cache=runtime.env_cache,
-        step_name=BASELINE_STEP,
-        policy_versions=dict(runtime.served_versions),
-    )
-    return finished(outcome)
+    """``validate`` on the weights ``iteration`` starts from, before any update (``validation.at_start``)."""
+    return finished(rollouts.baseline_step(context(run, iteration), load_run_config(run), runtime))

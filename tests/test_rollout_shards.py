@@ -131,3 +131,51 @@ def test_stale_rollouts_are_set_aside_whole(
     assert set_aside(step) == step.uri + ".stale-1"
     assert read_step_trajectories(Step(layout.fs, step.path + ".stale-1")).num_rows == 2
     assert read_step_trajectories(old).num_rows == 3
+
+
+class _RecordingRuntime:
+    """What ``rollouts_step`` uses of a ``Runtime``: which weights it was asked to serve, and when."""
+
+    def __init__(self, events: list[str]) -> None:
+        self.servers = {"shared": None}
+        self.served_versions = {"shared": 1}
+        self.env_cache = None
+        self.events = events
+
+    def serve_start_of(self, layout: RunLayout, iteration: int) -> dict:
+        self.events.append(f"serve the start of iteration {iteration}")
+        return {}
+
+    def endpoints(self) -> dict:
+        return {}
+
+
+@pytest.mark.parametrize("async_rollouts", [False, True])
+def test_rollouts_step_sets_stale_rows_aside_says_why_and_collects_with_the_right_weights(
+    async_rollouts: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Iteration 1 starts from version 1; its committed rows are of version 0. Sync rollouts allow no lag: the
+    rows are set aside (the warning names the versions and where they went), the servers serve iteration 1's
+    start weights, then the step is collected again. With async rollouts (lag 1 allowed) they are kept."""
+    from pettingflow.steps import rollouts
+    from pettingflow.storage import write_trajectories
+
+    config = load_config("code-env", [f"rollout.async_rollouts={str(async_rollouts).lower()}"])
+    ctx = IterationContext(RunLayout(str(tmp_path), "run-stale"), 1)
+    rows = [trajectory_row(sample_idx=i, rollout_idx=i, iteration=1, policy_version=0) for i in range(2)]
+    write_trajectories(ctx.step("rollouts"), rows)  # policy "shared"
+    events: list[str] = []
+    monkeypatch.setattr(rollouts, "start_version", lambda layout, policy, iteration: 1)
+    monkeypatch.setattr(
+        rollouts, "collect_step", lambda ctx, config, endpoints, **kw: events.append(f"collect {kw['policy_versions']}")
+    )
+    rollouts.rollouts_step(ctx, config, _RecordingRuntime(events), warn=lambda line: events.append(f"warn: {line}"))
+    if async_rollouts:
+        assert events == ["collect {'shared': 1}"]  # committed and within the lag bound: nothing served again
+        assert ctx.step("rollouts").is_committed()
+        return
+    warning, *rest = events
+    assert "shared rows of weights version 0" in warning and "starts from version 1: lag 1 > 0 allowed" in warning
+    assert warning.endswith(f"(the old ones moved to {ctx.step('rollouts').uri}.stale-0)")
+    assert rest == ["serve the start of iteration 1", "collect {'shared': 1}"]
+    assert not ctx.step("rollouts").is_committed()  # set aside; collect_step (stubbed here) commits it again
