@@ -40,7 +40,7 @@ def evaluate(
     ctx = IterationContext(ref.layout(), 0)
     with Runtime(cfg, ref.run_id) as runtime:
         if run_id:
-            runtime.serve_start_of(trained.layout(), source["after_iteration"] + 1, cfg)
+            runtime.serve_start_of(trained.layout(), source["after_iteration"] + 1)
         outcome = validation_step(ctx, cfg, runtime.endpoints(), env_cache=runtime.env_cache)
     get_run_logger().info("%s: %s", tag, outcome.metrics.get("agents"))
     return {"run_id": ref.run_id, "uri": outcome.uri, "source": source, "agents": outcome.metrics.get("agents")}

@@ -349,17 +349,15 @@ class Runtime:
             for name, server in self.servers.items()
         }
 
-    def serve_start_of(
-        self, layout: RunLayout, iteration: int, config: ExperimentConfig | None = None
-    ) -> dict[str, dict[str, Any]]:
+    def serve_start_of(self, layout: RunLayout, iteration: int) -> dict[str, dict[str, Any]]:
         """Serve, for every policy, the weights ``iteration`` of the run at ``layout`` starts from.
 
         The one answer to "which weights do this iteration's rollouts and validation see": the base model
         before iteration 0, else the newest committed update before it (``runs/weights.weights_before``).
-        ``config``: that run's config, when it is not this runtime's (evaluating another run's weights).
+        ``layout`` may be another run's (the evaluate flow scores a trained run's weights in a runtime opened
+        with that run's config).
         """
-        config = config or self.config
-        return {p: self.serve(weights_before(layout, config, p, iteration)) for p in self.servers}
+        return {p: self.serve(weights_before(layout, self.config, p, iteration)) for p in self.servers}
 
     def serve(self, weights: PolicyWeights) -> dict[str, Any]:
         """Make the policy's server serve ``weights``; a no-op when it already does.
@@ -419,8 +417,9 @@ def shared_server(model: Path, inference: Any, lora: bool, url: str | None, tag:
     """One (not yet started) inference server shared by several runs (the ``learn`` flow's).
 
     Attached to ``url`` when given; else a dev-mode vLLM (weights reloadable in place), started with the same
-    settings a run's own ``Runtime`` uses (``server_from_settings``: dtype, threads, allocator)."""
-    settings = inference.model_copy(update={"url": url}) if url else inference
+    settings a run's own ``Runtime`` uses (``server_from_settings``: dtype, threads, allocator). Only ``url``
+    decides: an ``inference.url`` in the config does not make the shared server an attached one."""
+    settings = inference.model_copy(update={"url": url})
     return server_from_settings(
         settings,
         model,

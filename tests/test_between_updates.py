@@ -178,6 +178,19 @@ def test_sleep_mode_is_refused_on_cpu_and_passed_on_gpu(tmp_path) -> None:
         VLLMServer(tmp_path, device="cuda", port=8000).sleep()
 
 
+def test_the_learn_flows_shared_server_attaches_only_to_the_url_it_is_given(tmp_path) -> None:
+    """``learn --url`` attaches; without it the flow starts its own dev-mode vLLM, also when the config has an
+    ``inference.url`` (the flow then hands its server's URL to each subflow itself)."""
+    from pettingflow.inference.server import ExternalServer, VLLMServer
+
+    (tmp_path / "config.json").write_text("{}")
+    inference = load_config("code-env", ["inference.url=http://127.0.0.1:9"]).inference
+    own = runtime_module.shared_server(tmp_path, inference, False, None, "t")
+    assert isinstance(own, VLLMServer) and own.dev_mode and own.log_path.name == "vllm-t.log"
+    attached = runtime_module.shared_server(tmp_path, inference, False, "http://127.0.0.1:8", "t")
+    assert isinstance(attached, ExternalServer) and attached.url == "http://127.0.0.1:8"
+
+
 @pytest.mark.parametrize("mode", ["pause", "sleep", "restart"])
 def test_async_rollouts_refuse_servers_that_go_down_between_updates(mode: str) -> None:
     with pytest.raises(ConfigError, match=rf"inference\.between_updates.*{mode}.*async_rollouts"):
