@@ -307,7 +307,7 @@ def rollouts_step(
     only after a crash) are set aside, said through ``warn``, and collected again.
     """
     step = ctx.step("rollouts")
-    if not ahead:
+    if not ahead and step.is_committed():  # the start versions (commit markers, S3 reads) only when there is a verdict
         starts = {p: start_version(ctx.layout, p, ctx.iteration) for p in runtime.servers}
         if reason := stale_rollouts(ctx, config, starts):
             warn(f"{reason}: collecting them again (the old ones moved to {set_aside(step)})")
