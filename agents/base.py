@@ -94,6 +94,9 @@ class Agent(ABC):
 
     default_name: ClassVar[str] = "agent"
     system_prompt: ClassVar[str] = ""
+    #: True for the role whose final turn *is* the episode's outcome (the code writer, the plan-path
+    #: executor or walker): learning reports score a run by that agent's last-turn success.
+    decides_outcome: ClassVar[bool] = False
     # env classes this agent takes turns in (config ``agents[].envs``); empty: every env. A dataset that mixes
     # envs gives each env its own team: the engine skips agents that do not act in an episode's env.
     env_classes: tuple[type[Env], ...] = ()
@@ -240,6 +243,7 @@ AGENT_REGISTRY.register("code-generator", "pettingflow.agents.code_agents:CodeGe
 AGENT_REGISTRY.register("unit-test-generator", "pettingflow.agents.code_agents:UnitTestGeneratorAgent")
 AGENT_REGISTRY.register("plan-path-planner", "pettingflow.agents.plan_agents:PlannerAgent")
 AGENT_REGISTRY.register("plan-path-executor", "pettingflow.agents.plan_agents:ExecutorAgent")
+AGENT_REGISTRY.register("plan-path-walker", "pettingflow.agents.plan_agents:WalkerAgent")
 
 
 def register_agent(name: str, target: type[Agent] | str | None = None, *, replace: bool = False) -> Any:

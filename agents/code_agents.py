@@ -151,6 +151,7 @@ class CodeGeneratorAgent(Agent):
     """Writes the function (``code-generator``). Reward: share of ground-truth cases passed."""
 
     default_name = "code_generator"
+    decides_outcome = True  # the episode succeeds when the code it last submitted passes
     system_prompt = (
         "You are a careful Python programmer. Answer with one complete Python function in a ```python block."
     )

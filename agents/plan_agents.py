@@ -1,4 +1,5 @@
-"""The two agents of ``plan-path``: a planner that proposes moves and an executor that makes them.
+"""The agents of ``plan-path``: a planner that proposes moves and an executor that makes them, and a
+solo walker (both roles in one agent) for the single-agent baseline of docs/results.md.
 
 Prompts are short and regular because the default model is SmolLM2-135M-Instruct: the board is a
 few lines of single characters, positions are spelled out as row/column, the answer is one line
@@ -64,26 +65,28 @@ def where(s: PlanPathState, show_offset: bool) -> str:
     return text
 
 
-def last_execution(s: PlanPathState) -> str | None:
-    """What the executor's latest turn did, as both agents are told; None before it acted."""
+def last_execution(s: PlanPathState, mover: str = "the executor") -> str | None:
+    """What the latest moving turn did, as every agent is told; None before anything moved.
+    ``mover`` names who moved: "the executor" in the team, "you" for the solo walker."""
     if s.last_invalid == "executor":
-        return "Last turn the executor's reply had no moves, so nothing happened."
+        whose = "your" if mover == "you" else f"{mover}'s"
+        return f"Last turn {whose} reply had no moves, so nothing happened."
     if s.last_walk is not None:
-        return f"Last turn the executor moved: {describe_walk(s.last_walk)}"
+        return f"Last turn {mover} moved: {describe_walk(s.last_walk)}"
     return None
 
 
-def turns_left(env: Env) -> str:
+def turns_left(env: Env, who: str = "the team") -> str:
     left = env.max_turns - env.current_turn
-    return f"Turns left for the team: {left}."
+    return f"Turns left for {who}: {left}."
 
 
-def board_parts(env: Env) -> list[str]:
-    """What both roles see first: the board, its legend, where the agent and the goal are, the last walk."""
+def board_parts(env: Env, mover: str = "the executor") -> list[str]:
+    """What every role sees first: the board, its legend, where the agent and the goal are, the last walk."""
     penv = plan_env(env)
     s = penv.state
     parts = ["The board:", render_board(s), LEGEND, where(s, penv.config.show_offset)]
-    happened = last_execution(s)
+    happened = last_execution(s, mover)
     if happened:
         parts.append(happened)
     return parts
@@ -131,6 +134,7 @@ class ExecutorAgent(_GridAgent):
     """Makes the moves the env executes (``plan-path-executor``). Reward: the progress actually made."""
 
     default_name = "executor"
+    decides_outcome = True  # only its moves reach the goal
     system_prompt = "You are the executor of a team that walks a grid to a goal. A partner plans; you make the moves."
 
     def turn_prompt(self, env: Env) -> str:
@@ -148,6 +152,34 @@ class ExecutorAgent(_GridAgent):
             turns_left(env),
             f"Check the plan against the board and make at most {_count(limit, 'move')} toward G. "
             "Reply with one line like: Moves: R D",
+        ]
+        return "\n".join(parts)
+
+    def _submit(self, env: Env) -> Any:
+        return plan_env(env).execute(self.current_action)
+
+
+class WalkerAgent(_GridAgent):
+    """Plans and makes the moves alone (``plan-path-walker``): the single-agent baseline.
+
+    Its prompt is the executor's without the partner: the same board, legend, move help and answer
+    format, so a solo run and a team run differ in the team, not in how the task is put. Its turns are
+    executor turns (``PlanPathEnv.execute``): reward = progress actually made; success = goal reached.
+    With ``env.max_turns: k`` it gets ``k`` moving turns, where a team with ``2k`` turns gets ``k``
+    executor turns and ``k`` plans.
+    """
+
+    default_name = "walker"
+    decides_outcome = True
+    system_prompt = "You walk a grid to a goal."
+
+    def turn_prompt(self, env: Env) -> str:
+        limit = plan_env(env).config.max_moves_per_turn
+        parts = [
+            *board_parts(env, mover="you"),
+            MOVE_HELP,
+            turns_left(env, "you"),
+            f"Make at most {_count(limit, 'move')} toward G, avoiding walls. Reply with one line like: Moves: R D",
         ]
         return "\n".join(parts)
 

@@ -53,6 +53,31 @@ def markdown_table(rows: Sequence[Mapping[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def comparison_table(comparisons: Sequence[Mapping[str, Any]]) -> str:
+    """Arm against arm (``learning.compare_arms``): each arm's held-out change per seed, the difference of
+    the changes with its interval over tasks, and the tokens each arm generated in training."""
+
+    def pcts(values: Sequence[Any]) -> str:
+        return ", ".join("n/a" if v is None else f"{100 * v:.1f}" for v in values)
+
+    lines = [
+        "| A vs B | seeds | A held-out before → after (%, per seed) | B before → after | A change − B change "
+        "(95 % CI over tasks) | per seed | tokens generated in training, A / B (k) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for c in comparisons:
+        tokens = ", ".join(
+            f"{x / 1000:.1f} / {y / 1000:.1f}" for x, y in zip(c["a_tokens"], c["b_tokens"], strict=True)
+        )
+        lines.append(
+            f"| `{c['a']}` vs `{c['b']}` | {', '.join(map(str, c['seeds']))} | "
+            f"{pcts(c['a_before'])} → {pcts(c['a_after'])} | {pcts(c['b_before'])} → {pcts(c['b_after'])} | "
+            f"{100 * c['delta']:+.1f} pts [{100 * c['ci95_low']:+.1f}, {100 * c['ci95_high']:+.1f}] | "
+            f"{', '.join(f'{100 * d:+.1f}' for d in c['per_seed'])} | {tokens} |"
+        )
+    return "\n".join(lines)
+
+
 def learning_png(arms: Sequence[ArmResult]) -> bytes:
     """Left: train reward per iteration (raw and 4-iteration mean). Right: held-out success of the code
     agent (sampled view), from the base model (x = -1) through any periodic validations to the final

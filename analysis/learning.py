@@ -14,8 +14,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from pettingflow.analysis.figures import HEADLINE_AGENT, learning_png, markdown_table
-from pettingflow.analysis.stats import first_last_mean, paired_bootstrap
+from pettingflow.analysis.figures import HEADLINE_AGENT, comparison_table, learning_png, markdown_table
+from pettingflow.analysis.stats import first_last_mean, paired_arm_difference, paired_bootstrap
 from pettingflow.rollout import records
 from pettingflow.steps.report import history
 from pettingflow.storage import RunLayout
@@ -35,12 +35,21 @@ class ArmResult:
     evaluations: dict[str, dict[str, str]] = field(default_factory=dict)  # before/after -> view -> eval run id
     paired: dict[str, dict[str, float]] = field(default_factory=dict)  # view -> paired_bootstrap(...)
     revisits: dict[str, float] | None = None  # revisited_train_tasks(...)
+    headline_agent: str = HEADLINE_AGENT  # whose last-turn success is the episode's outcome (outcome_agent)
+    seed: int | None = None  # the run's run.seed: arms of one seed are compared with each other
+    #: before/after -> view -> held-out task position -> the headline agent's final success per sample
+    outcomes: dict[str, dict[str, dict[int, list[bool]]]] = field(default_factory=dict)
 
     def headline(self, when: str, view: str = "sampled") -> float | None:
-        """The code agent's held-out success rate ``before`` or ``after`` training, in one view."""
+        """The headline agent's held-out success rate ``before`` or ``after`` training, in one view."""
         scores = (self.before if when == "before" else self.after).get(view, {})
-        agent = scores.get(HEADLINE_AGENT)
+        agent = scores.get(self.headline_agent)
         return None if agent is None else agent.get("success_rate")
+
+    @property
+    def tokens_generated(self) -> int:
+        """Tokens the policy generated in training (rollouts of every iteration): the compute budget."""
+        return int(sum(p.get("tokens_generated", 0.0) for p in self.curve))
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -56,11 +65,31 @@ def run_curve(layout: RunLayout, agent: str = HEADLINE_AGENT) -> list[dict[str, 
             (f"rollout/{agent}/success_rate", "train_success"),
             (f"validation/{agent}/success_rate", "heldout_success"),
             (f"validation/{agent}/reward_mean", "heldout_reward"),
+            ("rollout/tokens_generated", "tokens_generated"),
+            ("filter/rows_kept", "rows_trained"),
         ):
             if key in report:
                 point[name] = float(report[key])
         points.append(point)
     return points
+
+
+def outcome_agent(config: Any) -> str:
+    """The agent whose last-turn success is an episode's outcome: the first of the config's agents whose
+    class sets ``decides_outcome`` (the code writer, the plan-path executor or walker).
+
+    Why not "every agent": in a team, the test writer's success says its tests were right, not that the
+    task was solved; the comparison of a team with a single agent needs the one outcome they share.
+    """
+    from pettingflow.agents import resolve_agent_class
+
+    for agent in config.agents:
+        if getattr(resolve_agent_class(agent.class_path), "decides_outcome", False):
+            return agent.name
+    raise ValueError(
+        f"none of the agents {[a.name for a in config.agents]} decides the episode's outcome; set "
+        "`decides_outcome = True` on the agent class whose last turn is the task's result"
+    )
 
 
 def last_turns(rows: Sequence[Mapping[str, Any]]) -> dict[tuple[str, int, int], Mapping[str, Any]]:
@@ -171,6 +200,8 @@ def arm_from_runs(
     ``evaluations`` (before/after -> view -> eval run id) when the caller knows them (``flows/learn.py``);
     otherwise they are looked up with ``find_evaluations``. Each eval run's trajectories are read once.
     """
+    from pettingflow.runs.run import RunRef, load_run_config
+
     evaluations = evaluations or find_evaluations(root, run_id, storage_options)
     missing = [w for w in ("before", "after") if "sampled" not in evaluations.get(w, {})]
     if missing:
@@ -183,20 +214,26 @@ def arm_from_runs(
         for when, views in evaluations.items()
     }
     trained = RunLayout(root, run_id, storage_options)
+    config = load_run_config(RunRef(root=root, run_id=run_id, storage_options=storage_options or {}))
+    agent = outcome_agent(config)
+    outcomes = {when: {view: final_successes(r, agent) for view, r in views.items()} for when, views in rows.items()}
     return ArmResult(
         config=trained.read_run_info()["config_name"],
         run_id=run_id,
         run_uri=trained.run_uri,
         before={view: agent_scores(r) for view, r in rows["before"].items()},
         after={view: agent_scores(r) for view, r in rows["after"].items()},
-        curve=run_curve(trained),
-        revisits=revisited_train_tasks(trained),
+        curve=run_curve(trained, agent),
+        revisits=revisited_train_tasks(trained, agent),
         evaluations=evaluations,
         paired={
-            view: paired_bootstrap(final_successes(rows["before"][view]), final_successes(after))
-            for view, after in rows["after"].items()
-            if view in rows["before"]
+            view: paired_bootstrap(outcomes["before"][view], after)
+            for view, after in outcomes["after"].items()
+            if view in outcomes["before"]
         },
+        headline_agent=agent,
+        seed=config.run.seed,
+        outcomes=outcomes,
     )
 
 
@@ -239,10 +276,62 @@ def results_table(arms: Sequence[ArmResult]) -> list[dict[str, Any]]:
                 "train_reward_first4": start,
                 "train_reward_last4": end,
                 "iterations": len(arm.curve),
+                "seed": arm.seed,
+                "headline_agent": arm.headline_agent,
+                "tokens_generated": arm.tokens_generated,
+                "rows_trained": int(sum(p.get("rows_trained", 0.0) for p in arm.curve)),
                 "run_id": arm.run_id,
             }
         )
     return rows
+
+
+def compare_arms(arms: Sequence[ArmResult], view: str = "sampled") -> list[dict[str, Any]]:
+    """Every pair of configs (in the order given) that share seeds: config A's held-out change minus
+    config B's, paired by seed and by held-out task (``stats.paired_arm_difference``).
+
+    Why changes and not final scores: arms with other agents (a team vs one agent) start from other
+    prompts, so their base scores differ; where the base evaluation is the same (tree vs independent
+    sampling of one team) the difference of changes is the difference of final scores.
+    """
+    by_config: dict[str, dict[int | None, ArmResult]] = {}
+    for arm in arms:
+        by_config.setdefault(arm.config, {})[arm.seed] = arm
+    names = list(by_config)
+    out = []
+    for i, a in enumerate(names):
+        for b in names[i + 1 :]:
+            seeds = sorted((set(by_config[a]) & set(by_config[b])) - {None})
+            pairs = [(by_config[a][s], by_config[b][s]) for s in seeds]
+            pairs = [
+                (x, y) for x, y in pairs if view in x.outcomes.get("after", {}) and view in y.outcomes.get("after", {})
+            ]
+            if not pairs:
+                continue
+            diff = paired_arm_difference(
+                [(x.outcomes["before"][view], x.outcomes["after"][view]) for x, _ in pairs],
+                [(y.outcomes["before"][view], y.outcomes["after"][view]) for _, y in pairs],
+            )
+            out.append(
+                {
+                    "a": a,
+                    "b": b,
+                    "view": view,
+                    "seeds": [x.seed for x, _ in pairs],
+                    "a_before": [x.headline("before", view) for x, _ in pairs],
+                    "a_after": [x.headline("after", view) for x, _ in pairs],
+                    "b_before": [y.headline("before", view) for _, y in pairs],
+                    "b_after": [y.headline("after", view) for _, y in pairs],
+                    "a_tokens": [x.tokens_generated for x, _ in pairs],
+                    "b_tokens": [y.tokens_generated for _, y in pairs],
+                    **diff,
+                }
+            )
+    return out
+
+
+def _has_view(arm: ArmResult, view: str) -> bool:
+    return all(view in arm.outcomes.get(when, {}) for when in ("before", "after"))
 
 
 def _ci(paired: Mapping[str, float] | None) -> list[float] | None:
@@ -258,11 +347,16 @@ def write_learning_report(
     import fsspec
 
     rows = results_table(arms)
+    comparisons = compare_arms(arms)
     table = markdown_table(rows)
+    if comparisons:
+        table += "\n\n" + comparison_table(comparisons)
     fs, root = fsspec.core.url_to_fs(out_uri, **(storage_options or {}))
     fs.makedirs(root, exist_ok=True)
     with fs.open(f"{root}/learning.json", "w") as fh:
-        json.dump({**extra, "rows": rows, "arms": [a.to_json() for a in arms]}, fh, indent=2)
+        json.dump(
+            {**extra, "rows": rows, "comparisons": comparisons, "arms": [a.to_json() for a in arms]}, fh, indent=2
+        )
     with fs.open(f"{root}/learning.png", "wb") as fh:
         fh.write(learning_png(arms))
     with fs.open(f"{root}/learning.md", "w") as fh:

@@ -75,12 +75,16 @@ def _run_ids(evaluations: dict[str, dict[str, Any]]) -> dict[str, str]:
 
 @flow(name="learn", log_prints=True)
 def learn(
-    configs: list[str] | None = None, overrides: list[str] | None = None, url: str | None = None
+    configs: list[str] | None = None,
+    overrides: list[str] | None = None,
+    url: str | None = None,
+    seeds: list[int] | None = None,
 ) -> dict[str, Any]:
     """Evaluate, train and re-evaluate each config; return the results table and where the files are.
 
     ``url``: use this running server (started with vLLM's dev mode, so weights can be reloaded)
-    instead of starting one.
+    instead of starting one. ``seeds``: train every config once per seed (``run.seed=<s>``, which also
+    seeds the evaluations), so the report can pair arms seed by seed; default: the configs' own seed.
     """
     logger = get_run_logger()
     names = list(configs or DEFAULT_CONFIGS)
@@ -96,23 +100,27 @@ def learn(
     with server:
         logger.info("inference server ready at %s", server.url)
         attach = [*overrides, f"inference.url={server.url}"]
-        for name in names:
+        for seed, name in [(s, n) for s in (seeds or [None]) for n in names]:
             started = time.perf_counter()
+            arm = [*attach, f"run.seed={seed}"] if seed is not None else attach
+            label = name if seed is None else f"{name} (seed {seed})"
             serve_base_weights(server, model)  # whatever an earlier config left on the server
-            logger.info("%s: evaluating the base model on the held-out split", name)
-            before = {view: evaluate(name, [*attach, *extra]) for view, extra in EVAL_VIEWS.items()}
-            logger.info("%s: held-out before training: %s", name, _scores(before))
-            trained = train(name, attach)
+            logger.info("%s: evaluating the base model on the held-out split", label)
+            before = {view: evaluate(name, [*arm, *extra]) for view, extra in EVAL_VIEWS.items()}
+            logger.info("%s: held-out before training: %s", label, _scores(before))
+            trained = train(name, arm)
             after = {
-                view: evaluate(name, [*attach, *extra], run_id=trained["run_id"]) for view, extra in EVAL_VIEWS.items()
+                view: evaluate(name, [*arm, *extra], run_id=trained["run_id"]) for view, extra in EVAL_VIEWS.items()
             }
-            logger.info("%s: held-out after training: %s", name, _scores(after))
+            logger.info("%s: held-out after training: %s", label, _scores(after))
             cfg = configs_by_name[name]
             ids = {"before": _run_ids(before), "after": _run_ids(after)}
             arm = arm_from_runs(cfg.run.storage_root, trained["run_id"], cfg.run.storage_options, evaluations=ids)
             arm.wall_s = round(time.perf_counter() - started, 1)
             arms.append(arm)
-    table = write_learning_report(arms, out_uri, first.run.storage_options, configs=names, overrides=overrides)
+    table = write_learning_report(
+        arms, out_uri, first.run.storage_options, configs=names, overrides=overrides, seeds=seeds
+    )
     print(table)
     logger.info("learning results in %s", out_uri)
     return {"uri": out_uri, "rows": results_table(arms)}
@@ -123,8 +131,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--configs", nargs="+", default=list(DEFAULT_CONFIGS), help="configs to compare")
     parser.add_argument("--overrides", nargs="*", default=[], help="overrides for every config, e.g. run.iterations=2")
     parser.add_argument("--url", default=None, help="attach to a running dev-mode vLLM server instead of starting one")
+    parser.add_argument("--seeds", nargs="*", type=int, default=None, help="train each config once per seed")
     args = parser.parse_args(argv)
-    learn(args.configs, args.overrides, args.url)
+    learn(args.configs, args.overrides, args.url, args.seeds)
 
 
 if __name__ == "__main__":

@@ -100,3 +100,82 @@ def test_iteration_metrics_report_the_time_outside_step_tasks():
     assert flat["orchestration/outside_step_tasks_s"] == 2.0
     assert flat["orchestration/outside_step_tasks_share"] == 0.05
     assert "orchestration/outside_step_tasks_s" not in iteration_metrics({}, {"rollouts": 1.0})
+
+
+def test_paired_arm_difference_by_hand():
+    """Two seeds, three tasks, two samples each. Seed 0: A gains 0.5 on task 0 where B gains nothing;
+    seed 1: B gains 1.0 on task 2 where A gains 0.5. Per task, averaged over seeds: +0.25, 0, -0.25."""
+    import pytest
+
+    from pettingflow.analysis.stats import paired_arm_difference
+
+    base = {0: [False, False], 1: [True, False], 2: [False, False]}
+    a = [
+        (base, {0: [True, False], 1: [True, False], 2: [False, False]}),
+        (base, {0: [False, False], 1: [True, False], 2: [True, False]}),
+    ]
+    b = [(base, base), (base, {0: [False, False], 1: [True, False], 2: [True, True]})]
+    out = paired_arm_difference(a, b, n_boot=500)
+    assert out["delta"] == pytest.approx(0.0)
+    assert out["per_seed"] == pytest.approx([0.5 / 3, -0.5 / 3])
+    assert (out["tasks"], out["tasks_better"], out["tasks_worse"]) == (3, 1, 1)
+    assert out["ci95_low"] < 0 < out["ci95_high"]
+    with pytest.raises(ValueError, match="same number"):
+        paired_arm_difference(a, b[:1])
+
+
+def _seeded_arm(config: str, seed: int, before: dict, after: dict, tokens: float) -> ArmResult:
+    def scores(outcomes: dict) -> dict:
+        rate = sum(sum(v) for v in outcomes.values()) / sum(len(v) for v in outcomes.values())
+        return {"sampled": {"executor": {"success_rate": rate, "reward_mean": rate, "episodes": 4.0}}}
+
+    return ArmResult(
+        config,
+        f"run-{config}-{seed}",
+        "file:///runs",
+        scores(before),
+        scores(after),
+        curve=[{"iteration": 0.0, "tokens_generated": tokens}],
+        headline_agent="executor",
+        seed=seed,
+        outcomes={"before": {"sampled": before}, "after": {"sampled": after}},
+    )
+
+
+def test_compare_arms_pairs_configs_seed_by_seed_and_prints_the_table():
+    from pettingflow.analysis.figures import comparison_table
+    from pettingflow.analysis.learning import compare_arms
+
+    base = {0: [False, False], 1: [False, True]}
+    good = {0: [True, True], 1: [False, True]}
+    arms = [
+        _seeded_arm("tree", 0, base, good, 1000.0),
+        _seeded_arm("indep", 0, base, base, 1200.0),
+        _seeded_arm("tree", 1, base, good, 1100.0),
+        _seeded_arm("indep", 1, base, good, 900.0),
+        _seeded_arm("solo", 7, base, base, 500.0),  # no seed in common with the others: not compared
+    ]
+    (c,) = compare_arms(arms)
+    assert (c["a"], c["b"], c["seeds"]) == ("tree", "indep", [0, 1])
+    assert c["per_seed"] == [0.5, 0.0]  # seed 0: tree gained 1.0 on task 0, indep nothing; seed 1: both did
+    assert c["delta"] == 0.25 and c["a_tokens"] == [1000, 1100] and c["b_tokens"] == [1200, 900]
+    line = comparison_table([c]).splitlines()[-1]
+    assert line == (
+        "| `tree` vs `indep` | 0, 1 | 25.0, 25.0 → 75.0, 75.0 | 25.0, 25.0 → 25.0, 75.0 | +25.0 pts "
+        f"[{100 * c['ci95_low']:+.1f}, {100 * c['ci95_high']:+.1f}] | +50.0, +0.0 | 1.0 / 1.2, 1.1 / 0.9 |"
+    )
+
+
+def test_outcome_agent_is_the_role_whose_last_turn_is_the_result():
+    import pytest
+
+    from pettingflow.analysis.learning import outcome_agent
+    from pettingflow.configs import load_config
+
+    assert outcome_agent(load_config("code-env-learn", [])) == "code_generator"
+    assert outcome_agent(load_config("plan-path-learn-tree", [])) == "executor"
+    assert outcome_agent(load_config("plan-path-learn-solo", [])) == "walker"
+    cfg = load_config("plan-path-learn", [])
+    cfg.agents = cfg.agents[:1]  # the planner alone never moves
+    with pytest.raises(ValueError, match="decides_outcome"):
+        outcome_agent(cfg)

@@ -139,8 +139,12 @@ def test_prefect_deployment_train_plan_path() -> None:
     from pettingflow.configs.loader import CONFIG_DIR
 
     deployments = yaml.safe_load((CONFIG_DIR.parent / "prefect.yaml").read_text())["deployments"]
-    (dep,) = [d for d in deployments if d["name"] == "plan-path"]
-    assert dep["entrypoint"] == "flows/train.py:train" and dep["parameters"]["config"] == "plan-path"
+    by_flow = {d["entrypoint"]: d for d in deployments if d["name"] == "plan-path"}
+    assert set(by_flow) == {"flows/train.py:train", "flows/learn.py:learn"}
+    assert by_flow["flows/train.py:train"]["parameters"]["config"] == "plan-path"
+    learn = by_flow["flows/learn.py:learn"]["parameters"]  # the AT-GRPO evidence of docs/results.md
+    assert learn["configs"] == ["plan-path-learn-tree", "plan-path-learn", "plan-path-learn-solo"]
+    assert learn["seeds"] == [0, 1]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -371,3 +375,28 @@ def test_collect_step_against_the_scripted_server(tmp_path, default_model_dir, d
         assert row["reward"] == pytest.approx(info["turn"]["local_reward"], abs=1e-6)
         assert info["team_reward"] == (1.0 if info["goal_reached"] else 0.0)
     assert all(t.startswith("plan-path/") for t in outcome.metrics["tasks"])
+
+
+def test_solo_walker_moves_alone_with_the_executor_rules() -> None:
+    """The single-agent baseline: every turn is a moving turn, scored like the executor's, and its
+    prompt has the board and answer format but no partner."""
+    from pettingflow.agents.plan_agents import WalkerAgent
+
+    assert resolve_agent_class("plan-path-walker") is WalkerAgent
+    env = env_of(max_turns=3)
+    walker = WalkerAgent(tokenizer=TOK)
+    rewards = []
+    for turn, text in enumerate(["Moves: D D R", "I do not know", "R U U"]):
+        messages = walker.update_from_env(turn, env).messages
+        if turn == 0:
+            assert "planner" not in messages[0]["content"] and "partner" not in messages[0]["content"]
+            assert "A # . G" in messages[1]["content"] and "Turns left for you: 3." in messages[1]["content"]
+        walker.update_from_model(turn, env, text)
+        run(walker.step(env))
+        rewards.append(walker.agent_reward)
+        if turn == 0:
+            assert "Last turn you moved: D moved to row 1, column 0" in walker.turn_prompt(env)
+        if turn == 1:
+            assert "Last turn your reply had no moves" in walker.turn_prompt(env)
+    assert rewards == [3 / 7, -0.5, 3 / 7]
+    assert env.done and env.truncated and env.episode_info()["final_distance"] == 1
