@@ -79,8 +79,8 @@ def comparison_table(comparisons: Sequence[Mapping[str, Any]]) -> str:
 
 
 def learning_png(arms: Sequence[ArmResult]) -> bytes:
-    """Left: train reward per iteration (raw and 4-iteration mean). Right: held-out success of the code
-    agent (sampled view), from the base model (x = -1) through any periodic validations to the final
+    """Left: train reward per iteration (raw and 4-iteration mean). Right: held-out success of each arm's
+    outcome agent (sampled view), from the base model (x = -1) through any periodic validations to the final
     evaluation (x = last iteration)."""
     import matplotlib
 
@@ -90,12 +90,13 @@ def learning_png(arms: Sequence[ArmResult]) -> bytes:
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     for i, arm in enumerate(arms):
         color = f"C{i}"
+        label = arm.config if arm.seed is None else f"{arm.config} s{arm.seed}"
         pts = [p for p in arm.curve if "train_reward" in p]
         xs = [p["iteration"] for p in pts]
         ys = [p["train_reward"] for p in pts]
         if xs:
             left.plot(xs, ys, color=color, alpha=0.35, marker=".", linestyle="-")
-            left.plot(xs, smooth(ys), color=color, linewidth=2, label=f"{arm.config} (4-it. mean)")
+            left.plot(xs, smooth(ys), color=color, linewidth=2, label=f"{label} (4-it. mean)")
         held = [(-1.0, arm.headline("before"))]
         held += [(p["iteration"], p["heldout_success"]) for p in arm.curve if "heldout_success" in p]
         last = max((p["iteration"] for p in arm.curve), default=0.0)
@@ -104,9 +105,12 @@ def learning_png(arms: Sequence[ArmResult]) -> bytes:
         held = [(x, y) for x, y in held if y is not None]
         if held:
             hx, hy = zip(*held, strict=True)
-            right.plot(hx, hy, color=color, marker="o", label=arm.config)
-    left.set_title(f"{HEADLINE_AGENT}: train reward per iteration", fontsize=10)
-    right.set_title(f"{HEADLINE_AGENT}: held-out pass@1, sampled (x=-1: base model)", fontsize=10)
+            right.plot(
+                hx, hy, color=color, marker="o", label=arm.config if arm.seed is None else f"{arm.config} s{arm.seed}"
+            )
+    who = " / ".join(sorted({arm.headline_agent for arm in arms})) or HEADLINE_AGENT
+    left.set_title(f"{who}: train reward per iteration", fontsize=10)
+    right.set_title(f"{who}: held-out success, sampled (x=-1: base model)", fontsize=10)
     for ax in (left, right):
         ax.set_xlabel("iteration")
         ax.grid(alpha=0.3)
