@@ -38,6 +38,13 @@ class RunSettings(_Strict):
     )
     iterations: int = Field(2, ge=1, description="Training iterations (one Prefect subflow each).")
     seed: int = Field(0, description="Seeds task sampling, env resets and sampling seeds.")
+    max_generated_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="Stop after the iteration in which the tokens generated in training rollouts (all iterations "
+        "together) reach this; run.iterations stays the upper bound. For comparing arms at an equal generation "
+        "budget (docs/results.md): a tree arm or a solo agent generates other amounts per iteration.",
+    )
     mlflow_tracking_uri: str | None = Field(
         None, description="Also log metrics to MLflow at this URI (needs the mlflow extra); TensorBoard is always on."
     )

@@ -19,6 +19,7 @@ from pettingflow.configs.loader import load_config
 from pettingflow.flows.iteration import iteration
 from pettingflow.runs.run import start_or_resume
 from pettingflow.runs.runtime import Runtime
+from pettingflow.steps.report import generated_tokens
 from pettingflow.storage import new_run_id
 
 
@@ -38,7 +39,8 @@ def _default_run_id(name: str) -> str | None:
 
 @flow(name="train", log_prints=True)
 def train(config: str = "code-env", overrides: list[str] | None = None, run_id: str | None = None) -> dict[str, Any]:
-    """Train the agents of ``config`` for ``run.iterations`` iterations (or resume ``run_id``)."""
+    """Train the agents of ``config`` for ``run.iterations`` iterations (or resume ``run_id``), or fewer
+    when ``run.max_generated_tokens`` is spent first."""
     logger = get_run_logger()
     overrides = list(overrides or [])
     cfg = load_config(config, overrides)
@@ -50,8 +52,12 @@ def train(config: str = "code-env", overrides: list[str] | None = None, run_id: 
             logger.info(
                 "resident learner of %s: %d rank(s) up (start #%d)", name, learner.num_processes, learner.starts
             )
+        budget = cfg.run.max_generated_tokens
         for k in range(cfg.run.iterations):
             results.append(iteration(ref, k))
+            if budget is not None and (spent := generated_tokens(ref.layout())) >= budget:
+                logger.info("generation budget reached: %d of %d tokens after iteration %d", spent, budget, k)
+                break
     logger.info("run %s finished: %s", ref.run_id, ref.layout().run_uri)
     return {"run_id": ref.run_id, "uri": ref.layout().run_uri, "iterations": results}
 

@@ -117,6 +117,12 @@ def history(layout: RunLayout) -> list[dict[str, Any]]:
     return out
 
 
+def generated_tokens(layout: RunLayout) -> int:
+    """Tokens the policies generated in the run's training rollouts so far (committed reports): the
+    budget ``run.max_generated_tokens`` counts, so arms are compared at equal generation."""
+    return int(sum(report.get("rollout/tokens_generated", 0.0) for report in history(layout)))
+
+
 def curve_png(points: list[dict[str, Any]]) -> bytes:
     """Reward mean and success rate per agent over iterations (rollouts and validation).
 

@@ -217,6 +217,19 @@ def test_lora_per_agent_run_serves_each_agent_its_adapter(tmp_path, prefect_env,
     assert "lora-code_generator" in {r["model"] for r in scripted.requests}
 
 
+def test_generation_budget_ends_the_run_early(tmp_path, prefect_env, tiny_model, scripted) -> None:
+    """run.max_generated_tokens: the run stops after the iteration that spends the budget, however many
+    iterations run.iterations allows; the report of that iteration says how much was spent."""
+    from pettingflow.flows.train import train
+    from pettingflow.steps.report import generated_tokens
+
+    base = overrides(tmp_path, tiny_model, scripted.url, "run.iterations=3", "validation.frequency=0")
+    out = train("code-env", [*base, "run.max_generated_tokens=1"])
+    layout = RunLayout(str(tmp_path), out["run_id"])
+    assert len(out["iterations"]) == 1 and layout.iterations() == [0]
+    assert generated_tokens(layout) >= 1
+
+
 def test_learn_evaluates_trains_and_reevaluates_each_config(tmp_path, prefect_env, tiny_model, scripted) -> None:
     """The learn flow: base evaluation, training, final evaluation per config, then one summary."""
     import json
@@ -238,10 +251,15 @@ def test_learn_evaluates_trains_and_reevaluates_each_config(tmp_path, prefect_en
         "env.dataset.validation_fraction=0.97",  # 3 train tasks, 2 per iteration: iteration 1 draws one again
     ]
     reloads_before = len(scripted.reloads)
-    out = learn(["code-env-learn-solo", "code-env-learn"], extra, url=scripted.url)
+    out = learn(["code-env-learn-solo", "code-env-learn"], extra, url=scripted.url, seeds=[3])
     rows = {r["config"]: r for r in out["rows"]}
     assert set(rows) == {"code-env-learn-solo", "code-env-learn"}
     summary = json.loads(Path(out["uri"], "learning.json").read_text())
+    assert [arm["seed"] for arm in summary["arms"]] == [3, 3]  # --seeds reached each run's config
+    (compared,) = summary["comparisons"]  # solo vs team, paired at seed 3
+    assert (compared["a"], compared["b"], compared["seeds"]) == ("code-env-learn-solo", "code-env-learn", [3])
+    assert compared["delta"] == 0.0  # the scripted server ignores the weights: no arm changes
+    assert compared["a_tokens"][0] > 0 and compared["b_tokens"][0] > compared["a_tokens"][0]  # 3 turns vs 1
     assert Path(out["uri"], "learning.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "code-env-learn-solo" in Path(out["uri"], "learning.md").read_text()
     for arm in summary["arms"]:
