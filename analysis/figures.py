@@ -45,8 +45,9 @@ def markdown_table(rows: Sequence[Mapping[str, Any]]) -> str:
         if r.get("heldout_ci95"):
             low, high = r["heldout_ci95"]
             delta += f" [{100 * low:+.1f}, {100 * high:+.1f}]"
+        seed = "" if r.get("seed") is None else f" (seed {r['seed']})"
         lines.append(
-            f"| `{r['config']}` | {pct(r['heldout_before'])} | {pct(r['heldout_after'])} | {delta} | "
+            f"| `{r['config']}`{seed} | {pct(r['heldout_before'])} | {pct(r['heldout_after'])} | {delta} | "
             f"{pct(r['greedy_before'])} | {pct(r['greedy_after'])} | {_revisit(r)} | "
             f"{num(r['train_reward_first4'])} | {num(r['train_reward_last4'])} | {r['iterations']} |"
         )

@@ -159,6 +159,7 @@ def test_compare_arms_pairs_configs_seed_by_seed_and_prints_the_table():
     assert (c["a"], c["b"], c["seeds"]) == ("tree", "indep", [0, 1])
     assert c["per_seed"] == [0.5, 0.0]  # seed 0: tree gained 1.0 on task 0, indep nothing; seed 1: both did
     assert c["delta"] == 0.25 and c["a_tokens"] == [1000, 1100] and c["b_tokens"] == [1200, 900]
+    assert "| `tree` (seed 1) | 25.0 % | 75.0 % |" in markdown_table(results_table(arms))
     line = comparison_table([c]).splitlines()[-1]
     assert line == (
         "| `tree` vs `indep` | 0, 1 | 25.0, 25.0 → 75.0, 75.0 | 25.0, 25.0 → 25.0, 75.0 | +25.0 pts "
