@@ -142,3 +142,14 @@ def test_cli_config_show_invalid_exits_nonzero_naming_key() -> None:
     assert out.returncode != 0
     assert "algorithm.filter_ratio" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_every_shipped_config_loads_and_is_named_after_its_file() -> None:
+    """A config in configs/ that does not validate (or carries another config's run name, so its runs
+    would be filed under the wrong name) fails here, not hours into a learning run."""
+    from pettingflow.configs.loader import CONFIG_DIR, load_config
+
+    names = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+    assert {"code-env", "plan-path", "code-env-learn-tree", "plan-path-learn-tree"} <= set(names)
+    for name in names:
+        assert load_config(name, []).run.name == name, name
