@@ -106,9 +106,7 @@ def learning_png(arms: Sequence[ArmResult]) -> bytes:
         held = [(x, y) for x, y in held if y is not None]
         if held:
             hx, hy = zip(*held, strict=True)
-            right.plot(
-                hx, hy, color=color, marker="o", label=arm.config if arm.seed is None else f"{arm.config} s{arm.seed}"
-            )
+            right.plot(hx, hy, color=color, marker="o", label=label)
     who = " / ".join(sorted({arm.headline_agent for arm in arms})) or HEADLINE_AGENT
     left.set_title(f"{who}: train reward per iteration", fontsize=10)
     right.set_title(f"{who}: held-out success, sampled (x=-1: base model)", fontsize=10)

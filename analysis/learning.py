@@ -303,9 +303,7 @@ def compare_arms(arms: Sequence[ArmResult], view: str = "sampled") -> list[dict[
         for b in names[i + 1 :]:
             seeds = sorted((set(by_config[a]) & set(by_config[b])) - {None})
             pairs = [(by_config[a][s], by_config[b][s]) for s in seeds]
-            pairs = [
-                (x, y) for x, y in pairs if view in x.outcomes.get("after", {}) and view in y.outcomes.get("after", {})
-            ]
+            pairs = [(x, y) for x, y in pairs if _has_view(x, view) and _has_view(y, view)]
             if not pairs:
                 continue
             diff = paired_arm_difference(

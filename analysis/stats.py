@@ -21,17 +21,25 @@ def paired_bootstrap(
     if not tasks:
         raise ValueError("the two evaluations share no held-out task; were they run on the same split?")
     diffs = np.array([np.mean(after[t]) - np.mean(before[t]) for t in tasks])
-    rng = np.random.default_rng(seed)
-    boots = diffs[rng.integers(0, len(diffs), size=(n_boot, len(diffs)))].mean(axis=1)
-    low, high = np.percentile(boots, [2.5, 97.5])
+    low, high = _task_bootstrap(diffs, n_boot, seed)
     return {
         "delta": float(diffs.mean()),
-        "ci95_low": float(low),
-        "ci95_high": float(high),
+        "ci95_low": low,
+        "ci95_high": high,
         "tasks": float(len(tasks)),
         "tasks_better": float((diffs > 0).sum()),
         "tasks_worse": float((diffs < 0).sum()),
     }
+
+
+def _task_bootstrap(diffs: Any, n_boot: int, seed: int) -> tuple[float, float]:
+    """95 % interval of the mean of per-task differences, resampling tasks with replacement."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    boots = diffs[rng.integers(0, len(diffs), size=(n_boot, len(diffs)))].mean(axis=1)
+    low, high = np.percentile(boots, [2.5, 97.5])
+    return float(low), float(high)
 
 
 def paired_arm_difference(
@@ -52,7 +60,7 @@ def paired_arm_difference(
 
     if len(a) != len(b) or not a:
         raise ValueError(f"need the same number (>= 1) of seeds per arm, got {len(a)} and {len(b)}")
-    tasks = sorted(set.intersection(*(set(x) & set(y) for pair in (*a, *b) for x, y in [pair])))
+    tasks = sorted(set.intersection(*(set(outcomes) for pair in (*a, *b) for outcomes in pair)))
     if not tasks:
         raise ValueError("the arms' evaluations share no held-out task; were they run on the same split?")
 
@@ -61,13 +69,11 @@ def paired_arm_difference(
 
     per_seed = np.stack([change(*pa) - change(*pb) for pa, pb in zip(a, b, strict=True)])  # seeds x tasks
     diffs = per_seed.mean(axis=0)
-    rng = np.random.default_rng(seed)
-    boots = diffs[rng.integers(0, len(diffs), size=(n_boot, len(diffs)))].mean(axis=1)
-    low, high = np.percentile(boots, [2.5, 97.5])
+    low, high = _task_bootstrap(diffs, n_boot, seed)
     return {
         "delta": float(diffs.mean()),
-        "ci95_low": float(low),
-        "ci95_high": float(high),
+        "ci95_low": low,
+        "ci95_high": high,
         "per_seed": [float(d) for d in per_seed.mean(axis=1)],
         "tasks": len(tasks),
         "tasks_better": int((diffs > 0).sum()),

@@ -102,15 +102,16 @@ def learn(
         attach = [*overrides, f"inference.url={server.url}"]
         for seed, name in [(s, n) for s in (seeds or [None]) for n in names]:
             started = time.perf_counter()
-            arm = [*attach, f"run.seed={seed}"] if seed is not None else attach
+            run_overrides = [*attach, f"run.seed={seed}"] if seed is not None else attach
             label = name if seed is None else f"{name} (seed {seed})"
             serve_base_weights(server, model)  # whatever an earlier config left on the server
             logger.info("%s: evaluating the base model on the held-out split", label)
-            before = {view: evaluate(name, [*arm, *extra]) for view, extra in EVAL_VIEWS.items()}
+            before = {view: evaluate(name, [*run_overrides, *extra]) for view, extra in EVAL_VIEWS.items()}
             logger.info("%s: held-out before training: %s", label, _scores(before))
-            trained = train(name, arm)
+            trained = train(name, run_overrides)
             after = {
-                view: evaluate(name, [*arm, *extra], run_id=trained["run_id"]) for view, extra in EVAL_VIEWS.items()
+                view: evaluate(name, [*run_overrides, *extra], run_id=trained["run_id"])
+                for view, extra in EVAL_VIEWS.items()
             }
             logger.info("%s: held-out after training: %s", label, _scores(after))
             cfg = configs_by_name[name]
