@@ -90,6 +90,10 @@ def show_run(layout: RunLayout, console: Console) -> None:
                 has_rows = any(f.rows is not None for f in manifest.files)
                 n = len(manifest.files)
                 size = f"{manifest.rows} rows" if has_rows else f"{n} file" + ("s" if n != 1 else "")
+                pruned = manifest.metadata.get("pruned")
+                if pruned:  # `pettingflow runs prune` removed checkpoint folders from it
+                    gone = sorted({p.rstrip("/") for entry in pruned for p in entry.get("prefixes", [])})
+                    state = f"committed ({', '.join(gone)} pruned)"
             table.add_row(name, state, size)
         console.print(table)
         for line in attempt_lines(layout, k):

@@ -204,6 +204,48 @@ def runs_timeline(
     typer.echo(timeline_text(layout, width=width))
 
 
+@runs_app.command("prune")
+def runs_prune(
+    run_id: Annotated[str, typer.Argument(help="A run id (see `pettingflow runs list`).")],
+    root: RootOpt = "",
+    keep_last: Annotated[
+        int, typer.Option("--keep-last", min=1, help="Keep the newest N updates' checkpoints per policy.")
+    ] = 1,
+    keep_every: Annotated[
+        int, typer.Option("--keep-every", min=0, help="Also keep iteration k when (k+1) % N == 0 (0: none).")
+    ] = 0,
+    optimizer_only: Annotated[
+        bool, typer.Option("--optimizer-only", help="Drop only optimizer snapshots: every iteration stays re-runnable.")
+    ] = False,
+    yes: Annotated[bool, typer.Option("--yes", help="Delete. Without it, only print what would go.")] = False,
+) -> None:
+    """Free disk: drop old checkpoints of a run (weights and optimizer snapshots), keep trajectories and metrics.
+
+    An iteration whose starting weights were pruned can no longer be resumed or re-run (it fails, naming the prune)."""
+    from pettingflow.runs.retention import plan_prune, prune
+    from pettingflow.storage import RunLayout
+
+    try:
+        layout = RunLayout(root or _default_root(), run_id)
+    except ValueError as exc:
+        fail(str(exc))
+    if not layout.fs.exists(layout.run_path):
+        fail(f"no run {run_id!r} under {layout.root} (see `pettingflow runs list --root ...`)")
+    targets = plan_prune(layout, keep_last, keep_every, optimizer_only)
+    what = "optimizer snapshots" if optimizer_only else "checkpoints (weights and optimizer snapshots)"
+    if not targets:
+        typer.echo(f"nothing to prune in {run_id}: no {what} outside the kept iterations")
+        return
+    total = sum(t.bytes for t in targets)
+    for t in targets:
+        typer.echo(f"  {t.policy} iteration {t.iteration}: {t.files} files, {t.bytes / 1e9:.2f} GB")
+    if not yes:
+        typer.echo(f"would free {total / 1e9:.2f} GB of {what} in {len(targets)} update steps; add --yes to delete")
+        return
+    freed = prune(targets, optimizer_only)
+    typer.echo(f"freed {freed / 1e9:.2f} GB of {what} in {len(targets)} update steps of {run_id}")
+
+
 @runs_app.command("learning-report")
 def runs_learning_report(
     run_ids: Annotated[list[str], typer.Argument(help="Training runs to compare (each needs its evaluate runs).")],

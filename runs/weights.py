@@ -24,6 +24,7 @@ from pettingflow.training.checkpoint import ADAPTERS_SUBDIR, DEEPSPEED_SUBDIR, M
 
 __all__ = [
     "PolicyWeights",
+    "PrunedWeightsError",
     "base_model_dir",
     "start_version",
     "update_step_name",
@@ -62,7 +63,7 @@ def weights_before(layout: RunLayout, config: ExperimentConfig, policy: str, ite
         else:
             age += 1
             if any(e.name.startswith(DEEPSPEED_SUBDIR + "/") for e in step.manifest().files):
-                snapshot = weights_in_step(step, policy, base, version=k + 1).deepspeed_dir
+                snapshot = str(local_copy(step) / DEEPSPEED_SUBDIR)
                 return replace(weights, deepspeed_dir=snapshot, optimizer_age=age)
     return weights or PolicyWeights(policy=policy, base_dir=base, model_dir=base)
 
@@ -78,21 +79,57 @@ def start_version(layout: RunLayout, policy: str, iteration: int) -> int:
 
 
 def weights_in_step(step: Step, policy: str, base_dir: str, version: int) -> PolicyWeights:
-    """The checkpoint stored in a committed update step, as local folders; ``version``: its iteration + 1."""
+    """The checkpoint stored in a committed update step, as local folders; ``version``: its iteration + 1.
+
+    Only folders the commit marker lists count (a folder an interrupted prune left behind is not a checkpoint),
+    and weights removed by ``pettingflow runs prune`` raise ``PrunedWeightsError``: falling back to the base
+    model would silently restart training.
+    """
+    manifest = step.manifest()
+    gone = pruned_weights(manifest.metadata)
+    if gone:
+        raise PrunedWeightsError(
+            f"the weights of {policy} after iteration {version - 1} ({step.uri}) were removed by `pettingflow runs "
+            f"prune` ({gone}); what starts from them (resuming or re-running iteration {version}, evaluating this "
+            "run at that point) needs them. Re-run a later iteration whose starting weights were kept "
+            "(`pettingflow runs show <run_id>` lists them), or train again."
+        )
     root = local_copy(step)
-    model = root / MODEL_SUBDIR
+    listed = {e.name.split("/", 1)[0] for e in manifest.files}
     adapters_root = root / ADAPTERS_SUBDIR
-    adapters = {p.name: str(p) for p in sorted(adapters_root.iterdir()) if p.is_dir()} if adapters_root.is_dir() else {}
-    ds = root / DEEPSPEED_SUBDIR
+    adapters = (
+        {p.name: str(p) for p in sorted(adapters_root.iterdir()) if p.is_dir()}
+        if ADAPTERS_SUBDIR in listed and adapters_root.is_dir()
+        else {}
+    )
     return PolicyWeights(
         policy=policy,
         base_dir=base_dir,
-        model_dir=str(model) if model.is_dir() else base_dir,
+        model_dir=str(root / MODEL_SUBDIR) if MODEL_SUBDIR in listed else base_dir,
         adapters=adapters,
-        deepspeed_dir=str(ds) if ds.is_dir() else None,
+        deepspeed_dir=str(root / DEEPSPEED_SUBDIR) if DEEPSPEED_SUBDIR in listed else None,
         source=step.uri,
         version=version,
     )
+
+
+class PrunedWeightsError(FileNotFoundError):
+    """The weights an operation starts from were deleted by ``pettingflow runs prune``."""
+
+
+def pruned_weights(metadata: dict) -> str:
+    """A description of the weight folders (model, adapters) a prune removed from an update step; "" if none.
+    An optimizer-only prune (``deepspeed/``) leaves the weights usable and returns ""."""
+    for entry in metadata.get("pruned", []):
+        hit = [p for p in entry.get("prefixes", []) if p.rstrip("/") in (MODEL_SUBDIR, ADAPTERS_SUBDIR)]
+        if hit:
+            return f"{', '.join(hit)} pruned {entry.get('at', '?')}"
+    return ""
+
+
+def cached_copy_dir(step: Step) -> Path:
+    """Where ``local_copy`` keeps a downloaded copy of a remote step (pruning removes it too)."""
+    return home() / "cache" / step.path.strip("/").replace("/", "__")
 
 
 COMPLETE = ".complete"  # in a cached copy: the commit marker it was downloaded from
@@ -111,7 +148,7 @@ def local_copy(step: Step) -> Path:
         return step.local_path
     manifest = step.manifest()
     expected = manifest.to_json()
-    target = home() / "cache" / step.path.strip("/").replace("/", "__")
+    target = cached_copy_dir(step)
     if _cached(target, expected):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

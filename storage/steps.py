@@ -219,6 +219,41 @@ class Step:
         self._pending = []
         return manifest
 
+    def prune(self, prefixes: tuple[str, ...], metadata: dict[str, Any]) -> list[FileEntry]:
+        """Drop the files under ``prefixes`` (e.g. ``("model/", "deepspeed/")``) from a committed step, for disk
+        retention (``pettingflow runs prune``). Returns the entries dropped (none: nothing to do).
+
+        The marker is rewritten first, without those files and with ``metadata["pruned"]`` recording what went,
+        then the files are deleted. A crash in between leaves unlisted files that no reader opens (pruning again
+        deletes them); a reader never sees a listed file that is gone. The step stays committed: its other files
+        (metrics, trajectories) keep their checksums.
+        """
+        manifest = self.manifest()
+        dropped = [e for e in manifest.files if e.name.startswith(prefixes)]
+        if dropped:
+            kept = [e for e in manifest.files if not e.name.startswith(prefixes)]
+            history = [
+                *manifest.metadata.get("pruned", []),
+                {**metadata, "files": len(dropped), "bytes": sum(e.bytes for e in dropped), "prefixes": list(prefixes)},
+            ]
+            pruned = Manifest(
+                step=manifest.step,
+                files=kept,
+                committed_at=manifest.committed_at,
+                schema_version=manifest.schema_version,
+                metadata={**manifest.metadata, "pruned": history},
+            )
+            write_bytes_atomic(self.fs, self.marker_path, pruned.to_json().encode())
+        for prefix in prefixes:  # also what an interrupted prune left behind
+            folder = join(self.path, prefix.rstrip("/"))
+            if self.fs.exists(folder):
+                self.fs.rm(folder, recursive=True)
+        return dropped
+
+    def pruned(self) -> list[dict[str, Any]]:
+        """What ``prune`` removed from this committed step, oldest first (empty: nothing)."""
+        return list(self.manifest().metadata.get("pruned", []))
+
     # ---------------------------------------------------------------- reading
     def read_bytes(self, name: str, verify: bool = True) -> bytes:
         """Read a committed file, checking its size and (by default) its sha256."""
