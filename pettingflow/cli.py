@@ -5,12 +5,15 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from pettingflow.configs.loader import ConfigError, available_configs, dump_config, load_config
 from pettingflow.inference.cli import models_app
+
+if TYPE_CHECKING:
+    from pettingflow.storage import RunLayout
 
 app = typer.Typer(
     no_args_is_help=True, add_completion=False, help="PettingFlow: multi-agent RL, one Prefect flow per iteration."
@@ -152,6 +155,19 @@ def _as_batch(uri: str, cfg, policy: str, out: str) -> str:
 
 
 # ------------------------------------------------------------------------------------------ runs
+def _existing_run(run_id: str, root: str) -> RunLayout:
+    """The layout of a stored run, or a one-line error (a bad id, or no such run under the root)."""
+    from pettingflow.storage import RunLayout
+
+    try:
+        layout = RunLayout(root or _default_root(), run_id)
+    except ValueError as exc:
+        fail(str(exc))
+    if not layout.fs.exists(layout.run_path):
+        fail(f"no run {run_id!r} under {layout.root} (see `pettingflow runs list --root ...`)")
+    return layout
+
+
 @runs_app.command("list")
 def runs_list(root: RootOpt = "") -> None:
     """Runs under the storage root, oldest first."""
@@ -193,14 +209,8 @@ def runs_timeline(
 ) -> None:
     """When each step of each iteration ran (a text Gantt chart), and how much async rollouts overlapped."""
     from pettingflow.analysis.inspect import timeline_text
-    from pettingflow.storage import RunLayout
 
-    try:
-        layout = RunLayout(root or _default_root(), run_id)
-    except ValueError as exc:
-        fail(str(exc))
-    if not layout.fs.exists(layout.run_path):
-        fail(f"no run {run_id!r} under {layout.root} (see `pettingflow runs list --root ...`)")
+    layout = _existing_run(run_id, root)
     typer.echo(timeline_text(layout, width=width))
 
 
@@ -223,14 +233,8 @@ def runs_prune(
 
     An iteration whose starting weights were pruned can no longer be resumed or re-run (it fails, naming the prune)."""
     from pettingflow.runs.retention import plan_prune, prune
-    from pettingflow.storage import RunLayout
 
-    try:
-        layout = RunLayout(root or _default_root(), run_id)
-    except ValueError as exc:
-        fail(str(exc))
-    if not layout.fs.exists(layout.run_path):
-        fail(f"no run {run_id!r} under {layout.root} (see `pettingflow runs list --root ...`)")
+    layout = _existing_run(run_id, root)
     targets = plan_prune(layout, keep_last, keep_every, optimizer_only)
     what = "optimizer snapshots" if optimizer_only else "checkpoints (weights and optimizer snapshots)"
     if not targets:
