@@ -36,7 +36,9 @@ from pettingflow.configs.loader import load_config
 from pettingflow.flows.evaluate import evaluate
 from pettingflow.flows.train import train
 from pettingflow.inference.models import resolve_model
+from pettingflow.runs.retention import plan_prune, prune
 from pettingflow.runs.runtime import serve_base_weights, shared_server
+from pettingflow.storage import RunLayout
 
 DEFAULT_CONFIGS = ("code-env-learn-solo", "code-env-learn")
 
@@ -79,12 +81,16 @@ def learn(
     overrides: list[str] | None = None,
     url: str | None = None,
     seeds: list[int] | None = None,
+    prune_checkpoints: bool = False,
 ) -> dict[str, Any]:
     """Evaluate, train and re-evaluate each config; return the results table and where the files are.
 
     ``url``: use this running server (started with vLLM's dev mode, so weights can be reloaded)
     instead of starting one. ``seeds``: train every config once per seed (``run.seed=<s>``, which also
     seeds the evaluations), so the report can pair arms seed by seed; default: the configs' own seed.
+    ``prune_checkpoints``: once an arm is scored, drop its checkpoints except the last update's
+    (``pettingflow runs prune``): the report needs only trajectories, and a many-arm comparison otherwise
+    keeps ≈1 GB per iteration at 135M. Its iterations can then no longer be re-run.
     """
     logger = get_run_logger()
     names = list(configs or DEFAULT_CONFIGS)
@@ -119,6 +125,10 @@ def learn(
             arm = arm_from_runs(cfg.run.storage_root, trained["run_id"], cfg.run.storage_options, evaluations=ids)
             arm.wall_s = round(time.perf_counter() - started, 1)
             arms.append(arm)
+            if prune_checkpoints:
+                layout = RunLayout(cfg.run.storage_root, trained["run_id"], cfg.run.storage_options)
+                freed = prune(plan_prune(layout, keep_last=1))
+                logger.info("%s: pruned %.2f GB of checkpoints (the last update's kept)", label, freed / 1e9)
     table = write_learning_report(
         arms, out_uri, first.run.storage_options, configs=names, overrides=overrides, seeds=seeds
     )
@@ -133,8 +143,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--overrides", nargs="*", default=[], help="overrides for every config, e.g. run.iterations=2")
     parser.add_argument("--url", default=None, help="attach to a running dev-mode vLLM server instead of starting one")
     parser.add_argument("--seeds", nargs="*", type=int, default=None, help="train each config once per seed")
+    parser.add_argument(
+        "--prune-checkpoints",
+        action="store_true",
+        help="after scoring each arm, drop its checkpoints but the last (saves ~1 GB per iteration at 135M)",
+    )
     args = parser.parse_args(argv)
-    learn(args.configs, args.overrides, args.url, args.seeds)
+    learn(args.configs, args.overrides, args.url, args.seeds, args.prune_checkpoints)
 
 
 if __name__ == "__main__":

@@ -251,7 +251,7 @@ def test_learn_evaluates_trains_and_reevaluates_each_config(tmp_path, prefect_en
         "env.dataset.validation_fraction=0.97",  # 3 train tasks, 2 per iteration: iteration 1 draws one again
     ]
     reloads_before = len(scripted.reloads)
-    out = learn(["code-env-learn-solo", "code-env-learn"], extra, url=scripted.url, seeds=[3])
+    out = learn(["code-env-learn-solo", "code-env-learn"], extra, url=scripted.url, seeds=[3], prune_checkpoints=True)
     rows = {r["config"]: r for r in out["rows"]}
     assert set(rows) == {"code-env-learn-solo", "code-env-learn"}
     summary = json.loads(Path(out["uri"], "learning.json").read_text())
@@ -294,3 +294,9 @@ def test_learn_evaluates_trains_and_reevaluates_each_config(tmp_path, prefect_en
         layout = RunLayout(str(tmp_path), arm["run_id"])
         last = max(k for k in (0, 1) if not layout.step(k, "update-shared").manifest().metadata.get("skipped"))
         assert any(path.endswith(f"{arm['run_id']}/iter-{last}/update-shared/model") for path in paths), paths
+        # prune_checkpoints: the last update keeps its weights, an earlier one (when it trained) lost them
+        assert "model/config.json" in layout.step(last, "update-shared").files()
+        if last == 1 and not layout.step(0, "update-shared").manifest().metadata.get("skipped"):
+            assert layout.step(0, "update-shared").pruned() and not any(
+                f.startswith("model/") for f in layout.step(0, "update-shared").files()
+            )
