@@ -14,7 +14,7 @@ export VLLM_NO_USAGE_STATS := 1
 export RAY_USAGE_STATS_ENABLED := 0
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 
-.PHONY: venv test test-fast lint format run learn learn-plan-path stop clean-venv
+.PHONY: venv test test-fast lint format run learn learn-plan-path learn-code-tree stop clean-venv
 
 venv: $(STAMP)
 
@@ -54,7 +54,16 @@ learn: venv
 # each, held-out success before and after (about 2 h on 2 CPU cores). LEARN_ARGS="--seeds 0" for one seed.
 learn-plan-path: venv
 	.venv/bin/pettingflow models prepare
-	$(BIN)/python flows/learn.py --configs plan-path-learn-tree plan-path-learn plan-path-learn-solo --seeds 0 1 $(LEARN_ARGS)
+	$(BIN)/python flows/learn.py --configs plan-path-learn-tree plan-path-learn plan-path-learn-solo --seeds 0 1 \
+		--prune-checkpoints $(LEARN_ARGS)
+
+# The AT-GRPO evidence of docs/results.md on basic-python: tree vs independent GRPO vs the code agent alone,
+# each stopped at 24k generated tokens, two seeds each (about 80 min on 2 CPU cores).
+learn-code-tree: venv
+	.venv/bin/pettingflow models prepare
+	$(BIN)/python flows/learn.py --configs code-env-learn-tree code-env-learn code-env-learn-solo --seeds 0 1 \
+		--overrides run.iterations=40 run.max_generated_tokens=24000 training.save_optimizer_every=0 \
+		--prune-checkpoints $(LEARN_ARGS)
 
 stop:
 	scripts/stop.sh
