@@ -153,3 +153,21 @@ def test_every_shipped_config_loads_and_is_named_after_its_file() -> None:
     assert {"code-env", "plan-path", "code-env-learn-tree", "plan-path-learn-tree"} <= set(names)
     for name in names:
         assert load_config(name, []).run.name == name, name
+
+
+def test_every_deployment_names_real_parameters_and_configs() -> None:
+    """A deployment is checked by Prefect only when it runs (minutes into a worker): its parameters must bind to
+    the flow's signature (those given at run time aside), and every config it names must load with its overrides."""
+    import importlib
+    import inspect
+
+    deployments = yaml.safe_load((CONFIG_DIR.parent / "prefect.yaml").read_text())["deployments"]
+    assert deployments
+    for deployment in deployments:
+        path, name = deployment["entrypoint"].split(":")
+        flow = getattr(importlib.import_module("pettingflow.flows." + Path(path).stem), name)
+        params = deployment.get("parameters", {})
+        inspect.signature(flow.fn).bind_partial(**params)  # TypeError: an unknown parameter
+        overrides = params.get("overrides", [])
+        for config in params.get("configs", [params["config"]] if "config" in params else []):
+            load_config(config, overrides)
