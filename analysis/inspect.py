@@ -50,15 +50,7 @@ def step_status(layout: RunLayout, iteration: int) -> dict[str, str]:
     names = [n for n in STEP_ORDER if n != "update"]
     if layout.fs.exists(layout.step(iteration, BASELINE_STEP).path):  # iteration 0 with validation.at_start
         names.insert(0, BASELINE_STEP)
-    names += sorted(
-        p.rstrip("/").rsplit("/", 1)[-1]
-        for p in (
-            layout.fs.ls(layout.iteration_path(iteration), detail=False)
-            if layout.fs.exists(layout.iteration_path(iteration))
-            else []
-        )
-        if p.rstrip("/").rsplit("/", 1)[-1].startswith("update-")
-    )
+    names += layout.update_steps(iteration)
     for name in names:
         step = layout.step(iteration, name)
         status[name] = (

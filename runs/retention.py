@@ -13,15 +13,15 @@ so in its commit marker, so whatever later needs the removed weights fails with 
 from __future__ import annotations
 
 import datetime as dt
-import re
 import shutil
 from dataclasses import dataclass
 
 from pettingflow.runs.weights import cached_copy_dir
 from pettingflow.storage import RunLayout, Step
+from pettingflow.storage.layout import UPDATE_STEP_PREFIX
+from pettingflow.storage.steps import Manifest
 from pettingflow.training.checkpoint import ADAPTERS_SUBDIR, DEEPSPEED_SUBDIR, MODEL_SUBDIR
 
-_UPDATE_STEP = re.compile(r"^update-(.+)$")
 WEIGHT_PREFIXES = (f"{MODEL_SUBDIR}/", f"{ADAPTERS_SUBDIR}/", f"{DEEPSPEED_SUBDIR}/")
 OPTIMIZER_PREFIXES = (f"{DEEPSPEED_SUBDIR}/",)
 
@@ -63,23 +63,22 @@ def plan_prune(
     with Adam restarting from the newest kept snapshot or from zero.
     """
     prefixes = OPTIMIZER_PREFIXES if optimizer_only else WEIGHT_PREFIXES
-    by_policy: dict[str, dict[int, Step]] = {}
+    by_policy: dict[str, dict[int, tuple[Step, Manifest]]] = {}
     for k in layout.iterations():
-        folder = layout.iteration_path(k)
-        for entry in layout.fs.ls(folder, detail=False):
-            m = _UPDATE_STEP.match(entry.rstrip("/").rsplit("/", 1)[-1])
-            if not m:
+        for name in layout.update_steps(k):
+            step = layout.step(k, name)
+            if not step.is_committed():
                 continue
-            step = layout.step(k, m.group(0))
-            if step.is_committed() and not step.manifest().metadata.get("skipped"):
-                by_policy.setdefault(m.group(1), {})[k] = step
+            manifest = step.manifest()
+            if not manifest.metadata.get("skipped"):
+                by_policy.setdefault(name.removeprefix(UPDATE_STEP_PREFIX), {})[k] = (step, manifest)
     targets = []
     for policy, steps in sorted(by_policy.items()):
         kept = kept_iterations(sorted(steps), keep_last, keep_every)
-        for k, step in sorted(steps.items()):
+        for k, (step, manifest) in sorted(steps.items()):
             if k in kept:
                 continue
-            files = [e for e in step.manifest().files if e.name.startswith(prefixes)]
+            files = [e for e in manifest.files if e.name.startswith(prefixes)]
             if files:
                 targets.append(PruneTarget(policy, k, step, len(files), sum(e.bytes for e in files)))
     return targets

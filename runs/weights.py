@@ -19,6 +19,7 @@ from pettingflow.inference.models import resolve_model
 from pettingflow.paths import home
 from pettingflow.storage import RunLayout, Step
 from pettingflow.storage.fs import join, uri_of
+from pettingflow.storage.layout import UPDATE_STEP_PREFIX
 from pettingflow.storage.steps import CorruptFileError, FileEntry
 from pettingflow.training.checkpoint import ADAPTERS_SUBDIR, DEEPSPEED_SUBDIR, MODEL_SUBDIR, PolicyWeights
 
@@ -34,7 +35,7 @@ __all__ = [
 
 
 def update_step_name(policy: str) -> str:
-    return f"update-{policy}"
+    return f"{UPDATE_STEP_PREFIX}{policy}"
 
 
 def base_model_dir(config: ExperimentConfig, policy: str) -> str:

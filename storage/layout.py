@@ -17,6 +17,7 @@ import fsspec
 from pettingflow.storage.fs import filesystem, join, uri_of, write_bytes_atomic
 from pettingflow.storage.steps import Step
 
+UPDATE_STEP_PREFIX = "update-"  # + policy name: the step holding that policy's checkpoint
 _ITER = re.compile(r"^iter-(\d+)$")
 _ATTEMPT = re.compile(r"^attempt-(\d+)$")
 _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -77,6 +78,14 @@ class RunLayout:
                 if m:
                     found.append(int(m.group(1)))
         return sorted(found)
+
+    def update_steps(self, iteration: int) -> list[str]:
+        """Names of the ``update-<policy>`` step folders of ``iteration`` (attempt 0), committed or not, sorted."""
+        path = self.iteration_path(iteration)
+        if not self.fs.exists(path):
+            return []
+        names = (entry.rstrip("/").rsplit("/", 1)[-1] for entry in self.fs.ls(path, detail=False))
+        return sorted(n for n in names if n.startswith(UPDATE_STEP_PREFIX))
 
     def next_attempt(self, iteration: int) -> int:
         return max(self.attempts(iteration)) + 1
