@@ -6,23 +6,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from test_weights_before import setup  # noqa: F401 (fixture: a run layout and a config on a fake base model)
+from test_weights_before import commit_update, setup  # noqa: F401 (setup: a run layout and a config on a fake base model)
 from typer.testing import CliRunner
 
 from pettingflow.cli import app
 from pettingflow.runs.retention import kept_iterations, plan_prune, prune
 from pettingflow.runs.weights import PrunedWeightsError, weights_before
 from pettingflow.storage import RunLayout
-
-
-def commit_update(layout: RunLayout, k: int, *, snapshot: bool) -> None:
-    step = layout.step(k, "update-shared")
-    step.begin()
-    step.write_bytes("model/model.safetensors", b"w%d" % k)
-    if snapshot:
-        step.write_bytes("deepspeed/latest", b"global_step%d" % k)
-    step.write_json("metrics.json", {"loss": float(k)})
-    step.commit({"skipped": False})
 
 
 def four_updates(layout: RunLayout) -> None:

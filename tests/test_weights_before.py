@@ -29,6 +29,7 @@ def commit_update(layout: RunLayout, k: int, *, snapshot: bool, skipped: bool = 
         step.write_bytes("model/model.safetensors", b"w%d" % k)
         if snapshot:
             step.write_bytes("deepspeed/latest", b"global_step%d" % k)
+    step.write_json("metrics.json", {"loss": float(k)})  # as a real update step: what pruning must keep
     step.commit({"skipped": skipped})
     return step.uri
 
