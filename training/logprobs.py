@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from pettingflow.configs.settings import AlgorithmSettings
-from pettingflow.rl.losses import entropy_from_logits, total_loss
+from pettingflow.rl.losses import entropy_from_logits, entropy_metric, total_loss
 from pettingflow.training.data import MicroBatch
 
 
@@ -139,8 +139,7 @@ def micro_batch_loss(
     if algo.entropy_coef > 0:
         entropy = scatter_valid(entropy_from_logits(logits), mb.loss_mask)
     else:
-        with torch.no_grad():
-            entropy = scatter_valid(entropy_from_logits(logits.detach()), mb.loss_mask)
+        entropy = scatter_valid(entropy_metric(logits), mb.loss_mask)
     old = logp.detach() if old_is_current else mb.old_logprobs
     loss, metrics = total_loss(
         logp,
