@@ -51,10 +51,13 @@ learn: venv
 	$(BIN)/python flows/learn.py $(LEARN_ARGS)
 
 # The AT-GRPO evidence of docs/results.md on plan-path: tree vs independent GRPO vs one agent, two seeds
-# each, held-out success before and after (about 2 h on 2 CPU cores). LEARN_ARGS="--seeds 0" for one seed.
+# each, every run stopped at 8k generated tokens, held-out success before and after (about 2 h on 2 CPU
+# cores). LEARN_ARGS="--seeds 0" for one seed, LEARN_ARGS="--configs plan-path-learn-tree plan-path-learn"
+# for the tree-vs-independent pair alone.
 learn-plan-path: venv
 	.venv/bin/pettingflow models prepare
 	$(BIN)/python flows/learn.py --configs plan-path-learn-tree plan-path-learn plan-path-learn-solo --seeds 0 1 \
+		--overrides run.iterations=24 run.max_generated_tokens=8000 training.save_optimizer_every=0 \
 		--prune-checkpoints $(LEARN_ARGS)
 
 # The AT-GRPO evidence of docs/results.md on basic-python: tree vs independent GRPO vs the code agent alone,
