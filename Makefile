@@ -51,8 +51,8 @@ learn: venv
 	$(BIN)/python flows/learn.py $(LEARN_ARGS)
 
 # The AT-GRPO evidence of docs/results.md on plan-path: tree vs independent GRPO vs one agent, two seeds
-# each, every run stopped at 8k generated tokens, held-out success before and after (about 2 h on 2 CPU
-# cores). LEARN_ARGS="--seeds 0" for one seed, LEARN_ARGS="--configs plan-path-learn-tree plan-path-learn"
+# each, every run stopped at 8k generated tokens, held-out success before and after (45-95 min on 2 CPU
+# cores, by the day's CPU). LEARN_ARGS="--seeds 0" for one seed, LEARN_ARGS="--configs plan-path-learn-tree plan-path-learn"
 # for the tree-vs-independent pair alone.
 learn-plan-path: venv
 	.venv/bin/pettingflow models prepare
