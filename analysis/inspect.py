@@ -50,7 +50,7 @@ def step_status(layout: RunLayout, iteration: int) -> dict[str, str]:
     names = [n for n in STEP_ORDER if n != "update"]
     if layout.fs.exists(layout.step(iteration, BASELINE_STEP).path):  # iteration 0 with validation.at_start
         names.insert(0, BASELINE_STEP)
-    names += layout.update_steps(iteration)
+    names += layout.update_steps(iteration) + layout.optimizer_steps(iteration)
     for name in names:
         step = layout.step(iteration, name)
         status[name] = (
@@ -95,6 +95,8 @@ def show_run(layout: RunLayout, console: Console) -> None:
             metrics = report.read_json("metrics.json")
             for key in [m for m in sorted(metrics) if _headline(m)]:
                 console.print(f"  {key:<48} {metrics[key]:.4f}")
+            for warning in report.read_json("warnings.json") if "warnings.json" in report.files() else []:
+                console.print(f"  [bold red]warning:[/bold red] {warning}", highlight=False)
 
 
 def attempt_lines(layout: RunLayout, iteration: int) -> list[str]:
@@ -129,6 +131,8 @@ def _headline(metric: str) -> bool:
     """The metrics `runs show` prints: rewards and success, and the main update numbers."""
     if metric.startswith(("rollout/", "validation/", "baseline/")):
         return metric.endswith(("/reward_mean", "/success_rate"))
+    if metric.startswith("signal/"):  # non-zero advantage rows; zero_signal 1 = nothing to learn from
+        return metric.endswith(("/nonzero_advantage_rows", "/zero_signal"))
     return metric.startswith("update/") and metric.rsplit("/", 1)[-1] in HEADLINE_UPDATE
 
 

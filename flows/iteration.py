@@ -36,9 +36,13 @@ from pettingflow.tasks.steps import (
 )
 
 
-def validation_due(frequency: int, iteration: int, iterations: int) -> bool:
-    """At iteration 0, every ``frequency`` iterations, and at the last one; never when 0."""
-    return frequency > 0 and (iteration % frequency == 0 or iteration == iterations - 1)
+def validation_due(frequency: int, iteration: int, iterations: int, schedule: str = "periodic") -> bool:
+    """At iteration 0, every ``frequency`` iterations, and at the last one; only at the last one with
+    ``schedule: end``; never when ``frequency`` is 0."""
+    if frequency <= 0:
+        return False
+    last = iteration == iterations - 1
+    return last if schedule == "end" else (iteration % frequency == 0 or last)
 
 
 def baseline_due(config: ExperimentConfig, iteration: int, attempt: int) -> bool:
@@ -102,7 +106,7 @@ def iteration(
     logger = get_run_logger()
     config = load_run_config(run, iteration, attempt)
     first = STEP_ORDER.index(step_kind(from_step))
-    due = validation_due(config.validation.frequency, iteration, config.run.iterations)
+    due = validation_due(config.validation.frequency, iteration, config.run.iterations, config.validation.schedule)
     validate_now = due if validate_now is None else validate_now
     needs_servers = first == 0 or validate_now
     policies = list(dict.fromkeys(a.policy for a in config.agents))

@@ -21,6 +21,7 @@ from pettingflow.runs.run import start_or_resume
 from pettingflow.runs.runtime import Runtime
 from pettingflow.steps.report import generated_tokens
 from pettingflow.storage import new_run_id
+from pettingflow.tasks.report import summarize_run
 
 
 def _default_run_id(name: str) -> str | None:
@@ -48,6 +49,8 @@ def train(config: str = "code-env", overrides: list[str] | None = None, run_id: 
     logger.info("%s run %s at %s", "resuming" if resumed else "starting", ref.run_id, ref.layout().run_uri)
     results = []
     with Runtime(cfg, ref.run_id, start_learners=True) as runtime:
+        chosen = runtime.between_updates
+        logger.info("inference servers during updates: %s (%s)", chosen.mode, chosen.reason)
         for name, learner in runtime.learners.items():  # once per run: the learners live across iterations
             logger.info(
                 "resident learner of %s: %d rank(s) up (start #%d)", name, learner.num_processes, learner.starts
@@ -58,6 +61,7 @@ def train(config: str = "code-env", overrides: list[str] | None = None, run_id: 
             if budget is not None and (spent := generated_tokens(ref.layout())) >= budget:
                 logger.info("generation budget reached: %d of %d tokens after iteration %d", spent, budget, k)
                 break
+    summarize_run(ref)
     logger.info("run %s finished: %s", ref.run_id, ref.layout().run_uri)
     return {"run_id": ref.run_id, "uri": ref.layout().run_uri, "iterations": results}
 

@@ -19,8 +19,9 @@ BASELINE_STEP = "baseline"
 
 
 def step_kind(name: str) -> str:
-    """``update-<policy>`` steps share the position of ``update``."""
-    kind = name.split("-", 1)[0] if name.startswith("update-") else name
+    """``update-<policy>`` steps, and the ``optimizer-<policy>`` snapshots written after them in the background,
+    share the position of ``update``."""
+    kind = "update" if name.startswith(("update-", "optimizer-")) else name
     if kind not in STEP_ORDER:
         raise ValueError(f"unknown step {name!r}; steps are {', '.join(STEP_ORDER)} (update as update-<policy>)")
     return kind

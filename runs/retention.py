@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from pettingflow.runs.weights import cached_copy_dir
 from pettingflow.storage import RunLayout, Step
-from pettingflow.storage.layout import UPDATE_STEP_PREFIX
+from pettingflow.storage.layout import OPTIMIZER_STEP_PREFIX, UPDATE_STEP_PREFIX
 from pettingflow.storage.steps import Manifest
 from pettingflow.training.checkpoint import ADAPTERS_SUBDIR, DEEPSPEED_SUBDIR, MODEL_SUBDIR
 
@@ -63,7 +63,7 @@ def plan_prune(
     with Adam restarting from the newest kept snapshot or from zero.
     """
     prefixes = OPTIMIZER_PREFIXES if optimizer_only else WEIGHT_PREFIXES
-    by_policy: dict[str, dict[int, tuple[Step, Manifest]]] = {}
+    by_policy: dict[str, dict[int, list[tuple[Step, Manifest]]]] = {}
     for k in layout.iterations():
         for name in layout.update_steps(k):
             step = layout.step(k, name)
@@ -71,16 +71,21 @@ def plan_prune(
                 continue
             manifest = step.manifest()
             if not manifest.metadata.get("skipped"):
-                by_policy.setdefault(name.removeprefix(UPDATE_STEP_PREFIX), {})[k] = (step, manifest)
+                policy = name.removeprefix(UPDATE_STEP_PREFIX)
+                by_policy.setdefault(policy, {})[k] = [(step, manifest)]
+                snapshot = layout.step(k, f"{OPTIMIZER_STEP_PREFIX}{policy}")  # written after it (background)
+                if snapshot.is_committed():
+                    by_policy[policy][k].append((snapshot, snapshot.manifest()))
     targets = []
     for policy, steps in sorted(by_policy.items()):
         kept = kept_iterations(sorted(steps), keep_last, keep_every)
-        for k, (step, manifest) in sorted(steps.items()):
+        for k, pairs in sorted(steps.items()):
             if k in kept:
                 continue
-            files = [e for e in manifest.files if e.name.startswith(prefixes)]
-            if files:
-                targets.append(PruneTarget(policy, k, step, len(files), sum(e.bytes for e in files)))
+            for step, manifest in pairs:
+                files = [e for e in manifest.files if e.name.startswith(prefixes)]
+                if files:
+                    targets.append(PruneTarget(policy, k, step, len(files), sum(e.bytes for e in files)))
     return targets
 
 

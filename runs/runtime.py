@@ -40,6 +40,7 @@ from pettingflow.envs.registry import EnvFactory, EnvSpec
 from pettingflow.inference.models import resolve_model
 from pettingflow.inference.server import server_from_settings
 from pettingflow.inference.weight_sync import base_model_name, fingerprint, load_lora_adapter, sync_full_weights
+from pettingflow.runs.between_updates import BetweenUpdates, choose_between_updates
 from pettingflow.runs.endpoint import PolicyEndpoint
 from pettingflow.runs.weights import PolicyWeights, weights_before
 from pettingflow.storage import RunLayout
@@ -78,6 +79,14 @@ class Runtime:
         self.served_versions: dict[str, int] = {}  # policy -> version of the weights being served (rows record it)
         self.served_adapters: dict[str, dict[str, str]] = {}  # policy -> agent -> adapter folder
         self.stopped: set[str] = set()  # policies whose server is down between updates (between_updates: restart)
+        # inference.between_updates in force: ``auto`` is resolved at ``start`` from what the run can see
+        mode = config.inference.between_updates
+        self.between_updates = (
+            BetweenUpdates("keep", "auto: decided when the servers start")
+            if mode == "auto"
+            else choose_between_updates(mode, managed=True, device="cpu", async_rollouts=False)
+        )
+        self.snapshots: dict[str, threading.Thread] = {}  # policy -> its optimizer snapshot being written
         self.sandbox_pool: Any = None
         self.learners: dict[str, Any] = {}
         self.env_cache = EnvCache(self._make_factory)
@@ -144,6 +153,7 @@ class Runtime:
             self.served_model[name] = str(base)
             self.served_versions[name] = 0
             self.served_adapters[name] = {}
+        self.between_updates = self._choose_between_updates()
         if cfg.rollout.use_ray or self.start_learners:
             self._ensure_ray()
         if cfg.rollout.use_ray:
@@ -153,6 +163,20 @@ class Runtime:
                 self.learner(name)
         with _LOCK:
             _ACTIVE[self.run_id] = self
+
+    def _choose_between_updates(self) -> BetweenUpdates:
+        """``inference.between_updates`` in force for this run (``auto``: from the servers, device and rollout
+        mode), logged once with the reason."""
+        from pettingflow.inference.server import detect_device
+
+        cfg = self.config
+        managed = any(getattr(s, "managed", False) for s in self.servers.values())
+        device = detect_device() if cfg.inference.between_updates == "auto" and managed else "cpu"
+        chosen = choose_between_updates(
+            cfg.inference.between_updates, managed=managed, device=device, async_rollouts=cfg.rollout.async_rollouts
+        )
+        log.info("inference servers during updates: %s (%s)", chosen.mode, chosen.reason)
+        return chosen
 
     def _ensure_ray(self) -> None:
         """Connect to Ray once per run: the cluster at ``rollout.ray_address``, or a local one."""
@@ -198,6 +222,26 @@ class Runtime:
             learner.start()
         return learner
 
+    def track_snapshot(self, policy: str, write: Any) -> None:
+        """Run ``write`` (``steps.updates.snapshot_in_background``) in a thread; one snapshot per policy at a time."""
+        self.wait_snapshots(policy)
+        thread = threading.Thread(target=write, name=f"optimizer-snapshot-{policy}", daemon=True)
+        self.snapshots[policy] = thread
+        thread.start()
+
+    def wait_snapshots(self, policy: str | None = None, timeout_s: float | None = None) -> None:
+        """Wait for the optimizer snapshots being written (of ``policy``, or all): before its next update, and
+        before the learners stop at the end of the run."""
+        for name in [policy] if policy is not None else list(self.snapshots):
+            thread = self.snapshots.get(name)
+            if thread is None:
+                continue
+            if thread.is_alive():
+                log.info("waiting for the optimizer snapshot of %s", name)
+            thread.join(timeout_s)
+            if not thread.is_alive():
+                self.snapshots.pop(name, None)
+
     @contextlib.contextmanager
     def servers_released(self) -> Iterator[bool]:
         """What the managed inference servers do while a policy trains (``inference.between_updates``).
@@ -214,7 +258,7 @@ class Runtime:
           next ``serve`` starts it from the new weights, which is the weight sync (nothing reloaded
           twice). When the update fails the servers start again at once, serving what they served before.
         """
-        mode = self.config.inference.between_updates
+        mode = self.between_updates.mode
         managed = {n: s for n, s in self.servers.items() if getattr(s, "managed", False)}
         if mode == "keep" or not managed:
             yield False
@@ -316,6 +360,7 @@ class Runtime:
         with _LOCK:
             if _ACTIVE.get(self.run_id) is self:
                 del _ACTIVE[self.run_id]
+        self.wait_snapshots(timeout_s=600.0)  # a snapshot being written finishes (and commits) before its ranks stop
         for learner in self.learners.values():
             learner.stop()
         self.learners.clear()

@@ -19,7 +19,7 @@ from pettingflow.inference.models import resolve_model
 from pettingflow.paths import home
 from pettingflow.storage import RunLayout, Step
 from pettingflow.storage.fs import join, uri_of
-from pettingflow.storage.layout import UPDATE_STEP_PREFIX
+from pettingflow.storage.layout import OPTIMIZER_STEP_PREFIX, UPDATE_STEP_PREFIX
 from pettingflow.storage.steps import CorruptFileError, FileEntry
 from pettingflow.training.checkpoint import ADAPTERS_SUBDIR, DEEPSPEED_SUBDIR, MODEL_SUBDIR, PolicyWeights
 
@@ -47,8 +47,9 @@ def weights_before(layout: RunLayout, config: ExperimentConfig, policy: str, ite
     """The weights ``policy`` has when iteration ``iteration`` starts, with the newest optimizer snapshot.
 
     The weights come from the newest committed, non-skipped update before ``iteration``. The optimizer
-    snapshot (``deepspeed_dir``) is the newest one at or before those weights; ``optimizer_age`` counts the
-    updates between the two (0: exact).
+    snapshot (``deepspeed_dir``) is the newest one at or before those weights, in the update step itself
+    (``training.optimizer_snapshot: inline``) or in the ``optimizer-<policy>`` step committed after it
+    (``background``); ``optimizer_age`` counts the updates between the two (0: exact).
     """
     base = base_model_dir(config, policy)
     weights: PolicyWeights | None = None
@@ -61,12 +62,24 @@ def weights_before(layout: RunLayout, config: ExperimentConfig, policy: str, ite
             weights = weights_in_step(step, policy, base, version=k + 1)
             if weights.deepspeed_dir is not None:
                 return weights
+            if (snapshot := snapshot_of(layout, k, policy, step)) is not None:
+                return replace(weights, deepspeed_dir=snapshot)
         else:
             age += 1
-            if any(e.name.startswith(DEEPSPEED_SUBDIR + "/") for e in step.manifest().files):
-                snapshot = str(local_copy(step) / DEEPSPEED_SUBDIR)
+            if (snapshot := snapshot_of(layout, k, policy, step)) is not None:
                 return replace(weights, deepspeed_dir=snapshot, optimizer_age=age)
     return weights or PolicyWeights(policy=policy, base_dir=base, model_dir=base)
+
+
+def snapshot_of(layout: RunLayout, iteration: int, policy: str, update: Step) -> str | None:
+    """The local folder of the optimizer snapshot of ``policy``'s update at ``iteration``, if one was committed:
+    in the update step, or in the ``optimizer-<policy>`` step written after it in the background."""
+    for step in (update, layout.step(iteration, f"{OPTIMIZER_STEP_PREFIX}{policy}")):
+        if step is not update and not step.is_committed():
+            continue
+        if any(e.name.startswith(DEEPSPEED_SUBDIR + "/") for e in step.manifest().files):
+            return str(local_copy(step) / DEEPSPEED_SUBDIR)
+    return None
 
 
 def start_version(layout: RunLayout, policy: str, iteration: int) -> int:

@@ -26,6 +26,7 @@ from pettingflow.faults import maybe_crash
 from pettingflow.rl.advantages import compute_advantages
 from pettingflow.rl.filters import filter_samples
 from pettingflow.rl.rewards import discounted_returns, mix_rewards
+from pettingflow.rl.signal import GroupSpread, group_spread, zero_signal_message
 from pettingflow.runs.context import IterationContext
 from pettingflow.runs.weights import start_version
 from pettingflow.steps.outcome import StepOutcome, already_done
@@ -169,9 +170,12 @@ def advantage_step(ctx: IterationContext, config: ExperimentConfig) -> StepOutco
     out = ctx.step("advantages")
     if done := already_done(out):
         return done
-    # returns (gamma > 0) need every row of the episodes, also the ones the filter removed
-    episodes = read_step_trajectories(ctx.step("rollouts")) if config.algorithm.gamma > 0 else None
+    # every row of the episodes: returns (gamma > 0) need the ones the filter removed, and so does the check
+    # that the batch carries a learning signal (how the groups' rewards differed before the filter)
+    rollouts = read_step_trajectories(ctx.step("rollouts"))
+    episodes = rollouts if config.algorithm.gamma > 0 else None
     table = with_advantages(read_step_trajectories(ctx.step("filtered")), config, episodes)
+    signal = learning_signal(rollouts, config)
     policies = [p.name for p in config.policies]
     metrics: dict[str, Any] = {
         "estimator": config.algorithm.advantage_estimator,
@@ -195,8 +199,40 @@ def advantage_step(ctx: IterationContext, config: ExperimentConfig) -> StepOutco
             "advantage_abs_mean": float(np.abs(adv).mean()) if len(adv) else 0.0,
             "nonzero_advantage_rows": int((adv != 0).sum()),
         }
+        before = signal.get(policy)
+        if before is not None:
+            spread, rows_before = before
+            metrics["policies"][policy].update({"groups": spread.groups, "groups_varied": spread.varied})
+            if not (adv != 0).any():
+                metrics["policies"][policy]["zero_signal"] = True
+                metrics["policies"][policy]["signal_message"] = zero_signal_message(
+                    policy, spread, rows_before, part.num_rows, config.algorithm.filter_method
+                )
     manifest: Manifest = out.commit(metrics)
     return StepOutcome("advantages", out.uri, manifest.rows, False, metrics)
+
+
+def learning_signal(rollouts: pa.Table, config: ExperimentConfig) -> dict[str, tuple[GroupSpread, int]]:
+    """Per trained policy: how its UID groups' training rewards differed before the filter, and its row count.
+
+    Policies with no rows are left out (an L3 config whose agents use some policies only)."""
+    rewards = training_rewards(rollouts, config)
+    names = rollouts.column("policy_name").to_pylist()
+    uids = rollouts.column("uid").to_pylist()
+    out = {}
+    for policy in dict.fromkeys(names):
+        idx = [i for i, name in enumerate(names) if name == policy]
+        out[policy] = (group_spread([uids[i] for i in idx], rewards[idx]), len(idx))
+    return out
+
+
+def zero_signal_policies(advantage_metrics: dict[str, Any]) -> dict[str, str]:
+    """policy -> the warning, for every policy the advantages step found without a learning signal."""
+    return {
+        policy: values["signal_message"]
+        for policy, values in (advantage_metrics.get("policies") or {}).items()
+        if values.get("zero_signal")
+    }
 
 
 def batch_file(policy: str) -> str:

@@ -53,6 +53,13 @@ def iteration_metrics(
     for key in ("rows_in", "rows_kept", "removed_samples", "removed_groups"):
         if key in filtered:
             flat[f"filter/{key}"] = float(filtered[key])
+    advantages = (outcomes.get("advantages") or {}).get("metrics") or {}
+    for policy, values in (advantages.get("policies") or {}).items():  # is there anything to learn from?
+        for key in ("nonzero_advantage_rows", "groups", "groups_varied"):
+            if key in values:
+                flat[f"signal/{policy}/{key}"] = float(values[key])
+        if "nonzero_advantage_rows" in values:
+            flat[f"signal/{policy}/zero_signal"] = float(bool(values.get("zero_signal")))
     for name, outcome in outcomes.items():
         if name.startswith("update-") and outcome:
             flatten(name.replace("update-", "update/", 1), (outcome.get("metrics") or {}).get("metrics", {}), flat)
@@ -211,11 +218,27 @@ def log_metrics(layout: RunLayout, iteration: int, metrics: Mapping[str, float],
             mlflow.log_metrics({k.replace("/", "."): v for k, v in metrics.items()}, step=iteration)
 
 
-def write_report(ctx: IterationContext, metrics: Mapping[str, float], links: Mapping[str, str]) -> dict[str, Any]:
-    """Commit the report step (metrics.json, samples.md, links.json, curve.png) and return its contents."""
+def iteration_warnings(outcomes: Mapping[str, Any]) -> list[str]:
+    """What a person must not miss about an iteration: each policy that had nothing to learn from."""
+    from pettingflow.steps.batches import zero_signal_policies
+
+    advantages = (outcomes.get("advantages") or {}).get("metrics") or {}
+    return list(zero_signal_policies(advantages).values())
+
+
+def warnings_markdown(warnings: list[str], label: str) -> str:
+    return f"# Warnings, {label}\n\n" + "\n".join(f"- **{w}**" for w in warnings) + "\n"
+
+
+def write_report(
+    ctx: IterationContext, metrics: Mapping[str, float], links: Mapping[str, str], warnings: list[str] | None = None
+) -> dict[str, Any]:
+    """Commit the report step (metrics.json, samples.md, links.json, curve.png, warnings.json) and return its
+    contents."""
     step = ctx.step(REPORT_STEP)
     if step.is_committed():
-        return {"uri": step.uri, "skipped": True, "metrics": step.read_json("metrics.json")}
+        stored = step.read_json("warnings.json") if "warnings.json" in step.files() else []  # older reports: none
+        return {"uri": step.uri, "skipped": True, "metrics": step.read_json("metrics.json"), "warnings": stored}
     samples = sample_markdown(ctx)
     points = [p for p in history(ctx.layout) if p["iteration"] != ctx.iteration] + [
         {"iteration": ctx.iteration, **metrics}
@@ -227,5 +250,13 @@ def write_report(ctx: IterationContext, metrics: Mapping[str, float], links: Map
     step.write_bytes("samples.md", samples.encode())
     step.write_json("links.json", dict(links))
     step.write_bytes("curve.png", png)
+    step.write_json("warnings.json", list(warnings or []))
     step.commit({"metrics": len(metrics)})
-    return {"uri": step.uri, "skipped": False, "metrics": dict(metrics), "samples": samples, "png": png}
+    return {
+        "uri": step.uri,
+        "skipped": False,
+        "metrics": dict(metrics),
+        "samples": samples,
+        "png": png,
+        "warnings": list(warnings or []),
+    }

@@ -10,9 +10,11 @@ commits its outputs (checkpoint, metrics) as the ``update-<policy>`` step.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shutil
 import tempfile
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -30,7 +32,10 @@ from pettingflow.runs.weights import (
 from pettingflow.steps.batches import batch_file
 from pettingflow.steps.outcome import StepOutcome, already_done
 from pettingflow.storage.fs import join, uri_of
+from pettingflow.storage.layout import OPTIMIZER_STEP_PREFIX
 from pettingflow.training.launch import METRICS_FILE, _rebase_outputs, run_update, spec_from_config
+
+log = logging.getLogger(__name__)
 
 
 def update_step(ctx: IterationContext, config: ExperimentConfig, policy: str, runtime: Any = None) -> StepOutcome:
@@ -39,6 +44,8 @@ def update_step(ctx: IterationContext, config: ExperimentConfig, policy: str, ru
     step = ctx.step(name)
     if done := already_done(step):
         return done
+    if runtime is not None:  # the previous update's snapshot commits first: this one may start from it
+        runtime.wait_snapshots(policy)
     batches = ctx.step("advantages")
     entry = next((f for f in batches.manifest().files if f.name == batch_file(policy)), None)
     if entry is None:
@@ -81,6 +88,11 @@ def update_step(ctx: IterationContext, config: ExperimentConfig, policy: str, ru
                 version=step.uri,
                 num_threads=update_threads(config, servers_released),
             )
+            background = (
+                learner is not None and spec.save_resume_state and (config.training.optimizer_snapshot == "background")
+            )
+            if background:  # written after the commit, off the critical path (snapshot_in_background)
+                spec = spec.model_copy(update={"save_resume_state": False})
             if any(lag > 0 for lag in lags):  # off-policy rows: the sampler's log-probs are the behaviour policy
                 spec = spec.model_copy(
                     update={"algorithm": spec.algorithm.model_copy(update={"use_sampler_logprobs": True})}
@@ -91,7 +103,7 @@ def update_step(ctx: IterationContext, config: ExperimentConfig, policy: str, ru
             else:
                 metrics = run_update(spec, timeout_s=config.training.update_timeout_s)
         metrics["servers_paused"] = servers_released  # (name kept for older reports) paused, asleep or stopped
-        metrics["between_updates"] = config.inference.between_updates
+        metrics["between_updates"] = runtime.between_updates.mode if runtime is not None else "keep"
         metrics["behaviour_logprobs"] = "sampler" if spec.algorithm.use_sampler_logprobs else "recomputed"
         metrics["policy_lag_max"] = max(lags, default=0)
         metrics.update({f"policy_lag/{lag}": n for lag, n in sorted(lags.items())})
@@ -105,12 +117,60 @@ def update_step(ctx: IterationContext, config: ExperimentConfig, policy: str, ru
         step.add_tree(out_dir)
         if local is None:  # name the uploaded files (log, checkpoint), not the temp folder deleted below
             metrics = _rebase_outputs(metrics, str(out_dir), step.uri)
+        if background and not metrics.get("skipped"):
+            metrics["optimizer_snapshot"] = "background"
         meta = {"metrics": _small(metrics), "starts_from": start.source, "skipped": bool(metrics.get("skipped"))}
         manifest = step.commit(meta)
     finally:
         if local is None:
             shutil.rmtree(out_dir, ignore_errors=True)
+    if background and not metrics.get("skipped"):
+        snapshot_in_background(ctx, policy, learner, runtime, step.uri, config.training.update_timeout_s)
     return StepOutcome(name, step.uri, manifest.rows, False, meta)
+
+
+def optimizer_step_name(policy: str) -> str:
+    return f"{OPTIMIZER_STEP_PREFIX}{policy}"
+
+
+def snapshot_in_background(
+    ctx: IterationContext, policy: str, learner: Any, runtime: Any, version: str, timeout_s: float | None
+) -> None:
+    """Write the optimizer snapshot of the update just committed (``version``) in the learner, and commit it as
+    ``optimizer-<policy>`` once every rank is done, from a thread of the runtime: the flow goes on to sync,
+    validate and collect meanwhile. A failure or a crash leaves the step uncommitted, so a resume uses the
+    previous snapshot (and says how old it is); nothing half-written is ever read."""
+    step = ctx.step(optimizer_step_name(policy))
+    if step.is_committed():
+        return
+    step.begin()
+    local = step.local_path
+    out_dir = local if local is not None else Path(tempfile.mkdtemp(prefix="pettingflow-optimizer-"))
+
+    def write_and_commit() -> None:
+        started = time.perf_counter()
+        try:
+            result = learner.save_optimizer(str(out_dir), version, timeout_s=timeout_s)
+            maybe_crash("snapshot:mid")  # kill matrix: every rank wrote its part, nothing committed
+            step.add_tree(out_dir)
+            step.commit(
+                {"policy": policy, "for_update": version, "wall_s": round(time.perf_counter() - started, 3), **result}
+            )
+            log.info(
+                "optimizer snapshot of %s committed at %s (%.1f s, off the critical path)",
+                policy,
+                step.uri,
+                result["save_s"],
+            )
+        except Exception as exc:  # the snapshot is optional: the run goes on with the previous one
+            log.warning(
+                "optimizer snapshot of %s after %s failed, the previous one stays in force: %s", policy, version, exc
+            )
+        finally:
+            if local is None:
+                shutil.rmtree(out_dir, ignore_errors=True)
+
+    runtime.track_snapshot(policy, write_and_commit)
 
 
 def policy_lags(table: Any, start_version: int) -> Counter[int]:

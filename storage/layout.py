@@ -18,6 +18,8 @@ from pettingflow.storage.fs import filesystem, join, uri_of, write_bytes_atomic
 from pettingflow.storage.steps import Step
 
 UPDATE_STEP_PREFIX = "update-"  # + policy name: the step holding that policy's checkpoint
+# + policy name: an optimizer snapshot written after that policy's update, off the critical path
+OPTIMIZER_STEP_PREFIX = "optimizer-"
 _ITER = re.compile(r"^iter-(\d+)$")
 _ATTEMPT = re.compile(r"^attempt-(\d+)$")
 _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -81,11 +83,18 @@ class RunLayout:
 
     def update_steps(self, iteration: int) -> list[str]:
         """Names of the ``update-<policy>`` step folders of ``iteration`` (attempt 0), committed or not, sorted."""
+        return self._steps_named(iteration, UPDATE_STEP_PREFIX)
+
+    def optimizer_steps(self, iteration: int) -> list[str]:
+        """Names of the ``optimizer-<policy>`` snapshot folders of ``iteration`` (attempt 0), sorted."""
+        return self._steps_named(iteration, OPTIMIZER_STEP_PREFIX)
+
+    def _steps_named(self, iteration: int, prefix: str) -> list[str]:
         path = self.iteration_path(iteration)
         if not self.fs.exists(path):
             return []
         names = (entry.rstrip("/").rsplit("/", 1)[-1] for entry in self.fs.ls(path, detail=False))
-        return sorted(n for n in names if n.startswith(UPDATE_STEP_PREFIX))
+        return sorted(n for n in names if n.startswith(prefix))
 
     def next_attempt(self, iteration: int) -> int:
         return max(self.attempts(iteration)) + 1
@@ -101,6 +110,13 @@ class RunLayout:
             raise FileNotFoundError(f"no run {self.run_id!r} under {self.root} (missing {uri_of(self.fs, path)})")
         with self.fs.open(path, "rb") as f:
             return json.loads(f.read())
+
+    def write_run_file(self, name: str, data: bytes) -> str:
+        """A derived file beside ``run.json`` (``summary.md``): rewritten atomically whenever it is remade, never
+        a step's data (those are in committed step folders). Returns its URI."""
+        path = join(self.run_path, name)
+        write_bytes_atomic(self.fs, path, data)
+        return uri_of(self.fs, path)
 
     def write_attempt_info(self, iteration: int, attempt: int, info: dict[str, Any]) -> None:
         """``iter-<k>/attempt-<a>/attempt.json``: the resolved config a re-run ran under and what it changed.

@@ -34,9 +34,15 @@ def report_iteration(
     config = load_run_config(run, iteration, attempt)
     metrics = report.iteration_metrics(outcomes, durations, iteration_s)
     links = {name: o["uri"] for name, o in outcomes.items() if isinstance(o, dict) and "uri" in o}
-    result = report.write_report(ctx, metrics, links)
+    result = report.write_report(ctx, metrics, links, report.iteration_warnings(outcomes))
     metrics = result["metrics"]
     key = artifact_key(run.run_id, f"iter-{iteration}", f"attempt-{attempt}" if attempt else "")
+    if result["warnings"]:  # e.g. no learning signal: first, so the UI shows it above the metrics
+        create_markdown_artifact(
+            key=f"{key}-warnings",
+            markdown=report.warnings_markdown(result["warnings"], f"{run.run_id} {ctx.label}"),
+            description="what to look at before trusting this iteration",
+        )
     create_table_artifact(
         key=f"{key}-metrics", table=report.metrics_table(metrics), description=f"{run.run_id} {ctx.label}: metrics"
     )
@@ -60,3 +66,25 @@ def report_iteration(
         report.log_metrics(ctx.layout, iteration, metrics, config.run.mlflow_tracking_uri)
     get_run_logger().info("iteration %s: %s", ctx.label, {k: v for k, v in metrics.items() if "/success_rate" in k})
     return {"uri": result["uri"], "metrics": metrics}
+
+
+@task(name="summarize_run", cache_policy=NO_CACHE)
+def summarize_run(run: RunRef) -> dict[str, Any]:
+    """What the run did, as its last artifact, in the log and as ``summary.md``/``summary.json`` beside
+    ``run.json``: training reward per iteration, held-out success before -> after with a 95 % interval,
+    tokens, wall time per phase, and any iteration without a learning signal (``analysis.summary``)."""
+    from pettingflow.analysis.summary import summarize_run as summarize
+    from pettingflow.analysis.summary import summary_json, summary_lines, summary_markdown
+
+    layout = run.layout()
+    summary = summarize(layout)
+    markdown = summary_markdown(summary)
+    uri = layout.write_run_file("summary.md", markdown.encode())
+    layout.write_run_file("summary.json", summary_json(summary).encode())
+    create_markdown_artifact(
+        key=artifact_key(run.run_id, "summary"), markdown=markdown, description="what happened in this run"
+    )
+    logger = get_run_logger()
+    for line in summary_lines(summary):
+        logger.info(line)
+    return {"uri": uri, "heldout": summary.heldout.__dict__ if summary.heldout else None}

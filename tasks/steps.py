@@ -65,7 +65,10 @@ def filter_and_group(run: RunRef, iteration: int, attempt: int, from_step: str, 
 def compute_advantages(run: RunRef, iteration: int, attempt: int, from_step: str, upstream: Any = None):
     """Group-relative advantages; one batch file per policy."""
     config = load_run_config(run, iteration, attempt)
-    return finished(batches.advantage_step(context(run, iteration, attempt, from_step), config))
+    outcome = batches.advantage_step(context(run, iteration, attempt, from_step), config)
+    for message in batches.zero_signal_policies(outcome.metrics).values():
+        get_run_logger().warning("iteration %d: %s", iteration, message)
+    return finished(outcome)
 
 
 @task(

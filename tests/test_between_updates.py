@@ -244,3 +244,22 @@ def test_restart_serves_the_new_weights(tmp_path, prefect_env, small_llama) -> N
     starts = [Path(m).resolve() for m in re.findall(r"starting: .* --model (\S+)", log)]
     models = [(layout.step(k, "update-shared").local_path / "model").resolve() for k in range(2)]
     assert starts == [small_llama.resolve(), *models]  # the run's start, then after each update from its weights
+
+
+def test_auto_pauses_a_managed_cpu_server_and_keeps_every_other(monkeypatch) -> None:
+    from pettingflow.inference import server as server_module
+    from pettingflow.runs.between_updates import choose_between_updates
+
+    monkeypatch.setattr(server_module, "detect_device", lambda: "cpu")
+    runtime, server = make_runtime(monkeypatch, "auto")
+    assert runtime.between_updates.mode == "keep"  # until the servers have started
+    runtime.between_updates = runtime._choose_between_updates()
+    assert runtime.between_updates.mode == "pause" and "shares this machine's cores" in runtime.between_updates.reason
+    server.managed = False  # an attached server (inference.url) is not ours to pause
+    assert runtime._choose_between_updates().mode == "keep"
+    choose = choose_between_updates
+    assert choose("auto", managed=True, device="cuda", async_rollouts=False).mode == "keep"
+    assert choose("auto", managed=True, device="cpu", async_rollouts=True).mode == "keep"
+    assert choose("restart", managed=False, device="cuda", async_rollouts=False).mode == "restart"  # as configured
+    config = load_config("code-env", ["rollout.async_rollouts=true"])  # auto is allowed beside async rollouts
+    assert config.inference.between_updates == "auto"

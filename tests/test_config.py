@@ -29,8 +29,11 @@ def test_shipped_configs_validate(name: str) -> None:
 def test_code_env_defaults() -> None:
     config = load_config("code-env")
     assert [a.name for a in config.agents] == ["code_generator", "test_generator"]
-    assert config.env.group_size == 2
     assert config.agents_of("shared") == config.agents
+    # the default run: a task set SmolLM2 partly solves, groups of 4, whole held-out split before and after
+    assert (config.env.dataset.source, config.env.group_size, config.env.max_turns) == ("basic-python", 4, 3)
+    assert (config.validation.schedule, config.validation.num_tasks) == ("end", 30)
+    assert config.inference.between_updates == "auto" and config.training.optimizer_snapshot == "background"
 
 
 def test_override_sets_nested_value_and_list_item_by_name_or_index() -> None:
@@ -130,11 +133,11 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_cli_config_show_prints_resolved_yaml() -> None:
-    out = _cli("config", "show", "code-env", "env.group_size=4")
+    out = _cli("config", "show", "code-env", "env.group_size=6")
     assert out.returncode == 0, out.stderr
     shown = yaml.safe_load(out.stdout)
-    assert shown["env"]["group_size"] == 4
-    assert shown["algorithm"]["filter_method"] == "none"
+    assert shown["env"]["group_size"] == 6
+    assert shown["algorithm"]["filter_method"] == "dapo"
 
 
 def test_cli_config_show_invalid_exits_nonzero_naming_key() -> None:

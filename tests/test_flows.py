@@ -60,7 +60,15 @@ def overrides(root: Path, model: Path, url: str, *extra: str) -> list[str]:
         f"inference.url={url}",
         "rollout.use_ray=false",
         "env.tasks_per_iteration=2",
+        # smaller than the default run (basic-python, G=4, 3 turns, dapo, validation only after the last iteration)
+        "env.group_size=2",
+        "env.max_turns=2",
+        "algorithm.filter_method=none",
+        "training.lr=1e-5",
+        "validation.schedule=periodic",
         "validation.num_tasks=2",
+        "validation.samples_per_task=1",
+        "validation.temperature=0",
         "training.zero_stage=0",
         *extra,
     ]
@@ -133,6 +141,21 @@ def test_train_two_iterations_then_resume_then_rerun(tmp_path, prefect_env, tiny
     assert 0.0 <= metrics["orchestration/outside_step_tasks_share"] < 1.0
     assert metrics["duration/iteration_before_report_s"] >= metrics["duration/update-shared_s"]
     assert (tmp_path / "runs" / run_id / "tensorboard").is_dir()
+    # the run's summary (make run's last lines, the last artifact): held-out before -> after with an interval
+    summary = (tmp_path / "runs" / run_id / "summary.md").read_text()
+    assert "held-out success of code_generator (2 tasks, 2 episodes)" in summary and "95 % CI" in summary
+    assert "iter 0:" in summary and "iter 1:" in summary and "tokens generated in training" in summary
+    # the last update's optimizer snapshot was written after its commit, off the critical path, and resume finds it
+    assert upd[1]["optimizer_snapshot"] == "background" and not upd[1]["optimizer_saved"]
+    assert not any(f.name.startswith("deepspeed/") for f in layout.step(1, "update-shared").manifest().files)
+    snapshot = layout.step(1, "optimizer-shared")
+    assert snapshot.is_committed() and any(f.name.startswith("deepspeed/") for f in snapshot.manifest().files)
+    from pettingflow.runs.run import RunRef, load_run_config
+    from pettingflow.runs.weights import weights_before
+
+    cfg = load_run_config(RunRef(root=str(tmp_path), run_id=run_id))
+    start = weights_before(layout, cfg, "shared", 2)
+    assert start.deepspeed_dir.endswith("iter-1/optimizer-shared/deepspeed") and start.optimizer_age == 0
 
     # resume: the same run again skips every committed step and adds no rows
     again = train("code-env", overrides(tmp_path, tiny_model, scripted.url), run_id=run_id, return_state=True)

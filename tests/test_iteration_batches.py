@@ -59,7 +59,7 @@ def test_dapo_filter_drops_uniform_groups_and_grpo_advantages(layout: RunLayout)
 
 
 def test_steps_are_skipped_once_committed(layout: RunLayout) -> None:
-    config = load_config("code-env")
+    config = load_config("code-env", ["algorithm.filter_method=none"])
     ctx = IterationContext(layout, 0)
     first = filter_step(ctx, config)
     again = filter_step(ctx, config)
@@ -96,7 +96,7 @@ def test_batch_per_policy_holds_only_that_policys_rows(tmp_path: Path) -> None:
 
 def test_rerun_attempt_reads_original_rollouts_and_writes_its_own_folder(layout: RunLayout) -> None:
     ctx0 = IterationContext(layout, 0)
-    filter_step(ctx0, load_config("code-env"))
+    filter_step(ctx0, load_config("code-env", ["algorithm.filter_method=none"]))
     ctx1 = IterationContext(layout, 0, attempt=1, from_step="filtered")
     assert ctx1.step("rollouts").path == ctx0.step("rollouts").path
     assert ctx1.step("filtered").path.endswith("iter-0/attempt-1/filtered")
@@ -186,3 +186,38 @@ def test_a_team_weight_without_team_rewards_is_refused(layout: RunLayout) -> Non
     config = load_config("code-env", ["algorithm.team_reward_weight=1.0"])
     with pytest.raises(ValueError, match=r"no row reports a team reward .* set algorithm.team_reward_weight=0"):
         filter_step(IterationContext(layout, 0), config)
+
+
+def test_a_batch_without_signal_is_flagged_in_the_metrics_report_and_warnings(tmp_path: Path) -> None:
+    """Every reward 0 (SmolLM2 on HumanEval): the dapo filter keeps nothing and no advantage is non-zero. The
+    advantages step says so, with the cause, and the report metrics and warnings carry it."""
+    from pettingflow.steps.report import iteration_metrics, iteration_warnings
+
+    layout = RunLayout(str(tmp_path), "run-zero")
+    rows = [
+        trajectory_row(uid=f"u{i // 2}", policy_name="shared", reward=0.0, sample_idx=i % 2, rollout_idx=i)
+        for i in range(4)
+    ]
+    write_trajectories(layout.step(0, "rollouts"), rows)
+    config = load_config("code-env", ["algorithm.filter_method=dapo"])
+    ctx = IterationContext(layout, 0)
+    outcomes = {"filtered": vars(filter_step(ctx, config)), "advantages": vars(advantage_step(ctx, config))}
+    shared = outcomes["advantages"]["metrics"]["policies"]["shared"]
+    assert shared["zero_signal"] and (shared["groups"], shared["groups_varied"]) == (2, 0)
+    assert "every reward of its 2 groups was 0" in shared["signal_message"]
+    assert "the filter (dapo) kept none of its 4 rows" in shared["signal_message"]
+    metrics = iteration_metrics(outcomes, {})
+    assert metrics["signal/shared/zero_signal"] == 1.0 and metrics["signal/shared/nonzero_advantage_rows"] == 0.0
+    assert iteration_warnings(outcomes) == [shared["signal_message"]]
+
+
+def test_a_batch_with_signal_is_not_flagged(layout: RunLayout) -> None:
+    from pettingflow.steps.report import iteration_metrics, iteration_warnings
+
+    config = load_config("code-env", ["algorithm.filter_method=none"])
+    ctx = IterationContext(layout, 0)
+    outcomes = {"filtered": vars(filter_step(ctx, config)), "advantages": vars(advantage_step(ctx, config))}
+    shared = outcomes["advantages"]["metrics"]["policies"]["shared"]
+    assert "zero_signal" not in shared and (shared["groups"], shared["groups_varied"]) == (3, 2)
+    assert iteration_metrics(outcomes, {})["signal/shared/zero_signal"] == 0.0
+    assert iteration_warnings(outcomes) == []

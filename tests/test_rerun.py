@@ -41,10 +41,10 @@ def test_overrides_of_algorithm_training_validation_are_applied_and_diffed(store
     config, changes = rerun_config(stored_run, overrides, "filtered")
     assert (config.algorithm.filter_method, config.algorithm.filter_ratio, config.training.lr) == ("std", 0.5, 1e-6)
     assert changes == [
-        {"key": "algorithm.filter_method", "old": "none", "new": "std"},
+        {"key": "algorithm.filter_method", "old": "dapo", "new": "std"},
         {"key": "algorithm.filter_ratio", "old": 0.0, "new": 0.5},
-        {"key": "training.lr", "old": 1e-5, "new": 1e-6},
-        {"key": "validation.num_tasks", "old": 2, "new": 3},
+        {"key": "training.lr", "old": 2e-5, "new": 1e-6},
+        {"key": "validation.num_tasks", "old": 30, "new": 3},
     ]
     assert rerun_config(stored_run, [], "update")[1] == []  # no overrides: the run's own config
 
@@ -95,11 +95,11 @@ def test_an_attempt_reads_its_own_stored_config_and_runs_show_prints_the_diff(st
     layout.write_attempt_info(0, 1, {"from_step": "filtered", "config_changes": changes, "config": config.model_dump()})
     assert layout.attempts(0) == [0, 1] and layout.next_attempt(0) == 2  # attempt.json reserves the number
     assert load_run_config(stored_run, 0, 1).training.lr == 1e-6
-    assert load_run_config(stored_run, 0, 0).training.lr == 1e-5  # the original attempt: run.json
-    assert load_run_config(stored_run).training.lr == 1e-5
+    assert load_run_config(stored_run, 0, 0).training.lr == 2e-5  # the original attempt: run.json
+    assert load_run_config(stored_run).training.lr == 2e-5
     console = Console(record=True, width=200)
     show_run(layout, console)
-    assert "attempt 1 (from filtered, no report): training.lr: 1e-05 -> 1e-06" in console.export_text()
+    assert "attempt 1 (from filtered, no report): training.lr: 2e-05 -> 1e-06" in console.export_text()
 
 
 def test_a_run_stored_before_a_setting_existed_still_resumes(tmp_path) -> None:
@@ -155,3 +155,13 @@ def test_cli_rerun_refuses_an_env_override_before_starting_anything(stored_run) 
     assert result.exit_code == 2, result.output
     assert "env.group_size" in result.output and "start a new run" in result.output
     assert stored_run.layout().attempts(0) == [0]  # nothing was written
+
+
+def test_validation_is_periodic_or_only_after_the_last_iteration() -> None:
+    from pettingflow.flows.iteration import validation_due
+
+    assert [k for k in range(5) if validation_due(2, k, 5)] == [0, 2, 4]
+    assert [k for k in range(6) if validation_due(4, k, 6)] == [0, 4, 5]  # and the last one
+    assert [k for k in range(5) if validation_due(1, k, 5, "end")] == [4]
+    assert not any(validation_due(0, k, 5, "end") for k in range(5))  # frequency 0: never
+    assert load_config("code-env").validation.schedule == "end"  # the default run: base weights -> last weights

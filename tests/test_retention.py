@@ -95,3 +95,22 @@ def test_cli_dry_run_then_delete(setup, tmp_path: Path) -> None:  # noqa: F811
     assert again.exit_code == 0 and "nothing to prune" in again.output
     missing = runner.invoke(app, ["runs", "prune", "no-such-run", *root])
     assert missing.exit_code == 2 and "no run 'no-such-run'" in missing.output
+
+
+def test_background_snapshots_are_pruned_with_their_update(setup) -> None:  # noqa: F811
+    """``training.optimizer_snapshot: background`` stores a snapshot in ``optimizer-<policy>``, beside its update:
+    pruning that iteration removes it too, and a prune never leaves the newest one behind by mistake."""
+    layout, config, _ = setup
+    for k in range(3):
+        commit_update(layout, k, snapshot=False)
+        snapshot = layout.step(k, "optimizer-shared")
+        snapshot.begin()
+        snapshot.write_bytes("deepspeed/latest", b"global_step%d" % k)
+        snapshot.commit({"policy": "shared"})
+    targets = plan_prune(layout, keep_last=1, optimizer_only=True)
+    assert [(t.iteration, t.step.name) for t in targets] == [(0, "optimizer-shared"), (1, "optimizer-shared")]
+    prune(targets, optimizer_only=True)
+    assert weights_before(layout, config, "shared", 2).deepspeed_dir is None  # update 1's snapshot is gone
+    assert weights_before(layout, config, "shared", 3).deepspeed_dir.endswith("iter-2/optimizer-shared/deepspeed")
+    full = plan_prune(layout, keep_last=1)
+    assert [(t.iteration, t.step.name) for t in full] == [(0, "update-shared"), (1, "update-shared")]

@@ -116,3 +116,54 @@ def test_weights_on_s3_are_downloaded_verified_and_cached(setup, s3_server, tmp_
     step.commit()
     assert (local_copy(step) / "model" / "model.safetensors").read_bytes() == b"w0-again"
     assert not (local_copy(step) / "deepspeed").exists()
+
+
+class _FakeLearner:
+    """The surface ``snapshot_in_background`` uses: each rank writes its files, or the save fails."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.fail = fail
+        self.calls: list[tuple[str, str]] = []
+
+    def save_optimizer(self, out_dir: str, version: str, timeout_s: float | None = None) -> dict:
+        self.calls.append((out_dir, version))
+        Path(out_dir, "deepspeed").mkdir(parents=True, exist_ok=True)
+        Path(out_dir, "deepspeed", "latest").write_text("global_step9")
+        if self.fail:
+            raise RuntimeError("rank 1 died")
+        return {"save_s": 0.1, "global_steps": 9}
+
+
+class _Runtime:
+    """``Runtime.track_snapshot``/``wait_snapshots`` without servers: the thread runs for real."""
+
+    def __init__(self) -> None:
+        from pettingflow.runs.runtime import Runtime
+
+        self.snapshots: dict = {}
+        self.track_snapshot = Runtime.track_snapshot.__get__(self)
+        self.wait_snapshots = Runtime.wait_snapshots.__get__(self)
+
+
+def test_a_background_snapshot_is_found_once_committed_and_never_half_written(setup) -> None:
+    from pettingflow.runs.context import IterationContext
+    from pettingflow.steps.updates import snapshot_in_background
+
+    layout, config, _ = setup
+    u0 = commit_update(layout, 0, snapshot=False)
+    runtime = _Runtime()
+    failing = _FakeLearner(fail=True)
+    snapshot_in_background(IterationContext(layout, 0), "shared", failing, runtime, u0, None)
+    runtime.wait_snapshots()
+    assert failing.calls == [(layout.step(0, "optimizer-shared").path, u0)]
+    # the save failed after writing files: nothing committed, the files are not a snapshot
+    assert not layout.step(0, "optimizer-shared").is_committed()
+    assert weights_before(layout, config, "shared", 1).deepspeed_dir is None
+    snapshot_in_background(IterationContext(layout, 0), "shared", _FakeLearner(), runtime, u0, None)
+    runtime.wait_snapshots()
+    step = layout.step(0, "optimizer-shared")
+    assert step.is_committed() and step.manifest().metadata["for_update"] == u0
+    start = weights_before(layout, config, "shared", 1)
+    assert start.deepspeed_dir.endswith("iter-0/optimizer-shared/deepspeed") and start.optimizer_age == 0
+    commit_update(layout, 1, snapshot=False)
+    assert weights_before(layout, config, "shared", 2).optimizer_age == 1  # one update newer than the snapshot

@@ -105,6 +105,10 @@ class LearnerRank:
             self.worker.release()  # half-trained state must never pass for committed weights
             raise
 
+    def save_optimizer(self, out_dir: str, version: str) -> dict[str, Any]:
+        """This rank's part of the optimizer snapshot of ``version`` (``UpdateWorker.save_optimizer_snapshot``)."""
+        return self.worker.save_optimizer_snapshot(out_dir, version)
+
     def push_weights(self, url: str, backend: str, host: str) -> dict[str, Any]:
         """Broadcast the weights this rank holds into the vLLM server's workers (rank 0 only, full weights).
 
@@ -347,6 +351,23 @@ class Learner:
                     str(self.log_paths()[0]),
                 )
         return ray.get(refs)
+
+    def save_optimizer(self, out_dir: str, version: str, timeout_s: float | None = None) -> dict[str, Any]:
+        """Every rank writes its part of the optimizer snapshot of the weights named ``version`` into ``out_dir``
+        (a folder on this machine; rank 0's metrics are returned). Ray runs an actor's calls one at a time, so an
+        update asked for meanwhile starts after the snapshot: the state saved is always the one of ``version``.
+        Called from a background thread (``steps.updates.snapshot_in_background``)."""
+        refs = [a.save_optimizer.remote(out_dir, version) for a in self.actors]
+        try:
+            return self._wait(refs, timeout_s)[0]
+        except UpdateError:
+            raise
+        except Exception as exc:
+            raise UpdateError(
+                f"optimizer snapshot of policy {self.policy!r} failed in the resident learner: {_short(exc)}",
+                None,
+                str(self.log_paths()[0]),
+            ) from exc
 
     def push_weights(self, url: str, backend: str, host: str = "127.0.0.1") -> dict[str, Any]:
         """Broadcast rank 0's weights into the server at ``url`` (see ``LearnerRank.push_weights``)."""

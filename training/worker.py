@@ -488,13 +488,8 @@ class UpdateWorker:
         spec, engine = self.spec, self.engine
         t0 = time.perf_counter()
         ds_dir = self.out / DEEPSPEED_SUBDIR
-        client_state = {
-            "policy": spec.policy,
-            "specialization": spec.specialization.value,
-            "agents": list(spec.agents),
-        }
         if spec.save_resume_state:
-            engine.save_checkpoint(str(ds_dir), client_state=client_state, exclude_frozen_parameters=spec.uses_lora)
+            self._save_deepspeed(ds_dir)
         if spec.training.zero_stage == 3:
             state = engine._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters=spec.uses_lora)
         else:
@@ -519,6 +514,30 @@ class UpdateWorker:
         self.timings["save_s"] = time.perf_counter() - t0
         self.metrics["outputs"] = outputs
         self.metrics["optimizer_saved"] = spec.save_resume_state
+
+    def _save_deepspeed(self, ds_dir: Path) -> None:
+        """The optimizer snapshot (DeepSpeed checkpoint: fp32 weights, Adam moments, step count); every rank
+        takes part (ZeRO shards are saved per rank)."""
+        spec = self.spec
+        client_state = {"policy": spec.policy, "specialization": spec.specialization.value, "agents": list(spec.agents)}
+        self.engine.save_checkpoint(str(ds_dir), client_state=client_state, exclude_frozen_parameters=spec.uses_lora)
+
+    def save_optimizer_snapshot(self, out_dir: str, version: str) -> dict[str, Any]:
+        """Write the snapshot of the state the last update left into ``out_dir``/deepspeed, after that update
+        returned (``training.optimizer_snapshot: background``): the flow commits it as ``optimizer-<policy>`` while
+        it syncs, validates and collects the next rollouts. Refused when the engine no longer holds the weights
+        of ``version`` (a failed update released it, or a later one changed it): a snapshot must match its update.
+        """
+        import torch.distributed as dist
+
+        if self.engine is None or self.version != version:
+            raise RuntimeError(
+                f"no optimizer snapshot for {version}: this rank holds {self.version or 'no committed weights'}"
+            )
+        t0 = time.perf_counter()
+        self._save_deepspeed(Path(out_dir) / DEEPSPEED_SUBDIR)
+        dist.barrier()
+        return {"save_s": round(time.perf_counter() - t0, 3), "global_steps": int(self.engine.global_steps)}
 
     def release(self) -> None:
         """Drop the model, engine and optimizer (the process group stays)."""
