@@ -222,6 +222,9 @@ def test_restart_serves_the_new_weights(tmp_path, prefect_env, small_llama) -> N
         f"policies.0.model={small_llama}",
         "rollout.use_ray=false",
         "env.tasks_per_iteration=2",
+        "env.group_size=2",  # smaller than the default run (G=4, 3 turns, dapo)
+        "env.max_turns=2",
+        "algorithm.filter_method=none",
         "validation.frequency=0",
         "inference.kv_cache_gib=1",
         "inference.between_updates=restart",

@@ -78,7 +78,11 @@ def run_overrides(root: Path, vllm_server, model_dir: Path) -> list[str]:
         "env.token_budget=256",
         "agents.code_generator.sampling.max_tokens=128",
         "agents.test_generator.sampling.max_tokens=96",
+        "algorithm.filter_method=none",
+        "validation.schedule=periodic",
         "validation.num_tasks=1",
+        "validation.samples_per_task=1",
+        "validation.temperature=0",
         "training.max_seq_len=1024",
         "rollout.ray_num_cpus=2",
     ]

@@ -28,6 +28,7 @@ DEPLOYMENTS = {
         {"code_generator"},  # the test agent acts only after a failed draft
         [
             "env.max_turns=2",
+            "validation.samples_per_task=1",
             "env.token_budget=256",
             "agents.code_generator.sampling.max_tokens=96",
             "agents.test_generator.sampling.max_tokens=64",

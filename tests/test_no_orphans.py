@@ -99,7 +99,8 @@ def test_rollout_command_leaves_no_process_behind(tmp_path: Path, sig: signal.Si
     }
     cli = Path(sys.executable).with_name("pettingflow")
     argv = [str(cli), "rollout", "code-env", "--out", str(tmp_path / "runs"), f"policies.shared.model={model}",
-            "rollout.use_ray=false", "inference.startup_timeout_s=300"]  # fmt: skip
+            "rollout.use_ray=false", "inference.startup_timeout_s=300",
+            "env.tasks_per_iteration=2", "env.group_size=2", "env.max_turns=2"]  # fmt: skip
     command = subprocess.Popen(argv, env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     snapshot: list[psutil.Process] = []
     try:
@@ -186,6 +187,7 @@ def test_flow_process_sigkilled_mid_update_leaves_no_process(tmp_path, tiny_mode
     argv = [sys.executable, str(REPO / "flows" / "train.py"), "code-env", f"run.storage_root={tmp_path / 'runs'}",
             "run.iterations=1", f"policies.0.model={tiny_model}", f"inference.url={scripted.url}",
             "rollout.use_ray=true", "rollout.ray_num_cpus=2", "env.tasks_per_iteration=2", "validation.frequency=0",
+            "env.group_size=2", "env.max_turns=2", "algorithm.filter_method=none",
             "training.zero_stage=0", "training.learner=resident"]  # fmt: skip
     log = tmp_path / "flow.log"
     with open(log, "w") as out:

@@ -46,7 +46,7 @@ def test_servers_are_stopped_during_the_update_and_serve_after_it(vllm_server) -
     assert all(p.status() != psutil.STATUS_STOPPED for p in procs)
     assert vllm_server.health() and complete(vllm_server.url) == before  # greedy: same answer after the pause
 
-    keep = Runtime(load_config("code-env", []), "keep-test")  # the default keeps the server running
+    keep = Runtime(load_config("code-env", ["inference.between_updates=keep"]), "keep-test")
     keep.servers = {"shared": vllm_server}
     with keep.servers_released() as paused:
         assert not paused and all(p.status() != psutil.STATUS_STOPPED for p in procs)

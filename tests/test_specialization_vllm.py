@@ -30,6 +30,9 @@ def base_args(root: Path, model: Path, *extra: str) -> list[str]:
         f"policies.0.model={model}",
         "rollout.use_ray=false",
         "env.tasks_per_iteration=2",
+        "env.group_size=2",  # smaller than the default run (G=4, 3 turns, dapo)
+        "env.max_turns=2",
+        "algorithm.filter_method=none",
         "validation.frequency=0",
         "inference.kv_cache_gib=1",
         "agents.0.sampling.max_tokens=32",
