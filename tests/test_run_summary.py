@@ -1,0 +1,45 @@
+"""The run summary (``make run``'s last lines, the run's last artifact): honest about what a short run shows."""
+
+from __future__ import annotations
+
+from pettingflow.analysis.summary import HeldOut, IterationLine, RunSummary, summary_lines, summary_markdown, verdict
+
+
+def _summary(ci: tuple[float, float], zero: list[str] | None = None) -> RunSummary:
+    lines = [
+        IterationLine(0, {"code_generator": 0.3, "test_generator": 0.1}, {"code_generator": 0.25}, 3000, 96),
+        IterationLine(1, {"code_generator": 0.5, "test_generator": 0.2}, {"code_generator": 0.5}, 2900, 0, zero or []),
+    ]
+    held = HeldOut("code_generator", 0.3, 0.45, 1, 0.15, ci, 30, 60)
+    warnings = ["iteration 1: no learning signal for policy 'shared': ..."] if zero else []
+    phases = {"rollouts": 200.0, "update": 100.0, "validation": 60.0, "other": 5.0}
+    return RunSummary("run-x", lines, held, None, 5900, phases, 365.0, warnings)
+
+
+def test_an_interval_above_zero_says_it_rose_and_one_across_zero_says_a_short_run_cannot_tell():
+    assert verdict(_summary((0.05, 0.25)).heldout).startswith("held-out success rose")
+    assert verdict(_summary((-0.2, -0.01)).heldout).startswith("held-out success fell")
+    assert "cannot tell" in verdict(_summary((-0.05, 0.3)).heldout)
+
+
+def test_the_lines_carry_rewards_per_iteration_heldout_tokens_and_phases():
+    text = "\n".join(summary_lines(_summary((0.05, 0.25))))
+    assert "iter 0: code_generator 0.300 (25%)  test_generator 0.100" in text and "rows trained 96" in text
+    assert "30.0% before -> 45.0% after iteration 1, change +15.0 pts (95 % CI [+5.0, +25.0])" in text
+    assert "tokens generated in training: 5,900" in text
+    assert "rollouts 200 s" in text and "update 100 s" in text and "weight sync" not in text  # 0 s phases left out
+    assert "NO LEARNING SIGNAL" not in text and "warning" not in text
+
+
+def test_an_iteration_without_signal_is_marked_and_warned_about():
+    summary = _summary((0.05, 0.25), zero=["shared"])
+    text = "\n".join(summary_lines(summary))
+    assert "iter 1: " in text and "NO LEARNING SIGNAL (shared)" in text
+    assert text.rstrip().endswith("iteration 1: no learning signal for policy 'shared': ...")
+    assert summary_markdown(summary).startswith("# Run summary: run-x")
+
+
+def test_a_run_without_baseline_says_why_there_is_no_heldout_change():
+    summary = _summary((0.0, 0.0))
+    summary.heldout, summary.heldout_missing = None, "no baseline (validation.at_start is off)"
+    assert "held-out success: not measured (no baseline (validation.at_start is off))" in summary_lines(summary)[4]
