@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from pettingflow.configs.settings import ExperimentConfig
-from pettingflow.faults import crash_soon, maybe_crash
+from pettingflow.faults import armed, crash_soon, maybe_crash
 from pettingflow.runs.context import IterationContext
 from pettingflow.runs.weights import (
     PolicyWeights,
@@ -126,6 +126,8 @@ def update_step(ctx: IterationContext, config: ExperimentConfig, policy: str, ru
             shutil.rmtree(out_dir, ignore_errors=True)
     if background and not metrics.get("skipped"):
         snapshot_in_background(ctx, policy, learner, runtime, step.uri, config.training.update_timeout_s)
+        if armed("snapshot:mid"):  # kill matrix: the crash must land while the snapshot is the only work in flight
+            runtime.wait_snapshots(policy)
     return StepOutcome(name, step.uri, manifest.rows, False, meta)
 
 
