@@ -63,7 +63,10 @@ def train(config: str = "code-env", overrides: list[str] | None = None, run_id: 
             if budget is not None and (spent := generated_tokens(ref.layout())) >= budget:
                 logger.info("generation budget reached: %d of %d tokens after iteration %d", spent, budget, k)
                 break
-    summarize_run(ref)
+    # the training is committed by now: a summary that cannot be made is a warning, not a failed run
+    summary = summarize_run(ref, return_state=True)
+    if not summary.is_completed():
+        logger.warning("no run summary (%s): `pettingflow runs summary %s` makes it again", summary.message, ref.run_id)
     logger.info("run %s finished: %s", ref.run_id, ref.layout().run_uri)
     return {"run_id": ref.run_id, "uri": ref.layout().run_uri, "iterations": results}
 
