@@ -177,7 +177,7 @@ def summary_lines(summary: RunSummary) -> list[str]:
     out = [f"what happened in run {summary.run_id}:"]
     if not summary.iterations:
         return [*out, "  no iteration has a committed report yet"]
-    out.append("  training reward per iteration (mean of each agent's last turn per episode; success rate in brackets):")
+    out.append("  training reward per iteration (each agent's last turn per episode: mean, success rate):")
     for line in summary.iterations:
         agents = "  ".join(
             f"{a} {r:.3f} ({line.success.get(a, float('nan')):.0%})" for a, r in sorted(line.rewards.items())
