@@ -65,8 +65,9 @@ set -e
 kill "$TAIL_PID" 2>/dev/null || true
 grep -E "UUID|URL|Flow run finished" "$LOG_DIR/last-run.log" || true
 FLOW_RUN_ID=$(grep -oE 'UUID: [0-9a-f-]{36}' "$LOG_DIR/last-run.log" | head -1 | cut -d' ' -f2 || true)
+[ "$rc" -eq 0 ] && say "the Prefect server and worker keep running for the UI; stop them with: make stop"
+# where everything is, then what happened (training reward per iteration, held-out before -> after): the last lines
 .venv/bin/pettingflow runs summary --flow-run "${FLOW_RUN_ID:-}" --ui "$UI" || true
 if [ "$rc" -ne 0 ]; then
   die "the flow run did not complete (exit $rc); worker log: $LOG_DIR/worker.log; stop everything with: make stop"
 fi
-say "the Prefect server and worker keep running for the UI; stop them with: make stop"
