@@ -17,7 +17,7 @@ from rich.table import Table
 
 from pettingflow.runs.context import BASELINE_STEP, STEP_ORDER
 from pettingflow.runs.run import format_change
-from pettingflow.steps.report import REPORT_STEP
+from pettingflow.steps.report import REPORT_STEP, stored_warnings
 from pettingflow.storage import RunLayout, list_runs, read_step_trajectories
 
 
@@ -95,7 +95,7 @@ def show_run(layout: RunLayout, console: Console) -> None:
             metrics = report.read_json("metrics.json")
             for key in [m for m in sorted(metrics) if _headline(m)]:
                 console.print(f"  {key:<48} {metrics[key]:.4f}")
-            for warning in report.read_json("warnings.json") if "warnings.json" in report.files() else []:
+            for warning in stored_warnings(report):
                 console.print(f"  [bold red]warning:[/bold red] {warning}", highlight=False)
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pettingflow.runs.context import BASELINE_STEP
-from pettingflow.steps.report import REPORT_STEP, history
+from pettingflow.steps.report import REPORT_STEP, history, stored_warnings
 from pettingflow.storage import RunLayout, read_step_trajectories
 
 # report duration keys -> the phase they count in
@@ -92,9 +92,7 @@ def summarize_run(layout: RunLayout) -> RunSummary:
                 zero,
             )
         )
-        step = layout.step(k, REPORT_STEP)
-        if "warnings.json" in step.files():
-            warnings += [f"iteration {k}: {w}" for w in step.read_json("warnings.json")]
+        warnings += [f"iteration {k}: {w}" for w in stored_warnings(layout.step(k, REPORT_STEP))]
         timed = 0.0
         for key, seconds in report.items():
             if not key.startswith("duration/") or key == "duration/iteration_before_report_s":

@@ -226,6 +226,11 @@ def iteration_warnings(outcomes: Mapping[str, Any]) -> list[str]:
     return list(zero_signal_policies(advantages).values())
 
 
+def stored_warnings(step: Any) -> list[str]:
+    """A committed report's warnings (``warnings.json``); none for reports written before it existed."""
+    return step.read_json("warnings.json") if "warnings.json" in step.files() else []
+
+
 def warnings_markdown(warnings: list[str], label: str) -> str:
     return f"# Warnings, {label}\n\n" + "\n".join(f"- **{w}**" for w in warnings) + "\n"
 
@@ -237,8 +242,8 @@ def write_report(
     contents."""
     step = ctx.step(REPORT_STEP)
     if step.is_committed():
-        stored = step.read_json("warnings.json") if "warnings.json" in step.files() else []  # older reports: none
-        return {"uri": step.uri, "skipped": True, "metrics": step.read_json("metrics.json"), "warnings": stored}
+        metrics = step.read_json("metrics.json")
+        return {"uri": step.uri, "skipped": True, "metrics": metrics, "warnings": stored_warnings(step)}
     samples = sample_markdown(ctx)
     points = [p for p in history(ctx.layout) if p["iteration"] != ctx.iteration] + [
         {"iteration": ctx.iteration, **metrics}
