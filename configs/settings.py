@@ -9,6 +9,7 @@ them.
 
 from __future__ import annotations
 
+import math
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
@@ -270,13 +271,43 @@ class TrainingSettings(_Strict):
         "AVX-512/AMX bf16 kernels), else fp32: on an AVX2-only CPU a bf16 backward pass was measured ~20x slower "
         "than fp32 (docs/training.md). The served weights are bf16 either way (vLLM casts on load).",
     )
-    micro_batch_size: int = Field(2, ge=1)
+    micro_batch_size: int = Field(
+        2, ge=1, description="Rows per forward/backward pass on one rank (a memory knob: it never changes the result)."
+    )
+    mini_batch_size: int | None = Field(
+        None,
+        ge=1,
+        description="Rows per optimizer step, over all ranks (verl's ppo_mini_batch_size). Each rank takes its share "
+        "of every mini-batch in micro-batches of micro_batch_size rows, and the loss is normalised over the whole "
+        "mini-batch, so 1, 2 or N ranks make the same optimizer steps on the same rows (docs/training.md, 'World "
+        "size'). None: micro_batch_size x gradient_accumulation_steps.",
+    )
     share_prompts: bool = Field(
         True,
         description="Rows of a micro-batch with an identical prompt (a GRPO group's samples) run the prompt once "
         "and their responses on its KV cache: same log-probs and gradients, fewer tokens (docs/training.md).",
     )
-    gradient_accumulation_steps: int = Field(1, ge=1)
+    gradient_accumulation_steps: int = Field(
+        1,
+        ge=1,
+        description="Only sets the default mini_batch_size (micro_batch_size x this); the accumulation steps of each "
+        "rank are derived from mini_batch_size, micro_batch_size and the number of ranks.",
+    )
+    gradient_checkpointing: bool = Field(
+        False,
+        description="Recompute each decoder layer's activations in the backward pass instead of keeping them: "
+        "activation memory drops to about one layer's, at the cost of one more forward (docs/benchmarks.md, memory).",
+    )
+    offload_optimizer: bool = Field(
+        False,
+        description="ZeRO 1-3: keep the fp32 master weights and Adam moments in host memory and step there "
+        "(DeepSpeed ZeRO-Offload). On a GPU this frees ~12 bytes per parameter of device memory; on a CPU-only "
+        "machine everything is host memory already, so it saves nothing there.",
+    )
+    offload_params: bool = Field(
+        False,
+        description="ZeRO-3 only: keep the parameter shards in host memory, gathered onto the device per layer.",
+    )
     lr: float = Field(1e-5, gt=0.0)
     weight_decay: float = Field(0.0, ge=0.0)
     epochs: int = Field(1, ge=1, description="PPO epochs over each iteration's batch.")
@@ -324,6 +355,29 @@ class TrainingSettings(_Strict):
         "(libtcmalloc-minimal4), else the system's; tcmalloc: required; system: glibc. A micro-batch's forward + "
         "backward took 0.82-0.89x the time with tcmalloc on a 2-core CPU (pettingflow/allocator.py).",
     )
+
+    @model_validator(mode="after")
+    def _check_batching_and_offload(self) -> TrainingSettings:
+        if self.mini_batch_size is not None and self.gradient_accumulation_steps != 1:
+            raise ValueError(
+                "set training.mini_batch_size (rows per optimizer step over all ranks) or "
+                "training.gradient_accumulation_steps, not both"
+            )
+        if self.offload_optimizer and self.zero_stage == 0:
+            raise ValueError("training.offload_optimizer needs ZeRO: set training.zero_stage to 1, 2 or 3")
+        if self.offload_params and self.zero_stage != 3:
+            raise ValueError("training.offload_params needs ZeRO-3: set training.zero_stage=3")
+        return self
+
+    @property
+    def rows_per_step(self) -> int:
+        """Rows per optimizer step over all ranks (``mini_batch_size``, or its default)."""
+        return self.mini_batch_size or self.micro_batch_size * self.gradient_accumulation_steps
+
+    def micro_steps(self, world_size: int) -> int:
+        """Forward/backward passes per optimizer step on each rank: the largest share of a mini-batch a rank
+        gets, in micro-batches. Ranks with less run zero-loss fillers so every rank steps together."""
+        return math.ceil(math.ceil(self.rows_per_step / world_size) / self.micro_batch_size)
 
     @property
     def optimizer_snapshot_every(self) -> int:

@@ -9,6 +9,7 @@ leak into the loss and (b) their gradient is exactly 0, not merely small.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
@@ -42,7 +43,9 @@ def _token_mean(values: torch.Tensor, valid: torch.Tensor) -> float:
     return float(values.sum() / valid.sum().clamp(min=1))
 
 
-def masked_aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:
+def masked_aggregate(
+    values: torch.Tensor, mask: torch.Tensor, mode: str, denominator: float | None = None
+) -> torch.Tensor:
     """Reduce per-token ``values`` to a scalar over tokens with ``mask == 1`` (``loss_agg_mode``).
 
     - ``token-mean``:          ``sum(v*m) / sum(m)`` (DAPO, Yu et al. 2025; verl default).
@@ -51,18 +54,46 @@ def masked_aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str) -> tor
 
     Denominators are clamped to >= 1, so an all-zero mask gives 0 (still attached to the graph,
     gradient 0), never NaN. Unlike verl, sequences without any token do not count in the seq means.
+
+    ``denominator``: divide by this instead of the tokens (token-mean) or sequences (seq modes) of ``mask``:
+    ``loss_denominator`` of the whole mini-batch a micro-batch belongs to. The micro-batch's value is then
+    its share of the mini-batch's aggregate, and the shares of every micro-batch on every rank add up to it,
+    however the mini-batch was split (world size changes speed, never the loss).
     """
     if mode not in LOSS_AGG_MODES:
         raise ValueError(f"unknown loss_agg_mode {mode!r}; expected one of {LOSS_AGG_MODES}")
+    if denominator is not None and not denominator > 0:
+        raise ValueError(f"denominator must be > 0, got {denominator}")
     valid = _valid(mask, values=values)
     v = _zero_masked(values, valid)
     if mode == "token-mean":
-        return v.sum() / valid.sum().clamp(min=1)
+        return v.sum() / (denominator if denominator is not None else valid.sum().clamp(min=1))
     tokens = valid.sum(dim=-1)
     per_seq = v.sum(dim=-1)
     if mode == "seq-mean-token-mean":
         per_seq = per_seq / tokens.clamp(min=1)
-    return per_seq.sum() / (tokens > 0).sum().clamp(min=1)
+    return per_seq.sum() / (denominator if denominator is not None else (tokens > 0).sum().clamp(min=1))
+
+
+def loss_denominator(masks: Sequence[torch.Tensor], mode: str) -> float:
+    """What ``masked_aggregate`` divides by over all of ``masks`` together (the micro-batches of one
+    mini-batch): their tokens for ``token-mean``, their sequences with >= 1 token for the seq modes; >= 1."""
+    if mode not in LOSS_AGG_MODES:
+        raise ValueError(f"unknown loss_agg_mode {mode!r}; expected one of {LOSS_AGG_MODES}")
+    if mode == "token-mean":
+        total = sum(int((m != 0).sum()) for m in masks)
+    else:
+        total = sum(int(((m != 0).sum(dim=-1) > 0).sum()) for m in masks)
+    return float(max(total, 1))
+
+
+def _local_value(
+    aggregate: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, mode: str, denominator: float | None
+) -> float:
+    """The metric of one batch: its own mean, also when ``aggregate`` was divided by a mini-batch denominator."""
+    if denominator is None:
+        return float(aggregate.detach())
+    return float(masked_aggregate(values.detach(), mask, mode))
 
 
 def policy_loss(
@@ -74,6 +105,7 @@ def policy_loss(
     clip_ratio_high: float,
     clip_ratio_c: float | None = None,
     loss_agg_mode: str = "token-mean",
+    denominator: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO clipped surrogate (Schulman et al. 2017) with asymmetric clip and optional dual clip.
 
@@ -86,6 +118,7 @@ def policy_loss(
     Metrics (means over valid tokens): ``clip_fraction`` (tokens where the clip is active, i.e. their
     gradient is cut), ``dual_clip_fraction``, ``approx_kl`` (k3 estimate of KL(old || new):
     ``(ratio - 1) - log ratio``), ``ratio_mean``, plus ``pg_loss``.
+    ``denominator``: see ``masked_aggregate`` (the loss is then a share; ``pg_loss`` stays this batch's mean).
     """
     if not 0.0 <= clip_ratio_low < 1.0:
         raise ValueError(f"clip_ratio_low must be in [0, 1), got {clip_ratio_low}")
@@ -110,9 +143,9 @@ def policy_loss(
         dual_active = (adv < 0) & (per_token > bound)
         per_token = torch.where(dual_active, bound, per_token)
 
-    loss = masked_aggregate(per_token, mask, loss_agg_mode)
+    loss = masked_aggregate(per_token, mask, loss_agg_mode, denominator)
     metrics = {
-        "pg_loss": float(loss.detach()),
+        "pg_loss": _local_value(loss, per_token, mask, loss_agg_mode, denominator),
         "clip_fraction": _token_mean(clip_active & valid, valid),
         "dual_clip_fraction": _token_mean(dual_active & valid, valid),
         "approx_kl": _token_mean((ratio - 1.0) - log_ratio, valid),
@@ -193,6 +226,7 @@ def total_loss(
     kl_estimator: str = "k3",
     entropy_coef: float = 0.0,
     loss_agg_mode: str = "token-mean",
+    denominator: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """``loss = pg + kl_coef * agg(KL) - entropy_coef * agg(entropy)``, every term aggregated with
     ``loss_agg_mode`` over ``mask`` (as verl's actor does with ``use_kl_loss``).
@@ -201,6 +235,8 @@ def total_loss(
     required when ``kl_coef > 0`` and ``entropy`` when ``entropy_coef > 0``; when given with a zero
     coefficient they are only reported. Defaults equal ``AlgorithmSettings``' defaults.
     Metrics: ``policy_loss``'s, plus ``kl`` / ``entropy`` when computed, plus ``loss``.
+    ``denominator`` (``masked_aggregate``): every term is this batch's share of its mini-batch's aggregate;
+    the metrics stay this batch's own means.
     """
     for name, coef in (("kl_coef", kl_coef), ("entropy_coef", entropy_coef)):
         if not (math.isfinite(coef) and coef >= 0.0):
@@ -211,20 +247,31 @@ def total_loss(
         raise ValueError("entropy_coef > 0 needs entropy (per-token, see entropy_from_logits)")
 
     loss, metrics = policy_loss(
-        logprobs, old_logprobs, advantages, mask, clip_ratio_low, clip_ratio_high, clip_ratio_c, loss_agg_mode
+        logprobs,
+        old_logprobs,
+        advantages,
+        mask,
+        clip_ratio_low,
+        clip_ratio_high,
+        clip_ratio_c,
+        loss_agg_mode,
+        denominator,
     )
+    local_loss = metrics["pg_loss"]
     valid = mask != 0
     if ref_logprobs is not None:
         _valid(mask, ref_logprobs=ref_logprobs)
         per_token_kl = kl_penalty(_zero_masked(logprobs, valid), _zero_masked(ref_logprobs, valid), kl_estimator)
-        kl = masked_aggregate(per_token_kl, mask, loss_agg_mode)
-        metrics["kl"] = float(kl.detach())
+        kl = masked_aggregate(per_token_kl, mask, loss_agg_mode, denominator)
+        metrics["kl"] = _local_value(kl, per_token_kl, mask, loss_agg_mode, denominator)
         if kl_coef > 0:
             loss = loss + kl_coef * kl
+            local_loss += kl_coef * metrics["kl"]
     if entropy is not None:
-        ent = masked_aggregate(entropy, mask, loss_agg_mode)
-        metrics["entropy"] = float(ent.detach())
+        ent = masked_aggregate(entropy, mask, loss_agg_mode, denominator)
+        metrics["entropy"] = _local_value(ent, entropy, mask, loss_agg_mode, denominator)
         if entropy_coef > 0:
             loss = loss - entropy_coef * ent
-    metrics["loss"] = float(loss.detach())
+            local_loss -= entropy_coef * metrics["entropy"]
+    metrics["loss"] = float(loss.detach()) if denominator is None else local_loss
     return loss, metrics

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -9,7 +10,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pettingflow.rl import entropy_from_logits, entropy_metric, kl_penalty, masked_aggregate, policy_loss, total_loss
+from pettingflow.rl import (
+    entropy_from_logits,
+    entropy_metric,
+    kl_penalty,
+    loss_denominator,
+    masked_aggregate,
+    policy_loss,
+    total_loss,
+)
 
 F64 = torch.float64
 MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
@@ -233,6 +242,37 @@ def model_batch(seed: int, B: int = 3, T: int = 6, V: int = 7) -> dict[str, torc
         "noise_ref": 0.3 * torch.randn(B, T, generator=gen, dtype=F64),
         "adv": torch.randn(B, 1, generator=gen, dtype=F64).expand(B, T).contiguous(),
     }
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("split", [[1, 2], [2, 1], [1, 1, 1]])
+def test_shares_with_the_mini_batch_denominator_add_up_to_the_whole(mode: str, split: list[int]) -> None:
+    """Micro-batches (any split of the rows, as ranks and micro-batches cut a mini-batch) divided by the whole
+    mini-batch's denominator: their losses and gradients add up to the mini-batch's own, and the metrics stay
+    each micro-batch's own means."""
+    b = model_batch(1)
+    mask = torch.tensor([[0, 1, 1, 0, 1, 0], [1, 1, 1, 1, 0, 0], [0, 0, 1, 0, 0, 1]])
+    logprobs = torch.log_softmax(b["logits"], -1).gather(-1, b["ids"].unsqueeze(-1)).squeeze(-1)
+    kwargs = dict(kl_coef=0.1, loss_agg_mode=mode)
+    old, ref = logprobs.detach() + b["noise_old"], logprobs.detach() + b["noise_ref"]
+    whole, _ = total_loss(logprobs, old, b["adv"], mask, ref_logprobs=ref, **kwargs)
+    (whole_grad,) = torch.autograd.grad(whole, b["logits"], retain_graph=True)
+    bounds = torch.tensor([0, *split]).cumsum(0).tolist()
+    parts = [slice(lo, hi) for lo, hi in itertools.pairwise(bounds)]
+    denominator = loss_denominator([mask[p] for p in parts], mode)
+    assert denominator == (9.0 if mode == "token-mean" else 3.0)
+    total = 0.0
+    for p in parts:
+        args = (logprobs[p], old[p], b["adv"][p], mask[p])
+        share, metrics = total_loss(*args, ref_logprobs=ref[p], denominator=denominator, **kwargs)
+        _, alone_metrics = total_loss(*args, ref_logprobs=ref[p], **kwargs)
+        assert metrics == pytest.approx(alone_metrics, rel=1e-12)
+        total = total + share
+    (grad,) = torch.autograd.grad(total, b["logits"])
+    assert float(total) == pytest.approx(float(whole), rel=1e-12)
+    assert torch.allclose(grad, whole_grad, rtol=1e-12, atol=1e-15)
+    with pytest.raises(ValueError, match="denominator"):
+        masked_aggregate(logprobs, mask, mode, denominator=0.0)
 
 
 @pytest.mark.parametrize("mode", MODES)

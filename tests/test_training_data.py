@@ -180,25 +180,52 @@ def _samples(agents: list[str]):
     return samples_from_columns(columns(rows), max_seq_len=64).samples
 
 
+def _plan(windows) -> list[list[list[list[int] | None]]]:
+    """Rows per micro-batch slot, per rank, per window (None: a filler slot)."""
+    return [[[[s.row for s in mb] if mb else None for mb in rank] for rank in w.slots] for w in windows]
+
+
 def test_plan_windows_micro_batching_and_accumulation():
     samples = _samples(["a"] * 7)
-    windows = plan_windows(samples, micro_batch_size=2, gradient_accumulation_steps=2)
-    # 7 rows -> micro-batches of 2,2,2,1 -> windows of 2 micro-batches
-    assert [[[s.row for s in mb] if mb else None for mb in w.slots[0]] for w in windows] == [
-        [[0, 1], [2, 3]],
-        [[4, 5], [6]],
+    windows = plan_windows(samples, micro_batch_size=2, mini_batch_size=4)
+    # 7 rows -> mini-batches of 4 and 3 rows -> micro-batches of 2,2 and 2,1
+    assert _plan(windows) == [[[[0, 1], [2, 3]]], [[[4, 5], [6]]]]
+    assert [w.rows for w in windows] == [4, 3] and [w.n_real for w in windows] == [2, 2]
+    assert windows[0].loss_scale() == 2.0  # gas * world: DeepSpeed divides by both, the denominators are global
+    assert [w.denominator for w in windows] == [8.0, 6.0]  # model tokens of the window (2 per row)
+    assert [w.denominator for w in plan_windows(samples, 2, 4, loss_agg_mode="seq-mean-token-sum")] == [4.0, 3.0]
+    partial = plan_windows(samples[:5], micro_batch_size=2, mini_batch_size=4)
+    assert _plan(partial)[-1] == [[[4], None]]  # 1 row left: one real micro-batch and one filler slot
+    with pytest.raises(ValueError, match="loss_agg_mode"):
+        plan_windows(samples, 2, 4, loss_agg_mode="mean")
+
+
+def test_plan_windows_world_size_changes_who_computes_never_which_rows_step():
+    """The same mini-batches at 1, 2 and 3 ranks (7 rows: uneven splits, a rank with no rows), each rank's share
+    contiguous, every rank with the same number of slots."""
+    samples = _samples(["a"] * 7)
+    for world in (1, 2, 3, 4):
+        windows = plan_windows(samples, micro_batch_size=1, mini_batch_size=4, world_size=world)
+        steps = [sorted(r for rank in w for mb in rank if mb for r in mb) for w in _plan(windows)]
+        assert steps == [[0, 1, 2, 3], [4, 5, 6]], world
+        assert all(len({len(rank) for rank in w.slots}) == 1 for w in windows)
+        assert [w.denominator for w in windows] == [8.0, 6.0]
+    assert _plan(plan_windows(samples, 1, 4, world_size=2)) == [
+        [[[0], [1]], [[2], [3]]],
+        [[[4], [5]], [[6], None]],  # 3 rows over 2 ranks: 2 + 1, rank 1 runs one filler
     ]
-    assert [w.n_real for w in windows] == [2, 2] and windows[0].loss_scale() == 1.0
-    partial = plan_windows(samples[:5], micro_batch_size=2, gradient_accumulation_steps=2)
-    # the last window has 1 real micro-batch and 1 filler slot; its loss is scaled by gas / n_real = 2
-    assert [[s.row for s in mb] if mb else None for mb in partial[-1].slots[0]] == [[4], None]
-    assert partial[-1].loss_scale() == 2.0
+    assert _plan(plan_windows(samples, 2, 4, world_size=3)) == [
+        [[[0, 1]], [[2]], [[3]]],
+        [[[4]], [[5]], [[6]]],
+    ]
+    # a short last mini-batch: 2 rows over 3 ranks, 2 slots each (ceil(4 / 3) rows of a full one); rank 2 has none
+    assert _plan(plan_windows(samples[:2], 1, 4, world_size=3)) == [[[[0], None], [[1], None], [None, None]]]
 
 
 def test_plan_windows_by_adapter_never_mixes_agents_and_deals_ranks():
     samples = _samples(["a", "b", "a", "b", "a", "c"])
-    windows = plan_windows(samples, micro_batch_size=1, gradient_accumulation_steps=1, world_size=2, by_adapter=True)
-    plan = [(w.adapter, [[[s.row for s in mb] if mb else None for mb in rank] for rank in w.slots]) for w in windows]
+    windows = plan_windows(samples, micro_batch_size=1, mini_batch_size=2, world_size=2, by_adapter=True)
+    plan = [(w.adapter, p) for w, p in zip(windows, _plan(windows), strict=True)]
     assert plan == [
         ("a", [[[0]], [[2]]]),
         ("a", [[[4]], [None]]),  # rank 1 runs a filler so both ranks step together
@@ -208,9 +235,9 @@ def test_plan_windows_by_adapter_never_mixes_agents_and_deals_ranks():
     for w in windows:
         agents = {s.agent_name for rank in w.slots for mb in rank if mb for s in mb}
         assert agents == {w.adapter}
-    assert windows[1].loss_scale() == 2.0  # gas * world / n_real = 1 * 2 / 1
+    assert windows[1].loss_scale() == 2.0 and windows[1].denominator == 2.0  # gas * world; one row's 2 tokens
     # without by_adapter everything is one group, in table order
-    assert [[s.row for s in mb] for mb in plan_windows(samples, 3, 2)[0].slots[0]] == [[0, 1, 2], [3, 4, 5]]
+    assert [[s.row for s in mb] for mb in plan_windows(samples, 3, 6)[0].slots[0]] == [[0, 1, 2], [3, 4, 5]]
 
 
 def test_filler_is_two_tokens_with_zero_mask():

@@ -33,6 +33,7 @@ Rows that cannot be trained are dropped, counted and logged, never silently alte
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -319,24 +320,28 @@ def prompt_groups(samples: Sequence[Sample]) -> list[list[int]]:
 # ------------------------------------------------------------------------------------------------ plan
 @dataclass
 class Window:
-    """Micro-batches that make one optimizer step, already split over ranks.
+    """One mini-batch: the rows of one optimizer step, already split over ranks into micro-batches.
 
-    ``slots[r]`` is rank r's list of exactly ``gradient_accumulation_steps`` sample lists; ``None`` marks a
-    filler slot (the rank runs a 2-token, zero-mask ``filler`` so that every rank calls forward and backward
-    equally often, through the same weights, which DeepSpeed's collectives and its fixed accumulation count
-    need). ``n_real`` real
-    micro-batches make the window: the loss of each is scaled by ``gas * world / n_real`` so that after
-    DeepSpeed divides by ``gas`` and averages over ranks the gradient is the mean over real micro-batches.
+    ``slots[r]`` is rank r's list of exactly ``micro_steps`` sample lists; ``None`` marks a filler slot (the
+    rank runs a 2-token, zero-mask ``filler`` so that every rank calls forward and backward equally often,
+    through the same weights, which DeepSpeed's collectives and its fixed accumulation count need).
+    ``denominator`` is the loss denominator of the whole window (``rl.losses.loss_denominator``: its model
+    tokens, or its rows for the seq modes): each micro-batch's loss is its share of the window's loss, so
+    the gradient is that of the window whichever rank computed which rows.
     """
 
     adapter: str | None
     slots: list[list[list[Sample] | None]]
     n_real: int
+    rows: int = 0
+    denominator: float = 1.0
 
     def loss_scale(self) -> float:
+        """Factor on each micro-batch's (share of the) loss: DeepSpeed divides by its accumulation steps and
+        averages gradients over ranks; multiplying by both makes the step's gradient the sum of the shares."""
         world = len(self.slots)
         gas = len(self.slots[0])
-        return gas * world / self.n_real
+        return float(gas * world)
 
 
 def group_key(sample: Sample, by_adapter: bool) -> str | None:
@@ -344,33 +349,76 @@ def group_key(sample: Sample, by_adapter: bool) -> str | None:
     return sample.agent_name if by_adapter else None
 
 
+def split_evenly(n: int, parts: int) -> list[tuple[int, int]]:
+    """``[lo, hi)`` bounds of ``parts`` contiguous chunks of ``range(n)``; the first ``n % parts`` get one more.
+
+    Contiguous, so the rows of one GRPO group (one prompt) mostly stay on one rank and share their prompt.
+    """
+    base, extra = divmod(n, parts)
+    bounds, lo = [], 0
+    for r in range(parts):
+        hi = lo + base + (1 if r < extra else 0)
+        bounds.append((lo, hi))
+        lo = hi
+    return bounds
+
+
+def window_denominator(rows: Sequence[Sample], loss_agg_mode: str) -> float:
+    """``loss_denominator`` of a window's rows: model tokens for token-mean, rows for the seq modes (every
+    trainable row has >= 1 model token)."""
+    from pettingflow.rl.losses import LOSS_AGG_MODES
+
+    if loss_agg_mode not in LOSS_AGG_MODES:
+        raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; expected one of {LOSS_AGG_MODES}")
+    total = sum(s.model_tokens for s in rows) if loss_agg_mode == "token-mean" else len(rows)
+    return float(max(total, 1))
+
+
 def plan_windows(
     samples: Iterable[Sample],
     micro_batch_size: int,
-    gradient_accumulation_steps: int,
+    mini_batch_size: int,
     world_size: int = 1,
     by_adapter: bool = False,
+    loss_agg_mode: str = "token-mean",
 ) -> list[Window]:
     """Split samples into optimizer-step windows, deterministically (every rank computes the same plan).
 
     Rows keep their table order. With ``by_adapter`` (L2), rows are grouped by agent first (groups in order of
     first appearance) and no micro-batch or window mixes agents, so each optimizer step touches one adapter.
-    Each window holds up to ``gas * world`` micro-batches of ``micro_batch_size`` rows, dealt round-robin to
-    ranks; ranks left short get filler slots (``None``).
+    Each window holds the next ``mini_batch_size`` rows (the last one of a group may hold fewer), whatever
+    the world size: the world size changes who computes which rows, never which rows make a step. The
+    window's rows are split into ``world_size`` contiguous near-equal shares (``split_evenly``), each cut into
+    micro-batches of ``micro_batch_size`` rows; every rank gets the same number of slots (``micro_steps``,
+    the most any rank can need), ranks left short get filler slots (``None``) — a rank may have none of a
+    window's rows at all.
     """
-    if micro_batch_size < 1 or gradient_accumulation_steps < 1 or world_size < 1:
-        raise ValueError("micro_batch_size, gradient_accumulation_steps and world_size must be >= 1")
+    if micro_batch_size < 1 or mini_batch_size < 1 or world_size < 1:
+        raise ValueError("micro_batch_size, mini_batch_size and world_size must be >= 1")
     groups: dict[str | None, list[Sample]] = {}
     for s in samples:
         groups.setdefault(group_key(s, by_adapter), []).append(s)
-    per_window = gradient_accumulation_steps * world_size
+    micro_steps = math.ceil(math.ceil(mini_batch_size / world_size) / micro_batch_size)
     windows: list[Window] = []
     for key, rows in groups.items():
-        mbs = [rows[i : i + micro_batch_size] for i in range(0, len(rows), micro_batch_size)]
-        for w in range(0, len(mbs), per_window):
-            chunk = mbs[w : w + per_window]
-            slots: list[list[list[Sample] | None]] = [[None] * gradient_accumulation_steps for _ in range(world_size)]
-            for i, mb in enumerate(chunk):
-                slots[i % world_size][i // world_size] = mb
-            windows.append(Window(adapter=key, slots=slots, n_real=len(chunk)))
+        for w in range(0, len(rows), mini_batch_size):
+            chunk = rows[w : w + mini_batch_size]
+            slots: list[list[list[Sample] | None]] = []
+            n_real = 0
+            for lo, hi in split_evenly(len(chunk), world_size):
+                share = chunk[lo:hi]
+                mbs: list[list[Sample] | None] = [
+                    share[i : i + micro_batch_size] for i in range(0, len(share), micro_batch_size)
+                ]
+                n_real += len(mbs)
+                slots.append(mbs + [None] * (micro_steps - len(mbs)))
+            windows.append(
+                Window(
+                    adapter=key,
+                    slots=slots,
+                    n_real=n_real,
+                    rows=len(chunk),
+                    denominator=window_denominator(chunk, loss_agg_mode),
+                )
+            )
     return windows

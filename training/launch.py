@@ -129,7 +129,16 @@ def build_key(spec: UpdateSpec) -> str:
         "agents": list(spec.agents),
         "lora": spec.lora.model_dump() if spec.uses_lora else None,
         "reference": spec.reference_dir if spec.algorithm.kl_coef > 0 else None,
-        "engine": [t.num_processes, t.zero_stage, t.dtype, t.micro_batch_size, t.gradient_accumulation_steps],
+        "engine": [
+            t.num_processes,
+            t.zero_stage,
+            t.dtype,
+            t.micro_batch_size,
+            t.micro_steps(t.num_processes),
+            t.gradient_checkpointing,
+            t.offload_optimizer,
+            t.offload_params,
+        ],
         "optimizer": [t.weight_decay, t.max_grad_norm],
     }
     return json.dumps(parts, sort_keys=True)

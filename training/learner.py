@@ -141,6 +141,16 @@ class LearnerRank:
             "malloc": loaded_malloc(),
         }
 
+    def full_parameters(self) -> dict[str, Any]:
+        """Every parameter of the model this rank trains, whole (ZeRO-3 shards gathered), as float32 on CPU:
+        tests compare them with the checkpoint the update wrote. Under ZeRO-3 every rank must call it."""
+        import deepspeed
+
+        module = self.worker.engine.module
+        params = list(module.parameters())
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+            return {n: p.detach().float().cpu().clone() for n, p in module.named_parameters()}
+
     def optimizer_state(self) -> dict[str, Any]:
         """The optimizer's state tensors on CPU (tests compare them across restarts)."""
         opt = self.worker.engine.optimizer
@@ -391,6 +401,12 @@ class Learner:
         import ray
 
         return ray.get(getattr(self.actors[rank], method).remote())
+
+    def call_all(self, method: str) -> list[Any]:
+        """Call a ``LearnerRank`` method on every rank at once (methods with a collective inside)."""
+        import ray
+
+        return ray.get([getattr(a, method).remote() for a in self.actors])
 
     def log_tails(self, lines: int = 30) -> str:
         out = []

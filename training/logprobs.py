@@ -117,6 +117,7 @@ def micro_batch_loss(
     *,
     old_is_current: bool = False,
     share_prompts: bool = True,
+    denominator: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO loss of one micro-batch (``total_loss``) with the current policy's log-probs.
 
@@ -127,7 +128,8 @@ def micro_batch_loss(
     Entropy is always reported (over the model tokens only); it carries gradient only when
     ``entropy_coef > 0``. Metrics also get ``logprob_mean`` (mean current log-prob of the model tokens),
     ``model_tokens`` and, with ``old_is_current``, ``sampler_abs_diff_sum`` (sum of |current - sampler|).
-    ``share_prompts``: see ``response_logits``.
+    ``share_prompts``: see ``response_logits``. ``denominator``: the loss denominator of the whole mini-batch
+    (``data.Window.denominator``); the loss is then this micro-batch's share of it (``rl.losses.masked_aggregate``).
     """
     if mb.old_logprobs is None and not old_is_current:
         raise ValueError("micro-batch has no old log-probs; compute them before training")
@@ -155,6 +157,7 @@ def micro_batch_loss(
         kl_estimator=algo.kl_estimator,
         entropy_coef=algo.entropy_coef,
         loss_agg_mode=algo.loss_agg_mode,
+        denominator=denominator,
     )
     n = int(valid.sum())
     metrics["logprob_mean"] = float(logp.detach().sum() / max(n, 1))

@@ -102,6 +102,39 @@ def dist_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
+def deepspeed_config(t: Any, world_size: int, dtype: str) -> dict[str, Any]:
+    """The DeepSpeed config of a ``TrainingSettings`` at ``world_size`` ranks (``dtype``: fp32 | bf16, resolved).
+
+    The accumulation steps are derived (``TrainingSettings.micro_steps``), so a mini-batch is the same rows
+    at any world size. ZeRO-3 gathers 16-bit weights on save (the HF checkpoint is written from them).
+    Offload keeps the optimizer (and, ZeRO-3, parameter) shards in host memory; the client optimizer is torch's
+    AdamW, which DeepSpeed accepts for offload once ``zero_force_ds_cpu_optimizer`` is off (its own
+    ``DeepSpeedCPUAdam`` would be JIT-compiled at the first run).
+    """
+    micro_steps = t.micro_steps(world_size)
+    zero: dict[str, Any] = {"stage": t.zero_stage}
+    if t.zero_stage == 3:
+        zero["stage3_gather_16bit_weights_on_model_save"] = True
+    if t.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
+    if t.offload_params:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": False}
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": t.micro_batch_size,
+        "gradient_accumulation_steps": micro_steps,
+        "train_batch_size": t.micro_batch_size * micro_steps * world_size,
+        "gradient_clipping": t.max_grad_norm,
+        "zero_optimization": zero,
+        "bf16": {"enabled": dtype == "bf16"},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
+    if t.offload_optimizer or t.offload_params:
+        config["zero_force_ds_cpu_optimizer"] = False
+    return config
+
+
 class _Accumulator:
     """Sums and counts of named metrics, reduced over ranks at the end (means of micro-batch values)."""
 
@@ -257,6 +290,9 @@ class UpdateWorker:
         self.dtype = M.resolve_dtype(spec.training.dtype)
         dtype = M.torch_dtype(self.dtype)
         base = M.load_causal_lm(spec.init_model_dir, dtype)
+        if spec.training.gradient_checkpointing:
+            # non-reentrant: gradients reach LoRA weights without making the embeddings' outputs require grad
+            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if spec.uses_lora:
             model = M.build_lora_model(base, spec.agents, spec.lora, spec.adapters_in)
             groups = M.adapter_parameter_groups(model, spec.agents)
@@ -301,9 +337,10 @@ class UpdateWorker:
         self.windows = plan_windows(
             self.rows.samples,
             spec.training.micro_batch_size,
-            spec.training.gradient_accumulation_steps,
+            spec.training.rows_per_step,
             self.world_size,
             by_adapter=spec.uses_lora,
+            loss_agg_mode=spec.algorithm.loss_agg_mode,
         )
         for window in self.windows:
             mine = window.slots[self.rank]
@@ -314,31 +351,20 @@ class UpdateWorker:
                     for s in mine
                 ]
             )
+        mine = sum(len(s) for w in self.windows for s in w.slots[self.rank] if s is not None)
         log.info(
-            "rank %d/%d: %d rows, %d windows, %d micro-steps per window",
+            "rank %d/%d: %d of %d rows, %d optimizer steps of <= %d rows, %d micro-steps each",
             self.rank,
             self.world_size,
+            mine,
             len(self.rows.samples),
             len(self.windows),
-            spec.training.gradient_accumulation_steps,
+            spec.training.rows_per_step,
+            spec.training.micro_steps(self.world_size),
         )
 
     def deepspeed_config(self) -> dict[str, Any]:
-        t = self.spec.training
-        zero: dict[str, Any] = {"stage": t.zero_stage}
-        if t.zero_stage == 3:
-            zero["stage3_gather_16bit_weights_on_model_save"] = True
-        return {
-            "train_micro_batch_size_per_gpu": t.micro_batch_size,
-            "gradient_accumulation_steps": t.gradient_accumulation_steps,
-            "train_batch_size": t.micro_batch_size * t.gradient_accumulation_steps * self.world_size,
-            "gradient_clipping": t.max_grad_norm,
-            "zero_optimization": zero,
-            "bf16": {"enabled": self.dtype == "bf16"},
-            "zero_allow_untested_optimizer": True,
-            "steps_per_print": 2**31 - 1,
-            "wall_clock_breakdown": False,
-        }
+        return deepspeed_config(self.spec.training, self.world_size, self.dtype)
 
     def restore(self) -> dict[str, Any]:
         """Optimizer state for the freshly built engine, and what it is: never a silent Adam restart."""
@@ -446,6 +472,10 @@ class UpdateWorker:
 
         acc = _Accumulator()
         engine.train()
+        # transformers turns the KV cache off in checkpointed layers while training, and a shared prompt's
+        # responses need that cache: the loss forward runs padded rows then (the log-prob passes above ran in
+        # eval mode, where checkpointing is off, and shared their prompts)
+        share = share and not spec.training.gradient_checkpointing
         t1 = time.perf_counter()
         steps = 0
         for epoch in range(spec.training.epochs):
@@ -457,7 +487,14 @@ class UpdateWorker:
                 for i, mb in enumerate(slots):
                     if mb.adapter is not None:
                         M.activate_adapter(module, mb.adapter)
-                    loss, m = L.micro_batch_loss(engine, mb, algo, old_is_current=current_is_old, share_prompts=share)
+                    loss, m = L.micro_batch_loss(
+                        engine,
+                        mb,
+                        algo,
+                        old_is_current=current_is_old,
+                        share_prompts=share,
+                        denominator=window.denominator,
+                    )
                     engine.backward(loss * scale)
                     if i == len(slots) - 1 and spec.training.zero_stage == 0 and self.dtype == "fp32":
                         # DeepSpeed does not report the norm for plain fp32 without ZeRO; grads are reduced here
