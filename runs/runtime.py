@@ -40,6 +40,7 @@ from pettingflow.envs.registry import EnvFactory, EnvSpec
 from pettingflow.inference.models import resolve_model
 from pettingflow.inference.server import server_from_settings
 from pettingflow.inference.weight_sync import base_model_name, fingerprint, load_lora_adapter, sync_full_weights
+from pettingflow.ray_cluster import init_ray
 from pettingflow.runs.between_updates import (
     BetweenUpdates,
     ServerThreads,
@@ -210,12 +211,12 @@ class Runtime:
             return
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
         if cfg.ray_address:
-            ray.init(address=cfg.ray_address)
+            init_ray(cfg.ray_address)  # with the cluster's token (pettingflow.ray_cluster)
         else:
             # logical CPUs: enough for every learner rank besides the sandbox actors (Ray only books them)
             ranks = self.config.training.num_processes * len({a.policy for a in self.config.agents})
             cpus = cfg.ray_num_cpus or max(os.cpu_count() or 1, ranks + 1)
-            ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False)
+            init_ray(num_cpus=cpus, include_dashboard=False, log_to_driver=False)
             # Ray's per-node agents outlive a SIGKILLed driver: a watcher kills this local Ray's processes with us
             deathsig.kill_with_this_process(deathsig.local_ray_processes())
         self._owns_ray = True

@@ -30,6 +30,7 @@ from typing import Any
 
 from pettingflow.configs.settings import ExperimentConfig
 from pettingflow.envs import EnvCache
+from pettingflow.ray_cluster import init_ray
 from pettingflow.rollout.engine import EngineStats, summarize
 from pettingflow.rollout.records import EpisodeRecord
 
@@ -122,7 +123,8 @@ class RayRolloutWorkers:
     """``num_workers`` rollout actors for one step; a context manager that kills them on exit.
 
     Ray must be reachable: an initialised Ray (the run's runtime connects one) is used as it is; otherwise
-    this attaches to ``rollout.ray_address``, or starts a local runtime, and shuts it down on exit.
+    this attaches to ``rollout.ray_address``, or starts a local runtime, with token authentication
+    (``pettingflow.ray_cluster.init_ray``), and shuts it down on exit.
     """
 
     def __init__(self, config: ExperimentConfig, endpoints: dict[str, Any], num_workers: int | None = None):
@@ -134,9 +136,9 @@ class RayRolloutWorkers:
         if not ray.is_initialized():
             os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
             if config.rollout.ray_address:
-                ray.init(address=config.rollout.ray_address, log_to_driver=False)
+                init_ray(config.rollout.ray_address, log_to_driver=False)
             else:
-                ray.init(num_cpus=config.rollout.ray_num_cpus, include_dashboard=False, log_to_driver=False)
+                init_ray(num_cpus=config.rollout.ray_num_cpus, include_dashboard=False, log_to_driver=False)
             self._owns_ray = True
         actor_cls = ray.remote(RolloutWorker)
         self.actors = [

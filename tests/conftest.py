@@ -25,10 +25,6 @@ import pytest
 
 from pettingflow.inference.models import DEFAULT_MODEL, prepare_model
 
-# Several tests start and stop a local Ray in this process (flows, learners, the sandbox pool). Ray caches its
-# token-auth mode per process, so a later ray.init with another mode starts actors that die at once: use one.
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-
 VLLM_KV_CACHE_GIB = 2  # small: other test sessions may share this 24 GiB machine
 VLLM_MAX_LORA_RANK = 16
 VLLM_MAX_LORAS = 4
@@ -47,6 +43,27 @@ def pettingflow_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]
         yield path
     finally:
         os.environ.pop("PETTINGFLOW_HOME", None)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def ray_token_auth(pettingflow_home: Path) -> Iterator[Path]:
+    """Every Ray of the session uses token auth, as PettingFlow's own clusters do: the token is the session home's
+    (``$PETTINGFLOW_HOME/ray/auth_token``, or ``$RAY_AUTH_TOKEN_PATH``), and ``RAY_AUTH_MODE=token`` plus
+    ``RAY_AUTH_TOKEN_PATH`` are in the environment, so tests that call ``ray.init`` themselves, the ``ray start``
+    clusters and subprocesses use it too. One mode and one token for the whole session: Ray caches both per
+    process, and a driver whose cached mode differs from the Ray it starts gets actors that die at once."""
+    from pettingflow.ray_cluster import AUTH_MODE_VAR, TOKEN_PATH_VAR, token_path, use_token_auth
+
+    saved = {name: os.environ.get(name) for name in (AUTH_MODE_VAR, TOKEN_PATH_VAR)}
+    use_token_auth(create=True)
+    try:
+        yield token_path()
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 @pytest.fixture(scope="session")

@@ -262,6 +262,17 @@ def test_world_size_changes_speed_never_the_updates(local_ray, tiny_model_dir, t
         assert m3["zero_stage"] == 3 and m3["optimizer_steps"] == m1["optimizer_steps"]
         assert m3["loss"] == pytest.approx(m1["loss"], abs=1e-6)
         assert update_distance(safetensors_of(m1), safetensors_of(m3), start) < 1e-4
+    # the other ZeRO stages and offload at 2 ranks, one update each
+    for name, extra in {
+        "z1": {"zero_stage": 1},
+        "z2-offload": {"zero_stage": 2, "offload_optimizer": True},
+        "z3-offload": {"zero_stage": 3, "offload_optimizer": True, "offload_params": True},
+    }.items():
+        (m,), _ = run_chain(tmp_path, name, data[:1], tiny_model_dir, 2, fp32 | extra)
+        assert m["optimizer_steps"] == one[0]["optimizer_steps"] and m["loss"] == pytest.approx(
+            one[0]["loss"], abs=1e-6
+        )
+        assert update_distance(safetensors_of(one[0]), safetensors_of(m), start) < 1e-4, name
     model = load_model(Path(three[-1]["outputs"]["model"]))
     saved = {n: p.detach() for n, p in model.named_parameters()}
     assert saved.keys() == three_state["params"].keys()

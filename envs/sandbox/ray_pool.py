@@ -8,8 +8,9 @@ fewest runs in flight from this pool.
 
 Ray is imported only when a pool is built, so importing this package never starts or needs Ray. The
 pool does not start Ray unless asked (``init_if_needed=True``): silently starting a local runtime
-inside a process that meant to attach to a cluster would hide a configuration error. It never sets
-``RAY_AUTH_MODE`` or ``RAY_USAGE_STATS_ENABLED``; set those in the environment if you want them.
+inside a process that meant to attach to a cluster would hide a configuration error. The runtime it
+starts then uses token authentication (``pettingflow.ray_cluster.init_ray``, which sets ``RAY_AUTH_MODE``
+and ``RAY_AUTH_TOKEN_PATH``); it never sets ``RAY_USAGE_STATS_ENABLED``.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ class RaySandboxPool:
     """Implements the Sandbox protocol by forwarding runs to ``num_workers`` Ray actors.
 
     ``init_if_needed``: when Ray is not initialised, start a local runtime with
-    ``ray.init(num_cpus=num_cpus, include_dashboard=False)`` (and shut it down in :meth:`shutdown`);
+    ``init_ray(num_cpus=num_cpus, include_dashboard=False)`` (and shut it down in :meth:`shutdown`);
     otherwise raise SandboxUnavailableError. ``num_cpus_per_worker`` is the Ray CPU reservation of each
     actor (default 0: the programs run in the sandbox's own child processes, which Ray does not see,
     and the sandbox's concurrency bound is what limits CPU use).
@@ -77,7 +78,9 @@ class RaySandboxPool:
                     "Ray is not initialised: call ray.init(...) (or ray.init(address=...) for a cluster) "
                     "before building RaySandboxPool, or pass init_if_needed=True to start a local runtime"
                 )
-            ray.init(num_cpus=num_cpus, include_dashboard=False)
+            from pettingflow.ray_cluster import init_ray
+
+            init_ray(num_cpus=num_cpus, include_dashboard=False)
             self._owns_ray = True
         actor_cls = ray.remote(_SandboxWorker)
         self._actors = [
