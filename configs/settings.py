@@ -263,7 +263,13 @@ class AlgorithmSettings(_Strict):
 class TrainingSettings(_Strict):
     """DeepSpeed update job, one per policy."""
 
-    num_processes: int = Field(1, ge=1, description="Ranks per update job (gloo on CPU).")
+    num_processes: int = Field(1, ge=1, description="Ranks per update job (gloo on CPU, NCCL on GPU).")
+    rank_resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Custom Ray resources each resident learner rank asks for, e.g. {learner: 1}: the ranks then run "
+        "on the nodes started with `ray start --resources '{\"learner\": N}'` (docs/scaling.md). CPUs and a GPU per "
+        "rank are set by the learner itself.",
+    )
     zero_stage: Literal[0, 1, 2, 3] = 2
     dtype: Literal["auto", "bf16", "fp32"] = Field(
         "auto",

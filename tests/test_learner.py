@@ -191,20 +191,35 @@ def uneven_batches(tmp: Path, n: int) -> list[str]:
     ]
 
 
-def run_chain(tmp: Path, name: str, data: list[str], init: Path, ranks: int, training: dict) -> tuple[list, dict]:
-    """``len(data)`` updates of one resident learner with ``ranks`` ranks; its metrics and final rank state."""
+def run_chain(
+    tmp: Path,
+    name: str,
+    data: list[str],
+    init: Path,
+    ranks: int,
+    training: dict,
+    first: int = 0,
+    prev: dict | None = None,
+) -> tuple[list, dict]:
+    """``len(data)`` updates of one resident learner with ``ranks`` ranks; its metrics and final rank state
+    (Adam's state after the third update too). ``first``/``prev``: go on from update ``prev`` of another
+    learner, restoring its optimizer snapshot."""
     from pettingflow.training.learner import Learner
 
     learner = Learner("shared", ranks, tmp / f"logs-{name}", master_host="127.0.0.1").start()
     metrics: list[dict] = []
+    state: dict = {}
     try:
-        for k, batch in enumerate(data):
-            prev = metrics[-1] if metrics else None
-            spec = chain_spec(batch, tmp / f"{name}{k}", init, k, prev)
+        for k, batch in enumerate(data, start=first):
+            prev = metrics[-1] if metrics else prev
+            resume = {"resume_dir": prev["outputs"]["deepspeed"]} if prev and not metrics else {}
+            spec = chain_spec(batch, tmp / f"{name}{k}", init, k, prev, **resume)
             settings = spec.training.model_validate(spec.training.model_dump() | training | {"num_processes": ranks})
             spec = spec.model_copy(update={"training": settings})
             metrics.append(learner.update(spec))
-        state = {
+            if k == 2 and training.get("zero_stage") == 0:
+                state["after3"] = learner.call("optimizer_state")["state"]
+        state |= {
             "summary": learner.call("state_summary"),
             "optimizer": learner.call("optimizer_state") if training.get("zero_stage") == 0 else None,
             "params": learner.call_all("full_parameters")[0],
@@ -230,21 +245,30 @@ def update_distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], star
 def test_world_size_changes_speed_never_the_updates(local_ray, tiny_model_dir, tmp_path):
     """The same 3 committed batches on a resident learner at 1 rank and at 2 ranks (ZeRO-0, fp32): the same
     optimizer steps, the same weights after every update and the same Adam step count and moments at the end, to
-    fp32 rounding. Then 2 ranks with ZeRO-3 and gradient checkpointing for 2 updates: the same weights and
+    fp32 rounding; a run that goes on at 2 ranks after 3 updates at 1 restores the 1-rank optimizer snapshot and
+    makes the 1-rank 4th update (Adam's step count goes on: 8). Then 2 ranks with ZeRO-3 and gradient checkpointing for 2 updates: the same weights and
     losses again, and the HF checkpoint written from the gathered ZeRO-3 shards loads in transformers and equals
     the learner's parameters."""
-    data = uneven_batches(tmp_path, 3)
+    data = uneven_batches(tmp_path, 4)
     start = load_file(str(tiny_model_dir / "model.safetensors"))
     fp32 = {"dtype": "fp32", "micro_batch_size": 1, "mini_batch_size": 4, "gradient_accumulation_steps": 1}
     one, one_state = run_chain(tmp_path, "one", data, tiny_model_dir, 1, fp32 | {"zero_stage": 0})
-    two, two_state = run_chain(tmp_path, "two", data, tiny_model_dir, 2, fp32 | {"zero_stage": 0})
+    one_state["optimizer"] = {"state": one_state.pop("after3")}
+    two, two_state = run_chain(tmp_path, "two", data[:3], tiny_model_dir, 2, fp32 | {"zero_stage": 0})
+    # a run that goes on at 2 ranks after 3 updates at 1: its 4th update restores the 1-rank snapshot
+    resumed = run_chain(tmp_path, "more", data[3:], tiny_model_dir, 2, fp32 | {"zero_stage": 0}, first=3, prev=one[2])[
+        0
+    ][0]
+    assert resumed["optimizer_state"] == "restored" and resumed["global_step"] == one[3]["global_step"] == 8
+    assert update_distance(safetensors_of(one[3]), safetensors_of(resumed), safetensors_of(one[2])) < 1e-4
+    one = one[:3]
     z3 = fp32 | {"zero_stage": 3, "gradient_checkpointing": True}
     three, three_state = run_chain(tmp_path, "z3", data[:2], tiny_model_dir, 2, z3)
 
     assert [m["num_processes"] for m in one + two] == [1] * 3 + [2] * 3
     assert [m["optimizer_steps"] for m in one] == [m["optimizer_steps"] for m in two] == [2, 2, 2]
     assert [m["optimizer_state"] for m in two] == ["new", "resident", "resident"]
-    assert one_state["summary"]["global_steps"] == two_state["summary"]["global_steps"] == 6
+    assert one[2]["global_step"] == two_state["summary"]["global_steps"] == 6
     for m1, m2 in zip(one, two, strict=True):
         assert m2["model_tokens"] == m1["model_tokens"] and m2["loss"] == pytest.approx(m1["loss"], abs=1e-6)
         assert update_distance(safetensors_of(m1), safetensors_of(m2), start) < 1e-4
@@ -277,3 +301,40 @@ def test_world_size_changes_speed_never_the_updates(local_ray, tiny_model_dir, t
     saved = {n: p.detach() for n, p in model.named_parameters()}
     assert saved.keys() == three_state["params"].keys()
     assert all(torch.equal(saved[n], three_state["params"][n]) for n in saved)
+
+
+def test_rank_bundles_take_a_gpu_each_when_there_are_enough_and_custom_resources_place_them():
+    """The GPU path's placement, checked without a GPU: one GPU per rank bundle only when the cluster has one for
+    every rank; custom resources (training.rank_resources) go into every bundle; an unknown one is an error."""
+    from pettingflow.training.learner import rank_bundle
+
+    assert rank_bundle({"CPU": 16, "GPU": 8}, 8, 1.0) == {"CPU": 1.0, "GPU": 1}
+    assert rank_bundle({"CPU": 16, "GPU": 1}, 2, 1.0) == {"CPU": 1.0}  # two ranks never share one GPU
+    assert rank_bundle({"CPU": 4, "learner": 2}, 2, 1.0, {"learner": 1}) == {"CPU": 1.0, "learner": 1}
+    with pytest.raises(ValueError, match="--resources"):
+        rank_bundle({"CPU": 4, "learner": 1}, 2, 1.0, {"learner": 1})
+    with pytest.raises(ValueError, match="custom resources only"):
+        rank_bundle({"CPU": 4}, 1, 1.0, {"GPU": 1})
+
+
+def test_deepspeed_config_derives_accumulation_from_the_mini_batch_and_the_world_size():
+    from pettingflow.configs.settings import TrainingSettings
+    from pettingflow.training.worker import deepspeed_config
+
+    t = TrainingSettings(micro_batch_size=2, mini_batch_size=8, zero_stage=3, gradient_checkpointing=True)
+    one, four = deepspeed_config(t, 1, "bf16"), deepspeed_config(t, 4, "bf16")
+    assert (one["gradient_accumulation_steps"], four["gradient_accumulation_steps"]) == (4, 1)
+    assert one["train_batch_size"] == four["train_batch_size"] == 8
+    assert deepspeed_config(t, 3, "fp32")["gradient_accumulation_steps"] == 2  # ceil(ceil(8 / 3) / 2)
+    assert one["zero_optimization"] == {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True}
+    assert one["bf16"] == {"enabled": True} and "zero_force_ds_cpu_optimizer" not in one
+    off = deepspeed_config(t.model_copy(update={"offload_optimizer": True, "offload_params": True}), 2, "fp32")
+    assert off["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    assert off["zero_optimization"]["offload_param"]["device"] == "cpu"
+    assert off["zero_force_ds_cpu_optimizer"] is False  # torch's AdamW steps on the host: nothing JIT-compiled
+    with pytest.raises(ValueError, match="not both"):
+        TrainingSettings(mini_batch_size=8, gradient_accumulation_steps=2)
+    with pytest.raises(ValueError, match="offload_optimizer needs ZeRO"):
+        TrainingSettings(zero_stage=0, offload_optimizer=True)
+    with pytest.raises(ValueError, match="offload_params needs ZeRO-3"):
+        TrainingSettings(zero_stage=2, offload_params=True)

@@ -163,6 +163,30 @@ class LearnerRank:
         }
 
 
+def rank_bundle(
+    cluster: dict[str, float], num_processes: int, cpus_per_rank: float, resources: dict[str, float] | None = None
+) -> dict[str, float]:
+    """The Ray resources of one rank's placement bundle: its CPUs, one GPU when the cluster has a GPU for every
+    rank (NCCL then; a rank never shares a GPU), and the custom ``resources`` that place it
+    (``training.rank_resources``). A custom resource the cluster does not offer at all is an error now, not a
+    placement group that waits forever."""
+    bundle: dict[str, float] = {"CPU": cpus_per_rank}
+    if cluster.get("GPU", 0) >= num_processes:
+        bundle["GPU"] = 1
+    for name, amount in (resources or {}).items():
+        if name in ("CPU", "GPU", "memory"):
+            raise ValueError(f"training.rank_resources names {name!r}: give custom resources only (CPU/GPU are set)")
+        have = cluster.get(name, 0)
+        if have < amount * num_processes:
+            raise ValueError(
+                f"training.rank_resources asks for {amount} {name!r} per rank x {num_processes} rank(s); the Ray "
+                f"cluster offers {have}. Start the node meant for the learner with "
+                f"`ray start ... --resources '{{\"{name}\": {amount * num_processes:g}}}'`"
+            )
+        bundle[name] = amount
+    return bundle
+
+
 def _watch_driver(pid: int, interval_s: float = 1.0) -> None:
     """Exit this rank when the driver process on this machine is gone (a local Ray only).
 
@@ -204,9 +228,13 @@ class Learner:
         name: str | None = None,
         master_host: str | None = None,
         malloc: MallocChoice = "auto",
+        resources: dict[str, float] | None = None,
     ) -> None:
         """``master_host``: the address of the ranks' process group; None: rank 0's node address (a cluster).
-        A local Ray passes 127.0.0.1 so that training traffic stays on loopback."""
+        A local Ray passes 127.0.0.1 so that training traffic stays on loopback. ``resources``: custom Ray
+        resources every rank asks for (``training.rank_resources``), which place the ranks on the nodes that
+        offer them."""
+        self.resources = dict(resources or {})
         self.policy = policy
         self.master_host = master_host
         self.num_processes = num_processes
@@ -238,8 +266,8 @@ class Learner:
 
         if self.actors:
             return self
-        gpus = 1 if ray.cluster_resources().get("GPU", 0) >= self.num_processes else 0
-        bundle = {"CPU": self.num_cpus_per_rank, **({"GPU": gpus} if gpus else {})}
+        bundle = rank_bundle(ray.cluster_resources(), self.num_processes, self.num_cpus_per_rank, self.resources)
+        gpus = bundle.get("GPU", 0)
         self.placement_group = placement_group([bundle] * self.num_processes, strategy="PACK")
         ray.get(self.placement_group.ready(), timeout=120)
         remote_cls = ray.remote(LearnerRank)
@@ -249,6 +277,7 @@ class Learner:
             actor = remote_cls.options(
                 num_cpus=self.num_cpus_per_rank,
                 num_gpus=gpus,
+                resources=dict(self.resources) or None,
                 scheduling_strategy=strategy,
                 max_restarts=0,
                 name=f"{self.name}-rank{rank}-{os.getpid()}-{self.starts}",
