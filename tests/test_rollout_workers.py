@@ -9,9 +9,6 @@ import asyncio
 import contextlib
 import os
 import shutil
-import signal
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -155,36 +152,31 @@ def _cluster_processes(temp_dir: str) -> list[psutil.Process]:
 
 @pytest.fixture
 def ray_head(tmp_path):
-    """``ray start --head`` on 127.0.0.1 with its own temp dir (short: Ray's socket paths are length-limited),
+    """``ray start --head`` on 127.0.0.1 as PettingFlow starts one (``start_head``: token auth with the session's
+    token, so the run attaches with it), with its own temp dir (short: Ray's socket paths are length-limited),
     stopped by killing exactly that cluster's processes (``ray stop`` would stop every Ray on the machine)."""
     from pettingflow.processes import free_port
+    from pettingflow.ray_cluster import start_head, stop_node
 
-    ray_bin = shutil.which("ray", path=str(Path(sys.executable).parent))
-    assert ray_bin, "the ray CLI is installed with the project's dependencies"
     temp_dir = tempfile.mkdtemp(prefix="pfray-", dir="/tmp")
     port = free_port()
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
-    cmd = [
-        ray_bin,
-        "start",
-        "--head",
-        f"--port={port}",
-        "--node-ip-address=127.0.0.1",
-        f"--temp-dir={temp_dir}",
+    out = start_head(
+        port,
+        "127.0.0.1",
         "--num-cpus=4",
         "--include-dashboard=false",
-        "--disable-usage-stats",
-    ]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, check=False)
+        temp_dir=temp_dir,
+        env={"RAY_USAGE_STATS_ENABLED": "0"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     try:
         assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
         yield f"127.0.0.1:{port}", temp_dir
     finally:
-        procs = _cluster_processes(temp_dir)
-        for proc in procs:
-            with contextlib.suppress(psutil.Error):
-                proc.send_signal(signal.SIGKILL)
-        psutil.wait_procs(procs, timeout=30)
+        stop_node(temp_dir)
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 

@@ -686,8 +686,7 @@ def test_ray_pool_runs_programs_in_actors(monkeypatch):
         pytest.skip("Ray already initialised in this process")
     from pettingflow.envs.sandbox import RaySandboxPool
 
-    monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
-    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")  # token auth: the session's (conftest.ray_token_auth)
     with RaySandboxPool(_settings(), num_workers=2, init_if_needed=True, num_cpus=1) as pool:
         assert isinstance(pool, Sandbox)
         good = pool.run("import sys\nprint(sys.stdin.read() * 2)", stdin="ab")
