@@ -129,11 +129,17 @@ def read_flow_run(env, flow_run_id: str):
 
 
 def test_deployment_run_two_iterations(stack, tmp_path, vllm_server, default_model_dir, restore_base_weights) -> None:
+    """``prefect deployment run train/code-env`` on the stack's server and worker, 2 iterations of SmolLM2 with a
+    2-rank ZeRO-3 learner."""
     env, start_worker, state_dir = stack
     worker = start_worker()
     worker_log = state_dir / f"worker-{len(list(state_dir.glob('worker-*.log'))) - 1}.log"
     try:
-        out, flow_run_id = deployment_run(env, run_overrides(tmp_path, vllm_server, default_model_dir), watch=True)
+        # the learner at 2 ranks with ZeRO-3 and gradient checkpointing: what a multi-GPU user runs (the math is
+        # the 1-rank math: tests/test_learner.py); the server loads checkpoints written from gathered shards
+        learner = ["training.num_processes=2", "training.zero_stage=3", "training.gradient_checkpointing=true"]
+        overrides = [*run_overrides(tmp_path, vllm_server, default_model_dir), *learner]
+        out, flow_run_id = deployment_run(env, overrides, watch=True)
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     finally:
         stop_worker(worker)
@@ -163,12 +169,15 @@ def test_deployment_run_two_iterations(stack, tmp_path, vllm_server, default_mod
     assert model.config.num_hidden_layers == 30
     # one learner start per run, not per iteration: iteration 1 trained in the ranks iteration 0 loaded
     text = worker_log.read_text()
-    assert len(re.findall(r"resident learner of shared: 1 rank\(s\) up \(start #1\)", text)) == 1, text[-3000:]
+    assert len(re.findall(r"resident learner of shared: 2 rank\(s\) up \(start #1\)", text)) == 1, text[-3000:]
     new = "update shared: optimizer state new (starts from the base weights); learner loaded the committed weights"
     resident = "update shared: optimizer state resident (moments carried over in memory); learner resident, start #1"
     assert text.count(new) == 1 and text.count(resident) == 1, text[-3000:]
     upd = [layout.step(k, "update-shared").manifest().metadata["metrics"] for k in (0, 1)]
     assert [(m["optimizer_state"], m["learner_loaded"]) for m in upd] == [("new", True), ("resident", False)]
+    assert [(m["num_processes"], m["zero_stage"]) for m in upd] == [(2, 3), (2, 3)]
+    # iteration 1 was sampled from iteration 0's weights: vLLM loaded the checkpoint written from ZeRO-3 shards
+    assert set(rows.column("policy_version").to_pylist()) == {1}
     assert any(k.endswith("-metrics") for k in artifacts) and any(k.endswith("-curve") for k in artifacts)
     assert any(k.endswith("-samples") for k in artifacts)
 
