@@ -38,6 +38,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -130,9 +131,10 @@ def use_token_auth(*, create: bool) -> None:
     """Put ``auth_env(create=create)`` into this process's environment and make Ray read it again.
 
     Ray reads ``RAY_AUTH_MODE`` into a per-process config when it is imported and caches the token once loaded, so
-    setting the variables after ``import ray`` would otherwise have no effect on this process (while the Ray it
-    starts, a child, would follow them: its actors then die at once). The refresh is skipped while Ray is
-    connected (the next ``ray.init`` after ``ray.shutdown`` gets it)."""
+    setting the variables after ``import ray`` would otherwise have no effect on this process, while the Ray it
+    starts (a child) follows them and refuses it (seen: ``ray.init()`` ends in ConnectionError after 20 s of
+    ``Unauthenticated``). The refresh is skipped while Ray is connected (the next ``ray.init`` after
+    ``ray.shutdown`` gets it)."""
     env = auth_env(create=create)
     previous = os.environ.get(AUTH_MODE_VAR)
     if previous not in (None, "token"):
@@ -207,13 +209,18 @@ def join_cluster(
 
 
 def node_processes(temp_dir: str) -> list[Any]:
-    """The processes of the node whose files live in ``temp_dir`` (every Ray process names its session dir)."""
+    """The processes of the node whose files live in ``temp_dir``: every Ray process names its session folder
+    (``TEMP_DIR/session_...``) in its arguments. Never this process or its ancestors (a command that merely
+    names the folder)."""
     import psutil
 
+    prefix = os.path.join(os.path.abspath(temp_dir), "")
+    me = psutil.Process()
+    spared = {me.pid, *(p.pid for p in me.parents())}
     out = []
     for proc in psutil.process_iter(["cmdline"]):
         with contextlib.suppress(psutil.Error):
-            if any(temp_dir in arg for arg in proc.info["cmdline"] or []):
+            if proc.pid not in spared and any(prefix in arg for arg in proc.info["cmdline"] or []):
                 out.append(proc)
     return out
 
@@ -227,7 +234,16 @@ def stop_node(temp_dir: str, timeout_s: float = 30.0) -> None:
     for proc in procs:
         with contextlib.suppress(psutil.Error):
             proc.send_signal(signal.SIGKILL)
-    psutil.wait_procs(procs, timeout=timeout_s)
+
+    def alive(proc: Any) -> bool:  # a zombie is dead: its parent, not us, reaps it
+        try:
+            return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+
+    deadline = time.monotonic() + timeout_s
+    while (procs := [p for p in procs if alive(p)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

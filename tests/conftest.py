@@ -51,7 +51,7 @@ def ray_token_auth(pettingflow_home: Path) -> Iterator[Path]:
     (``$PETTINGFLOW_HOME/ray/auth_token``, or ``$RAY_AUTH_TOKEN_PATH``), and ``RAY_AUTH_MODE=token`` plus
     ``RAY_AUTH_TOKEN_PATH`` are in the environment, so tests that call ``ray.init`` themselves, the ``ray start``
     clusters and subprocesses use it too. One mode and one token for the whole session: Ray caches both per
-    process, and a driver whose cached mode differs from the Ray it starts gets actors that die at once."""
+    process, and a driver whose cached mode differs from the Ray it starts is refused by it."""
     from pettingflow.ray_cluster import AUTH_MODE_VAR, TOKEN_PATH_VAR, token_path, use_token_auth
 
     saved = {name: os.environ.get(name) for name in (AUTH_MODE_VAR, TOKEN_PATH_VAR)}

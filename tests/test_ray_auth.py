@@ -183,3 +183,22 @@ def test_the_cli_prints_the_tokens_path_never_the_token(tmp_path) -> None:
     path = tmp_path / "ray" / "auth_token"
     assert out.stdout.strip() == str(path)
     assert path.read_text() not in out.stdout + out.stderr
+
+
+def test_stop_node_kills_that_nodes_processes_only(tmp_path) -> None:
+    """``stop_node(TEMP_DIR)`` ends the processes that name ``TEMP_DIR/session_...``, not a node whose folder merely
+    starts with the same name, nor the command that called it (its own arguments name the folder)."""
+    folder = tmp_path / "node"
+    nap = [sys.executable, "-c", "import time; time.sleep(600)"]
+    victim = subprocess.Popen([*nap, f"--session-dir={folder}/session_1"])
+    neighbour = subprocess.Popen([*nap, f"--session-dir={folder}2/session_1"])
+    try:
+        stopper = "import sys; from pettingflow.ray_cluster import stop_node; stop_node(sys.argv[1])"
+        out = subprocess.run([sys.executable, "-c", stopper, str(folder)], timeout=60, check=False)
+        assert out.returncode == 0
+        assert victim.wait(timeout=30) == -9
+        assert neighbour.poll() is None
+    finally:
+        for proc in (victim, neighbour):
+            proc.kill()
+            proc.wait()
