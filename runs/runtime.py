@@ -240,6 +240,7 @@ class Runtime:
                 name=f"learner-{self.run_id}-{policy}",
                 master_host=None if self.config.rollout.ray_address else "127.0.0.1",
                 malloc=self.config.training.malloc,
+                resources=self.config.training.rank_resources,
             )
             self.learners[policy] = learner
         if not learner.alive:
