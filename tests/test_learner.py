@@ -245,10 +245,11 @@ def update_distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], star
 def test_world_size_changes_speed_never_the_updates(local_ray, tiny_model_dir, tmp_path):
     """The same 3 committed batches on a resident learner at 1 rank and at 2 ranks (ZeRO-0, fp32): the same
     optimizer steps, the same weights after every update and the same Adam step count and moments at the end, to
-    fp32 rounding; a run that goes on at 2 ranks after 3 updates at 1 restores the 1-rank optimizer snapshot and
-    makes the 1-rank 4th update (Adam's step count goes on: 8). Then 2 ranks with ZeRO-3 and gradient checkpointing for 2 updates: the same weights and
-    losses again, and the HF checkpoint written from the gathered ZeRO-3 shards loads in transformers and equals
-    the learner's parameters."""
+    fp32 rounding. A run that goes on at 2 ranks after 3 updates at 1 restores the 1-rank optimizer snapshot and
+    makes the 1-rank 4th update (Adam's step count goes on: 8). 2 ranks with ZeRO-3 and gradient checkpointing
+    for 2 updates give the same weights and losses again; ZeRO-1, ZeRO-2 + optimizer offload and ZeRO-3 +
+    optimizer and parameter offload give the same first update; the HF checkpoint written from the gathered
+    ZeRO-3 shards loads in transformers and equals the learner's parameters."""
     data = uneven_batches(tmp_path, 4)
     start = load_file(str(tiny_model_dir / "model.safetensors"))
     fp32 = {"dtype": "fp32", "micro_batch_size": 1, "mini_batch_size": 4, "gradient_accumulation_steps": 1}
