@@ -33,6 +33,7 @@ from pettingflow.steps.batches import batch_file
 from pettingflow.steps.outcome import StepOutcome, already_done
 from pettingflow.storage.fs import join, uri_of
 from pettingflow.storage.layout import OPTIMIZER_STEP_PREFIX
+from pettingflow.storage.steps import Step
 from pettingflow.training.launch import METRICS_FILE, _rebase_outputs, run_update, spec_from_config
 
 log = logging.getLogger(__name__)
@@ -43,9 +44,15 @@ def update_step(ctx: IterationContext, config: ExperimentConfig, policy: str, ru
     name = update_step_name(policy)
     step = ctx.step(name)
     if done := already_done(step):
+        if runtime is not None:
+            runtime.wait_snapshots(policy)
+        discard_lost_snapshot(ctx.step(optimizer_step_name(policy)), step)
         return done
     if runtime is not None:  # the previous update's snapshot commits first: this one may start from it
         runtime.wait_snapshots(policy)
+    if ctx.iteration > 0:  # a crash while it was written, found by a resume past that iteration
+        k = ctx.iteration - 1
+        discard_lost_snapshot(ctx.layout.step(k, optimizer_step_name(policy)), ctx.layout.step(k, name))
     batches = ctx.step("advantages")
     entry = next((f for f in batches.manifest().files if f.name == batch_file(policy)), None)
     if entry is None:
@@ -173,6 +180,20 @@ def snapshot_in_background(
                 shutil.rmtree(out_dir, ignore_errors=True)
 
     runtime.track_snapshot(policy, write_and_commit)
+
+
+def discard_lost_snapshot(step: Step, update: Step) -> bool:
+    """Remove an uncommitted ``optimizer-<policy>`` step folder once its update is committed and no snapshot is
+    being written (the caller waited for them): a crash cut the background snapshot short, and the moments it
+    would hold died with the learner, so it can never be completed (the next update says which optimizer state
+    it found). Nothing reads an uncommitted step; this gives its bytes (~1.8 GB at 135M) back. True when
+    something was removed. ``update``: the update step the snapshot belongs to; nothing is removed before it
+    is committed."""
+    if step.is_committed() or not update.is_committed() or not step.fs.exists(step.path):
+        return False
+    step.fs.rm(step.path, recursive=True)
+    log.warning("removed %s: an optimizer snapshot a crash left unfinished (it cannot be completed)", step.uri)
+    return True
 
 
 def policy_lags(table: Any, start_version: int) -> Counter[int]:

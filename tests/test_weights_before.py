@@ -167,3 +167,26 @@ def test_a_background_snapshot_is_found_once_committed_and_never_half_written(se
     assert start.deepspeed_dir.endswith("iter-0/optimizer-shared/deepspeed") and start.optimizer_age == 0
     commit_update(layout, 1, snapshot=False)
     assert weights_before(layout, config, "shared", 2).optimizer_age == 1  # one update newer than the snapshot
+
+
+def test_a_snapshot_a_crash_cut_short_is_removed_once_its_update_is_committed(setup) -> None:
+    """The half-written optimizer-<policy> folder of a crash mid-snapshot is given back: by the resumed update
+    step of its own iteration, or by the next iteration's update. Committed snapshots, and snapshots of an update
+    not committed yet, are never touched."""
+    from pettingflow.steps.updates import discard_lost_snapshot
+
+    layout, _, _ = setup
+    lost = layout.step(0, "optimizer-shared")
+    lost.begin()
+    lost.write_bytes("deepspeed/latest", b"global_step0")
+    update = layout.step(0, "update-shared")
+    assert not discard_lost_snapshot(lost, update) and lost.fs.exists(lost.path)  # its update is not committed
+    commit_update(layout, 0, snapshot=False)
+    assert discard_lost_snapshot(lost, update) and not lost.fs.exists(lost.path)
+    assert not discard_lost_snapshot(lost, update)  # nothing left
+    kept = layout.step(1, "optimizer-shared")
+    kept.begin()
+    kept.write_bytes("deepspeed/latest", b"global_step1")
+    kept.commit({})
+    commit_update(layout, 1, snapshot=False)
+    assert not discard_lost_snapshot(kept, layout.step(1, "update-shared")) and kept.is_committed()
