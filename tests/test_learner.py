@@ -329,6 +329,11 @@ def test_deepspeed_config_derives_accumulation_from_the_mini_batch_and_the_world
     assert deepspeed_config(t, 3, "fp32")["gradient_accumulation_steps"] == 2  # ceil(ceil(8 / 3) / 2)
     assert one["zero_optimization"] == {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True}
     assert one["bf16"] == {"enabled": True} and "zero_force_ds_cpu_optimizer" not in one
+    # buckets sized by the model (transformers' "auto"), not DeepSpeed's 5e8 elements that ZeRO-3 keeps allocated
+    sized = deepspeed_config(t, 2, "fp32", hidden_size=64)["zero_optimization"]
+    assert sized["reduce_bucket_size"] == 4096 and sized["stage3_param_persistence_threshold"] == 640
+    two = deepspeed_config(t.model_copy(update={"zero_stage": 2}), 2, "fp32", hidden_size=64)["zero_optimization"]
+    assert two["allgather_bucket_size"] == 4096 and "stage3_prefetch_bucket_size" not in two
     off = deepspeed_config(t.model_copy(update={"offload_optimizer": True, "offload_params": True}), 2, "fp32")
     assert off["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
     assert off["zero_optimization"]["offload_param"]["device"] == "cpu"
