@@ -72,6 +72,9 @@ def write_batch(path: Path, rows: int, seq_len: int, prompt_len: int, vocab: int
                 "prompt_text": "p",
                 "response_text": "r",
                 "info_json": "{}",
+                "policy_version": 0,
+                "branch_idx": 0,
+                "continued": True,
             }
         )
     table = trajectories_to_table(out)
