@@ -16,6 +16,12 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
+def micro_steps_per_rank(rows_per_step: int, micro_batch_size: int, world_size: int) -> int:
+    """Forward/backward passes per optimizer step on each rank: the largest share of a mini-batch any rank gets
+    (``ceil(rows / ranks)``), in micro-batches. The one formula the DeepSpeed config and the window plan share."""
+    return math.ceil(math.ceil(rows_per_step / world_size) / micro_batch_size)
+
+
 class _Strict(BaseModel):
     """Base for every section: unknown keys are errors, values are re-validated on assignment."""
 
@@ -383,7 +389,7 @@ class TrainingSettings(_Strict):
     def micro_steps(self, world_size: int) -> int:
         """Forward/backward passes per optimizer step on each rank: the largest share of a mini-batch a rank
         gets, in micro-batches. Ranks with less run zero-loss fillers so every rank steps together."""
-        return math.ceil(math.ceil(self.rows_per_step / world_size) / self.micro_batch_size)
+        return micro_steps_per_rank(self.rows_per_step, self.micro_batch_size, world_size)
 
     @property
     def optimizer_snapshot_every(self) -> int:

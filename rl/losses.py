@@ -75,15 +75,13 @@ def masked_aggregate(
     return per_seq.sum() / (denominator if denominator is not None else (tokens > 0).sum().clamp(min=1))
 
 
-def loss_denominator(masks: Sequence[torch.Tensor], mode: str) -> float:
-    """What ``masked_aggregate`` divides by over all of ``masks`` together (the micro-batches of one
-    mini-batch): their tokens for ``token-mean``, their sequences with >= 1 token for the seq modes; >= 1."""
+def loss_denominator(tokens_per_row: Sequence[int], mode: str) -> float:
+    """What ``masked_aggregate`` divides by over a whole mini-batch, from each row's count of mask-1 tokens:
+    the tokens for ``token-mean``, the rows with >= 1 token for the seq modes; >= 1. Every rank computes it
+    from the whole mini-batch, so no collective is needed."""
     if mode not in LOSS_AGG_MODES:
         raise ValueError(f"unknown loss_agg_mode {mode!r}; expected one of {LOSS_AGG_MODES}")
-    if mode == "token-mean":
-        total = sum(int((m != 0).sum()) for m in masks)
-    else:
-        total = sum(int(((m != 0).sum(dim=-1) > 0).sum()) for m in masks)
+    total = sum(tokens_per_row) if mode == "token-mean" else sum(1 for n in tokens_per_row if n > 0)
     return float(max(total, 1))
 
 

@@ -33,7 +33,6 @@ Rows that cannot be trained are dropped, counted and logged, never silently alte
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -41,7 +40,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from pettingflow.configs.settings import micro_steps_per_rank
 from pettingflow.rl.advantages import broadcast_advantages
+from pettingflow.rl.losses import loss_denominator
 
 log = logging.getLogger(__name__)
 
@@ -325,16 +326,24 @@ class Window:
     ``slots[r]`` is rank r's list of exactly ``micro_steps`` sample lists; ``None`` marks a filler slot (the
     rank runs a 2-token, zero-mask ``filler`` so that every rank calls forward and backward equally often,
     through the same weights, which DeepSpeed's collectives and its fixed accumulation count need).
-    ``denominator`` is the loss denominator of the whole window (``rl.losses.loss_denominator``: its model
-    tokens, or its rows for the seq modes): each micro-batch's loss is its share of the window's loss, so
-    the gradient is that of the window whichever rank computed which rows.
+    ``denominator`` is the loss denominator of the whole window (``rl.losses.loss_denominator`` of its rows:
+    their model tokens, or the rows themselves for the seq modes): each micro-batch's loss is its share of the
+    window's loss, so the gradient is that of the window whichever rank computed which rows.
     """
 
     adapter: str | None
     slots: list[list[list[Sample] | None]]
-    n_real: int
-    rows: int = 0
     denominator: float = 1.0
+
+    @property
+    def n_real(self) -> int:
+        """Real (non-filler) micro-batches over all ranks."""
+        return sum(mb is not None for rank in self.slots for mb in rank)
+
+    @property
+    def rows(self) -> int:
+        """Rows of the window over all ranks."""
+        return sum(len(mb) for rank in self.slots for mb in rank if mb is not None)
 
     def loss_scale(self) -> float:
         """Factor on each micro-batch's (share of the) loss: DeepSpeed divides by its accumulation steps and
@@ -363,17 +372,6 @@ def split_evenly(n: int, parts: int) -> list[tuple[int, int]]:
     return bounds
 
 
-def window_denominator(rows: Sequence[Sample], loss_agg_mode: str) -> float:
-    """``loss_denominator`` of a window's rows: model tokens for token-mean, rows for the seq modes (every
-    trainable row has >= 1 model token)."""
-    from pettingflow.rl.losses import LOSS_AGG_MODES
-
-    if loss_agg_mode not in LOSS_AGG_MODES:
-        raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; expected one of {LOSS_AGG_MODES}")
-    total = sum(s.model_tokens for s in rows) if loss_agg_mode == "token-mean" else len(rows)
-    return float(max(total, 1))
-
-
 def plan_windows(
     samples: Iterable[Sample],
     micro_batch_size: int,
@@ -398,27 +396,19 @@ def plan_windows(
     groups: dict[str | None, list[Sample]] = {}
     for s in samples:
         groups.setdefault(group_key(s, by_adapter), []).append(s)
-    micro_steps = math.ceil(math.ceil(mini_batch_size / world_size) / micro_batch_size)
+    micro_steps = micro_steps_per_rank(mini_batch_size, micro_batch_size, world_size)
     windows: list[Window] = []
     for key, rows in groups.items():
         for w in range(0, len(rows), mini_batch_size):
             chunk = rows[w : w + mini_batch_size]
             slots: list[list[list[Sample] | None]] = []
-            n_real = 0
             for lo, hi in split_evenly(len(chunk), world_size):
                 share = chunk[lo:hi]
                 mbs: list[list[Sample] | None] = [
                     share[i : i + micro_batch_size] for i in range(0, len(share), micro_batch_size)
                 ]
-                n_real += len(mbs)
                 slots.append(mbs + [None] * (micro_steps - len(mbs)))
-            windows.append(
-                Window(
-                    adapter=key,
-                    slots=slots,
-                    n_real=n_real,
-                    rows=len(chunk),
-                    denominator=window_denominator(chunk, loss_agg_mode),
-                )
-            )
+            # every trainable row has >= 1 model token (samples_from_columns drops the others)
+            denominator = loss_denominator([s.model_tokens for s in chunk], loss_agg_mode)
+            windows.append(Window(adapter=key, slots=slots, denominator=denominator))
     return windows
