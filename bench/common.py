@@ -249,3 +249,68 @@ def request_body(model: str, prompt: list[int], new_tokens: int, seed: int) -> d
         "seed": seed,
         "ignore_eos": True,
     }
+
+
+def write_random_batch(
+    path: Path,
+    rows: int,
+    seq_len: int,
+    prompt_len: int,
+    vocab: int,
+    *,
+    seed: int = 0,
+    group_size: int = 1,
+    sampler_logprob: float = -10.0,
+    run_id: str = "bench",
+) -> int:
+    """A batch Parquet for policy ``shared``: ``rows`` rows of random tokens (``prompt_len`` prompt, the rest a
+    fully trained response), groups of ``group_size`` rows, advantages +1/-1, one ``sampler_logprob`` per token.
+    Returns the number of trained (mask-1) tokens."""
+    import random
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from pettingflow.storage.schema import trajectories_to_table
+
+    rng = random.Random(seed)
+    resp = seq_len - prompt_len
+    out = []
+    for i in range(rows):
+        group = i // group_size
+        out.append(
+            {
+                "run_id": run_id,
+                "iteration": 0,
+                "env_name": "code-env",
+                "env_idx": group,
+                "group_id": f"g{group}",
+                "sample_idx": i,
+                "rollout_idx": i,
+                "turn_idx": 0,
+                "agent_idx": 0,
+                "agent_name": "code_generator",
+                "policy_name": "shared",
+                "lora_name": None,
+                "prompt_ids": [rng.randrange(3, vocab) for _ in range(prompt_len)],
+                "response_ids": [rng.randrange(3, vocab) for _ in range(resp)],
+                "response_mask": [1] * resp,
+                "sampler_logprobs": [sampler_logprob] * resp,
+                "reward": float(i % 2),
+                "final_reward": float(i % 2),
+                "success": bool(i % 2),
+                "done": True,
+                "truncated": False,
+                "uid": f"u{group}",
+                "prompt_text": "p",
+                "response_text": "r",
+                "info_json": "{}",
+                "policy_version": 0,
+                "branch_idx": 0,
+                "continued": True,
+            }
+        )
+    table = trajectories_to_table(out)
+    table = table.append_column("advantage", pa.array([1.0 if i % 2 else -1.0 for i in range(rows)], pa.float32()))
+    pq.write_table(table, path)
+    return rows * resp

@@ -69,7 +69,6 @@ import gc
 import json
 import math
 import os
-import random
 import re
 import resource
 import signal
@@ -343,54 +342,6 @@ def save_model(folder: str, shape_json: str) -> int:
     return 0
 
 
-def write_batch(path: Path, rows: int, seq_len: int, vocab: int, seed: int = 0) -> None:
-    """``rows`` rows of ``seq_len`` tokens for policy ``shared``; advantages +1/-1, every response token trained."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    from pettingflow.storage.schema import trajectories_to_table
-
-    rng = random.Random(seed)
-    resp = seq_len - PROMPT_LEN
-    out = []
-    for i in range(rows):
-        out.append(
-            {
-                "run_id": "bench-memory",
-                "iteration": 0,
-                "env_name": "code-env",
-                "env_idx": i,
-                "group_id": f"g{i}",
-                "sample_idx": i,
-                "rollout_idx": i,
-                "turn_idx": 0,
-                "agent_idx": 0,
-                "agent_name": "code_generator",
-                "policy_name": "shared",
-                "lora_name": None,
-                "prompt_ids": [rng.randrange(3, vocab) for _ in range(PROMPT_LEN)],
-                "response_ids": [rng.randrange(3, vocab) for _ in range(resp)],
-                "response_mask": [1] * resp,
-                "sampler_logprobs": [-math.log(vocab)] * resp,  # ~ a random model's: ratios near 1, unclipped
-                "reward": float(i % 2),
-                "final_reward": float(i % 2),
-                "success": bool(i % 2),
-                "done": True,
-                "truncated": False,
-                "uid": f"u{i}",
-                "prompt_text": "p",
-                "response_text": "r",
-                "info_json": "{}",
-                "policy_version": 0,
-                "branch_idx": 0,
-                "continued": True,
-            }
-        )
-    table = trajectories_to_table(out)
-    table = table.append_column("advantage", pa.array([1.0 if i % 2 else -1.0 for i in range(rows)], pa.float32()))
-    pq.write_table(table, path)
-
-
 def training_settings(case: Case, args: Any) -> dict[str, Any]:
     return {
         "num_processes": 2,
@@ -656,7 +607,16 @@ def main(argv: list[str] | None = None) -> int:
         )
         params = json.loads(out.stdout.strip().splitlines()[-1])["params"]
         batch = tmp / "batch-shared.parquet"
-        write_batch(batch, ROWS, args.seq_len, shape["vocab"])
+        # sampler log-probs ~ a random model's: ratios near 1, unclipped
+        common.write_random_batch(
+            batch,
+            ROWS,
+            args.seq_len,
+            PROMPT_LEN,
+            shape["vocab"],
+            sampler_logprob=-math.log(shape["vocab"]),
+            run_id="bench-memory",
+        )
         print(
             f"{cpu}; random Llama {label} {shape} = {params / 1e6:.1f}M params, {args.dtype}, 2 ranks (gloo), "
             f"{ROWS} rows x {args.seq_len} tokens, micro-batch 1, gradient accumulation 2, 2 optimizer steps, "

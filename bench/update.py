@@ -26,62 +26,11 @@ Rounds alternate which arm runs first. The ratio is worker train tokens/s over b
 from __future__ import annotations
 
 import argparse
-import random
 import sys
 from pathlib import Path
 from typing import Any
 
 import common
-
-
-def write_batch(path: Path, rows: int, seq_len: int, prompt_len: int, vocab: int, seed: int = 0) -> int:
-    """A batch Parquet for policy ``shared``; returns the number of trained (mask-1) tokens."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    from pettingflow.storage.schema import trajectories_to_table
-
-    rng = random.Random(seed)
-    resp = seq_len - prompt_len
-    out = []
-    for i in range(rows):
-        out.append(
-            {
-                "run_id": "bench",
-                "iteration": 0,
-                "env_name": "code-env",
-                "env_idx": i // 2,
-                "group_id": f"g{i // 2}",
-                "sample_idx": i,
-                "rollout_idx": i,
-                "turn_idx": 0,
-                "agent_idx": 0,
-                "agent_name": "code_generator",
-                "policy_name": "shared",
-                "lora_name": None,
-                "prompt_ids": [rng.randrange(3, vocab) for _ in range(prompt_len)],
-                "response_ids": [rng.randrange(3, vocab) for _ in range(resp)],
-                "response_mask": [1] * resp,
-                "sampler_logprobs": [-10.0] * resp,
-                "reward": float(i % 2),
-                "final_reward": float(i % 2),
-                "success": bool(i % 2),
-                "done": True,
-                "truncated": False,
-                "uid": f"u{i // 2}",
-                "prompt_text": "p",
-                "response_text": "r",
-                "info_json": "{}",
-                "policy_version": 0,
-                "branch_idx": 0,
-                "continued": True,
-            }
-        )
-    table = trajectories_to_table(out)
-    adv = [1.0 if i % 2 else -1.0 for i in range(rows)]
-    table = table.append_column("advantage", pa.array(adv, pa.float32()))
-    pq.write_table(table, path)
-    return rows * resp
 
 
 def bare_loop(
@@ -180,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     ratios = []
     with common.temp_dir("update") as tmp:
         batch = tmp / "batch-shared.parquet"
-        trained = write_batch(batch, args.rows, args.seq_len, args.prompt_len, vocab)
+        trained = common.write_random_batch(batch, args.rows, args.seq_len, args.prompt_len, vocab, group_size=2)
         print(
             f"batch: {args.rows} rows x {args.seq_len} tokens ({trained} trained tokens), micro-batch "
             f"{args.micro_batch_size}, ZeRO-{args.zero_stage}, bf16, "
