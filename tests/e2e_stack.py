@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -24,6 +27,7 @@ __all__ = [
     "create_pool_and_deployments",
     "free_port",
     "kill_tree",
+    "loopback_ray_head",
     "stack_env",
     "start_server",
     "start_worker",
@@ -136,3 +140,33 @@ def update_jobs() -> list[psutil.Process]:
         for p in psutil.process_iter(["cmdline"])
         if p.info["cmdline"] and any(m in " ".join(p.info["cmdline"]) for m in marks)
     ]
+
+
+@contextlib.contextmanager
+def loopback_ray_head(num_cpus: int, prefix: str) -> Iterator[tuple[str, str]]:
+    """``ray start --head`` on 127.0.0.1 as PettingFlow starts one (``ray_cluster.start_head``: token auth with the
+    session's token), with its own port and temp dir (short: Ray's socket paths are length-limited); yields
+    (address, temp dir) and stops it by killing exactly that cluster's processes (``ray stop`` would stop every
+    Ray on the machine)."""
+    from pettingflow.ray_cluster import start_head, stop_node
+
+    temp_dir = tempfile.mkdtemp(prefix=prefix, dir="/tmp")
+    port = free_port()
+    out = start_head(
+        port,
+        "127.0.0.1",
+        f"--num-cpus={num_cpus}",
+        "--include-dashboard=false",
+        temp_dir=temp_dir,
+        env={"RAY_USAGE_STATS_ENABLED": "0"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    try:
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+        yield f"127.0.0.1:{port}", temp_dir
+    finally:
+        stop_node(temp_dir)
+        shutil.rmtree(temp_dir, ignore_errors=True)

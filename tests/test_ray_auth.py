@@ -9,18 +9,16 @@ line or environment and in none of the cluster's logs."""
 from __future__ import annotations
 
 import os
-import shutil
 import stat
 import subprocess
 import sys
-import tempfile
 import textwrap
 from pathlib import Path
 
 import psutil
 import pytest
+from e2e_stack import loopback_ray_head
 
-from pettingflow.processes import free_port
 from pettingflow.ray_cluster import (
     AUTH_MODE_VAR,
     TOKEN_PATH_VAR,
@@ -28,8 +26,6 @@ from pettingflow.ray_cluster import (
     ensure_token,
     init_ray,
     node_processes,
-    start_head,
-    stop_node,
     token_path,
 )
 
@@ -40,26 +36,8 @@ REFUSED = "Authentication token is missing or incorrect"  # what the GCS answers
 def auth_head(ray_token_auth: Path):
     """``ray start --head`` with token auth on 127.0.0.1 (own temp dir and port), stopped by killing exactly
     its processes."""
-    temp_dir = tempfile.mkdtemp(prefix="pfauth-", dir="/tmp")
-    port = free_port()
-    out = start_head(
-        port,
-        "127.0.0.1",
-        "--num-cpus=1",
-        "--include-dashboard=false",
-        temp_dir=temp_dir,
-        env={"RAY_USAGE_STATS_ENABLED": "0"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    try:
-        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
-        yield f"127.0.0.1:{port}", temp_dir
-    finally:
-        stop_node(temp_dir)
-        shutil.rmtree(temp_dir, ignore_errors=True)
+    with loopback_ray_head(1, "pfauth-") as head:
+        yield head
 
 
 def test_the_token_file_is_private(ray_token_auth: Path, tmp_path, monkeypatch) -> None:

@@ -8,8 +8,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import shutil
-import tempfile
 import time
 from pathlib import Path
 
@@ -155,29 +153,10 @@ def ray_head(tmp_path):
     """``ray start --head`` on 127.0.0.1 as PettingFlow starts one (``start_head``: token auth with the session's
     token, so the run attaches with it), with its own temp dir (short: Ray's socket paths are length-limited),
     stopped by killing exactly that cluster's processes (``ray stop`` would stop every Ray on the machine)."""
-    from pettingflow.processes import free_port
-    from pettingflow.ray_cluster import start_head, stop_node
+    from e2e_stack import loopback_ray_head
 
-    temp_dir = tempfile.mkdtemp(prefix="pfray-", dir="/tmp")
-    port = free_port()
-    out = start_head(
-        port,
-        "127.0.0.1",
-        "--num-cpus=4",
-        "--include-dashboard=false",
-        temp_dir=temp_dir,
-        env={"RAY_USAGE_STATS_ENABLED": "0"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    try:
-        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
-        yield f"127.0.0.1:{port}", temp_dir
-    finally:
-        stop_node(temp_dir)
-        shutil.rmtree(temp_dir, ignore_errors=True)
+    with loopback_ray_head(4, "pfray-") as head:
+        yield head
 
 
 @pytest.mark.slow
