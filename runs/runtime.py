@@ -228,6 +228,7 @@ class Runtime:
 
     def learner(self, policy: str) -> Any:
         """The policy's resident learner, started (again) when it has none or its ranks died."""
+        from pettingflow.runs.weights import localize_start
         from pettingflow.training.learner import Learner
 
         self._ensure_ray()
@@ -241,6 +242,7 @@ class Runtime:
                 master_host=None if self.config.rollout.ray_address else "127.0.0.1",
                 malloc=self.config.training.malloc,
                 resources=self.config.training.rank_resources,
+                localize=localize_start,
             )
             self.learners[policy] = learner
         if not learner.alive:

@@ -8,25 +8,24 @@ a resumed run (new process, fresh vLLM server) serves and trains from exactly th
 
 from __future__ import annotations
 
-import hashlib
-import shutil
-import tempfile
 from dataclasses import replace
-from pathlib import Path
 
 from pettingflow.configs.settings import ExperimentConfig
 from pettingflow.inference.models import resolve_model
-from pettingflow.paths import home
 from pettingflow.storage import RunLayout, Step
-from pettingflow.storage.fs import join, uri_of
 from pettingflow.storage.layout import OPTIMIZER_STEP_PREFIX, UPDATE_STEP_PREFIX
-from pettingflow.storage.steps import CorruptFileError, FileEntry
+from pettingflow.storage.local_copy import COMPLETE, cached_copy_dir, local_copy
 from pettingflow.training.checkpoint import ADAPTERS_SUBDIR, DEEPSPEED_SUBDIR, MODEL_SUBDIR, PolicyWeights
+from pettingflow.training.launch import UpdateSpec
 
 __all__ = [
+    "COMPLETE",
     "PolicyWeights",
     "PrunedWeightsError",
     "base_model_dir",
+    "cached_copy_dir",
+    "local_copy",
+    "localize_start",
     "start_version",
     "update_step_name",
     "weights_before",
@@ -63,23 +62,29 @@ def weights_before(layout: RunLayout, config: ExperimentConfig, policy: str, ite
             if weights.deepspeed_dir is not None:
                 return weights
             if (snapshot := snapshot_of(layout, k, policy, step)) is not None:
-                return replace(weights, deepspeed_dir=snapshot)
+                return with_snapshot(weights, snapshot)
         else:
             age += 1
             if (snapshot := snapshot_of(layout, k, policy, step)) is not None:
-                return replace(weights, deepspeed_dir=snapshot, optimizer_age=age)
+                return with_snapshot(weights, snapshot, age)
     return weights or PolicyWeights(policy=policy, base_dir=base, model_dir=base)
 
 
-def snapshot_of(layout: RunLayout, iteration: int, policy: str, update: Step) -> str | None:
-    """The local folder of the optimizer snapshot of ``policy``'s update at ``iteration``, if one was committed:
-    in the update step, or in the ``optimizer-<policy>`` step written after it in the background."""
+def snapshot_of(layout: RunLayout, iteration: int, policy: str, update: Step) -> Step | None:
+    """The step holding the optimizer snapshot of ``policy``'s update at ``iteration``, if one was committed: the
+    update step itself, or the ``optimizer-<policy>`` step written after it in the background."""
     for step in (update, layout.step(iteration, f"{OPTIMIZER_STEP_PREFIX}{policy}")):
         if step is not update and not step.is_committed():
             continue
         if any(e.name.startswith(DEEPSPEED_SUBDIR + "/") for e in step.manifest().files):
-            return str(local_copy(step) / DEEPSPEED_SUBDIR)
+            return step
     return None
+
+
+def with_snapshot(weights: PolicyWeights, step: Step, age: int = 0) -> PolicyWeights:
+    """``weights`` with the optimizer snapshot held by ``step`` (downloaded to this node when remote)."""
+    folder = str(local_copy(step) / DEEPSPEED_SUBDIR)
+    return replace(weights, deepspeed_dir=folder, snapshot_source=step.uri, optimizer_age=age)
 
 
 def start_version(layout: RunLayout, policy: str, iteration: int) -> int:
@@ -122,6 +127,7 @@ def weights_in_step(step: Step, policy: str, base_dir: str, version: int) -> Pol
         model_dir=str(root / MODEL_SUBDIR) if MODEL_SUBDIR in listed else base_dir,
         adapters=adapters,
         deepspeed_dir=str(root / DEEPSPEED_SUBDIR) if DEEPSPEED_SUBDIR in listed else None,
+        snapshot_source=step.uri if DEEPSPEED_SUBDIR in listed else None,
         source=step.uri,
         version=version,
     )
@@ -141,68 +147,33 @@ def pruned_weights(metadata: dict) -> str:
     return ""
 
 
-def cached_copy_dir(step: Step) -> Path:
-    """Where ``local_copy`` keeps a downloaded copy of a remote step (pruning removes it too)."""
-    return home() / "cache" / step.path.strip("/").replace("/", "__")
-
-
-COMPLETE = ".complete"  # in a cached copy: the commit marker it was downloaded from
-
-
-def local_copy(step: Step) -> Path:
-    """A local folder holding the step's files: the step itself when storage is local, else a verified download
-    under ``$PETTINGFLOW_HOME/cache`` (vLLM and transformers need local paths).
-
-    The download goes to a temp folder beside the target and is renamed into place once every file matched its
-    size and sha256, so a reader never sees a half-written checkpoint: not after a crash mid-download, and not
-    while another task of the same process (rollouts collected ahead, the update) downloads the same step. A
-    cached copy is used only when it was made from the marker the step has now.
-    """
-    if step.local_path is not None:
-        return step.local_path
-    manifest = step.manifest()
-    expected = manifest.to_json()
-    target = cached_copy_dir(step)
-    if _cached(target, expected):
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{target.name}-", dir=target.parent))
-    try:
-        for entry in manifest.files:
-            _download(step, entry, tmp / entry.name)
-        (tmp / COMPLETE).write_text(expected)
-        if target.exists() and not _cached(target, expected):  # a partial copy of old code, or of another marker
-            shutil.rmtree(target, ignore_errors=True)
-        try:
-            tmp.rename(target)
-        except OSError:  # another download of the same step won the rename: use its (identical) copy
-            if not _cached(target, expected):
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
-
-
-def _cached(target: Path, marker_json: str) -> bool:
-    done = target / COMPLETE
-    return done.is_file() and done.read_text() == marker_json
-
-
-def _download(step: Step, entry: FileEntry, dest: Path) -> None:
-    """Stream one committed file to ``dest`` (checkpoint files can be GBs: not through memory), then check its
-    size and sha256 against the marker."""
-    remote = join(step.path, entry.name)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        step.fs.get_file(remote, str(dest))
-    except FileNotFoundError as exc:
-        raise CorruptFileError(f"{uri_of(step.fs, remote)} is listed in the commit marker but missing") from exc
-    digest = hashlib.sha256()
-    with open(dest, "rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    size = dest.stat().st_size
-    if size != entry.bytes:
-        raise CorruptFileError(f"{uri_of(step.fs, remote)} has {size} bytes, the marker recorded {entry.bytes}")
-    if digest.hexdigest() != entry.sha256:
-        raise CorruptFileError(f"{uri_of(step.fs, remote)} does not match the sha256 in its commit marker")
+def localize_start(spec: UpdateSpec) -> UpdateSpec:
+    """``spec`` with its start weights and optimizer snapshot as folders on *this* node, made from
+    ``spec.start_sources``: what a learner rank on another node than the flow's runs before training (the spec's
+    folders are the flow node's). The base model resolves here (a prepared name is converted on this node if
+    needed); trained weights and snapshots are verified downloads into this node's ``$PETTINGFLOW_HOME/cache``
+    (``local_copy``), or the step folders themselves on local storage."""
+    sources = spec.start_sources
+    if sources is None:
+        raise ValueError(
+            f"the update of {spec.policy!r} starts from folders only ({spec.init_model_dir}), with no committed step "
+            "behind them: a learner rank on another node cannot find them. Run it with every rank on this node."
+        )
+    base = str(resolve_model(sources.base_model))
+    if sources.weights:
+        start = weights_in_step(Step.from_uri(sources.weights, spec.storage_options), spec.policy, base, version=1)
+    else:
+        start = PolicyWeights(policy=spec.policy, base_dir=base, model_dir=base)
+    resume = None
+    if spec.resume_dir is not None:
+        if not sources.snapshot:
+            raise ValueError(f"the update of {spec.policy!r} resumes from {spec.resume_dir}, a folder with no step")
+        resume = str(local_copy(Step.from_uri(sources.snapshot, spec.storage_options)) / DEEPSPEED_SUBDIR)
+    return spec.model_copy(
+        update={
+            "init_model_dir": start.model_dir,
+            "base_model_dir": start.base_dir,
+            "adapters_in": (dict(start.adapters) or None) if spec.uses_lora else None,
+            "resume_dir": resume,
+        }
+    )

@@ -13,9 +13,11 @@ the run seed and the iteration only, never on which actor ran a group or when. `
 (per inference server) is split between the actors, so a server sees the same load.
 
 Actors live for one step (created, used, killed). They reserve no Ray CPU (like the sandbox pool: the
-work is waiting on the server and the sandbox's own child processes) and are placed with Ray's ``SPREAD``
-strategy. What an actor needs on its node: the policies' tokenizer folders (``PolicyEndpoint.model_dir``)
-at the same path, the inference URLs reachable, and the sandbox (bubblewrap) installed.
+work is waiting on the server and the sandbox's own child processes) and are dealt round-robin over the alive
+nodes (``spread_over_nodes``: Ray's own ``SPREAD`` is best effort and, for actors that reserve nothing, put
+them all on one node in one of two loopback runs). What an actor needs on its node: the policies' tokenizer
+folders (``PolicyEndpoint.model_dir``) at the same path, the inference URLs reachable, and the sandbox
+(bubblewrap) installed.
 """
 
 from __future__ import annotations
@@ -119,6 +121,19 @@ class RolloutWorker:
         self.clients.clear()
 
 
+def spread_over_nodes(nodes: list[dict[str, Any]], num_workers: int) -> list[Any]:
+    """One scheduling strategy per worker: worker i is pinned to the (i mod n)-th alive node (by node id).
+    ``nodes``: ``ray.nodes()``. Pinned, not soft: with ``soft=True`` Ray 2.60 put both workers of a two-node
+    loopback cluster on one node. A node lost mid-step takes its workers with it: the step fails and its retry
+    deals the groups still missing over the nodes then alive."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    alive = sorted(n["NodeID"] for n in nodes if n.get("Alive"))
+    if not alive:
+        return ["SPREAD"] * num_workers
+    return [NodeAffinitySchedulingStrategy(alive[i % len(alive)], soft=False) for i in range(num_workers)]
+
+
 class RayRolloutWorkers:
     """``num_workers`` rollout actors for one step; a context manager that kills them on exit.
 
@@ -142,10 +157,10 @@ class RayRolloutWorkers:
             self._owns_ray = True
         actor_cls = ray.remote(RolloutWorker)
         self.actors = [
-            actor_cls.options(num_cpus=0, scheduling_strategy="SPREAD", max_restarts=0).remote(
+            actor_cls.options(num_cpus=0, scheduling_strategy=strategy, max_restarts=0).remote(
                 config, endpoints, i, self.num_workers
             )
-            for i in range(self.num_workers)
+            for i, strategy in enumerate(spread_over_nodes(ray.nodes(), self.num_workers))
         ]
         try:
             self.workers = ray.get([a.info.remote() for a in self.actors], timeout=300)

@@ -33,8 +33,9 @@ from pettingflow.steps.batches import batch_file
 from pettingflow.steps.outcome import StepOutcome, already_done
 from pettingflow.storage.fs import join, uri_of
 from pettingflow.storage.layout import OPTIMIZER_STEP_PREFIX
-from pettingflow.storage.steps import Step
+from pettingflow.storage.steps import FileEntry, Step
 from pettingflow.training.launch import METRICS_FILE, _rebase_outputs, run_update, spec_from_config
+from pettingflow.training.learner import UPLOADED_KEY
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +95,7 @@ def update_step(ctx: IterationContext, config: ExperimentConfig, policy: str, ru
                 iteration=ctx.iteration,
                 version=step.uri,
                 num_threads=update_threads(config, servers_released),
+                out_uri=step.uri if local is None else None,  # ranks on other nodes upload there
             )
             background = (
                 learner is not None and spec.save_resume_state and (config.training.optimizer_snapshot == "background")
@@ -115,13 +117,14 @@ def update_step(ctx: IterationContext, config: ExperimentConfig, policy: str, ru
         metrics["policy_lag_max"] = max(lags, default=0)
         metrics.update({f"policy_lag/{lag}": n for lag, n in sorted(lags.items())})
         metrics.update(_flat_timings(metrics))
-        if not (Path(out_dir) / METRICS_FILE).is_file():  # rank 0 writes it last, beside the checkpoint
-            raise RuntimeError(
-                f"the update of {policy!r} wrote no {METRICS_FILE} into {out_dir} on this machine: its rank 0 ran "
-                "on another node and wrote the checkpoint there. Give the learner a folder both nodes share (a "
-                "shared filesystem as run.storage_root), or keep rank 0 on the flow's node for a remote storage_root"
+        uploaded = [FileEntry(**e) for e in metrics.pop(UPLOADED_KEY, [])]  # by ranks on other nodes
+        if not (Path(out_dir) / METRICS_FILE).is_file() and METRICS_FILE not in {e.name for e in uploaded}:
+            raise RuntimeError(  # rank 0 writes it last, beside the checkpoint
+                f"the update of {policy!r} wrote no {METRICS_FILE} into {out_dir} nor into {step.uri}: its rank 0 "
+                "wrote the checkpoint somewhere else"
             )
         step.add_tree(out_dir)
+        step.add_entries(uploaded)
         if local is None:  # name the uploaded files (log, checkpoint), not the temp folder deleted below
             metrics = _rebase_outputs(metrics, str(out_dir), step.uri)
         if background and not metrics.get("skipped"):
@@ -159,9 +162,17 @@ def snapshot_in_background(
     def write_and_commit() -> None:
         started = time.perf_counter()
         try:
-            result = learner.save_optimizer(str(out_dir), version, timeout_s=timeout_s)
+            result = learner.save_optimizer(
+                str(out_dir),
+                version,
+                timeout_s=timeout_s,
+                out_uri=step.uri if local is None else None,
+                storage_options=ctx.layout.storage_options,
+            )
+            uploaded = [FileEntry(**e) for e in result.pop(UPLOADED_KEY, [])]  # by ranks on other nodes
             maybe_crash("snapshot:mid")  # kill matrix: every rank wrote its part, nothing committed
             step.add_tree(out_dir)
+            step.add_entries(uploaded)
             step.commit(
                 {"policy": policy, "for_update": version, "wall_s": round(time.perf_counter() - started, 3), **result}
             )

@@ -30,7 +30,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pettingflow.faults import maybe_crash
-from pettingflow.storage.fs import is_local, join, uri_of, write_bytes_atomic
+from pettingflow.storage.fs import filesystem, is_local, join, uri_of, write_bytes_atomic
 from pettingflow.storage.schema import READABLE_VERSIONS, SCHEMA_VERSION, schema_version_of, upgrade_table
 
 MARKER = "_COMMITTED.json"
@@ -91,6 +91,12 @@ class Step:
         self.path = path.rstrip("/")
         self.name = name or self.path.rsplit("/", 1)[-1]
         self._pending: list[FileEntry] = []
+
+    @classmethod
+    def from_uri(cls, uri: str, storage_options: dict[str, Any] | None = None) -> Step:
+        """The step at ``uri`` (``Step.uri`` of another process: a learner rank on another node)."""
+        fs, path = filesystem(uri, storage_options)
+        return cls(fs, path)
 
     @property
     def uri(self) -> str:
@@ -189,6 +195,23 @@ class Step:
                 entry = self.write_file(name, path)
             entries.append(entry)
         return entries
+
+    def add_entries(self, entries: list[FileEntry]) -> None:
+        """Register files another process already wrote into this step's folder (a learner rank on another node
+        uploads its part of a checkpoint with ``add_tree`` on its own ``Step`` and returns the entries). Each one
+        must be there with the size it was hashed at; the sha256 is the writer's, computed from its local file
+        before the upload."""
+        for entry in entries:
+            _check_name(entry.name, self.uri)
+            path = join(self.path, entry.name)
+            try:
+                size = self.fs.size(path)
+            except FileNotFoundError:
+                size = None
+            if size != entry.bytes:
+                found = "is missing" if size is None else f"has {size} bytes"
+                raise CorruptFileError(f"{uri_of(self.fs, path)} {found}; its writer uploaded {entry.bytes} bytes")
+            self._pending = [e for e in self._pending if e.name != entry.name] + [entry]
 
     @property
     def local_path(self) -> Path | None:

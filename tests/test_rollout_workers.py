@@ -6,12 +6,9 @@ started elsewhere (a real ``ray start --head`` on loopback)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
-import time
 from pathlib import Path
 
-import psutil
 import pytest
 from factories import crash_after_first_shard
 from scripted_server import ScriptedServer
@@ -138,77 +135,17 @@ def test_ray_workers_commit_the_rows_of_local_mode_and_resume_a_crash(
 # --- a Ray cluster started elsewhere, on loopback ---------------------------------------------------------------
 
 
-def _cluster_processes(temp_dir: str) -> list[psutil.Process]:
-    """The processes of the cluster whose files live in ``temp_dir`` (every Ray process names its session dir)."""
-    out = []
-    for proc in psutil.process_iter(["cmdline"]):
-        with contextlib.suppress(psutil.Error):
-            if any(temp_dir in arg for arg in proc.info["cmdline"] or []):
-                out.append(proc)
-    return out
+def test_workers_are_dealt_round_robin_over_the_alive_nodes() -> None:
+    """``spread_over_nodes``: worker i is pinned to the (i mod n)-th alive node; a dead node gets none. (Ray's
+    SPREAD, and soft node affinity, put both actors of a two-node loopback cluster on one node.) The attached
+    two-node run is tests/test_two_nodes.py."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+    from pettingflow.steps.rollout_workers import spread_over_nodes
 
-@pytest.fixture
-def ray_head(tmp_path):
-    """``ray start --head`` on 127.0.0.1 as PettingFlow starts one (``start_head``: token auth with the session's
-    token, so the run attaches with it), with its own temp dir (short: Ray's socket paths are length-limited),
-    stopped by killing exactly that cluster's processes (``ray stop`` would stop every Ray on the machine)."""
-    from e2e_stack import loopback_ray_head
-
-    with loopback_ray_head(4, "pfray-") as head:
-        yield head
-
-
-@pytest.mark.slow
-@pytest.mark.sandbox
-@pytest.mark.usefixtures("prefect_env")
-def test_iteration_attached_to_a_loopback_ray_cluster(tmp_path, ray_head, scripted, request) -> None:
-    """A whole iteration (rollouts in rollout actors, the resident learner's rank, the sync) with
-    ``rollout.ray_address`` pointing at a cluster this test started with ``ray start --head``: the actors and
-    the learner ran in that cluster's processes, not in a Ray the flow started."""
-    from pettingflow.flows.train import train
-
-    address, temp_dir = ray_head
-    model = request.getfixturevalue("tiny_model")
-    extra = [
-        f"rollout.ray_address={address}",
-        "rollout.workers=ray",
-        "rollout.num_workers=2",
-        "run.iterations=1",
-        "validation.at_start=false",
-    ]
-    state = train("code-env", overrides(tmp_path, model, scripted.url, *extra), return_state=True)
-    assert state.is_completed(), state
-    run_id = state.result()["run_id"]
-    layout = RunLayout(str(tmp_path), run_id)
-    for name in ("rollouts", "filtered", "advantages", "update-shared", "sync", "validation", "report"):
-        assert layout.step(0, name).is_committed(), name
-    workers = layout.step(0, "rollouts").manifest().metadata["workers"]
-    assert sorted(g for w in workers for g in w["groups"]) == [0, 1]
-    assert len({w["node_id"] for w in workers}) == 1 and len({w["node_ip"] for w in workers}) == 1
-    # the actors were worker processes of that cluster: its raylet wrote their logs (worker-<id>-<job>-<pid>.out)
-    logs = {p.name for p in Path(temp_dir, "session_latest", "logs").glob("worker-*")}
-    for w in workers:
-        assert any(name.endswith(f"-{w['pid']}.out") for name in logs), (w, sorted(logs)[:20])
-    cluster_raylets = [p for p in _cluster_processes(temp_dir) if p.name() == "raylet"]
-    assert len(cluster_raylets) == 1, "the cluster started by ray start is still up"
-    raylet = cluster_raylets[0]
-    update = layout.step(0, "update-shared").manifest().metadata["metrics"]
-    assert update["optimizer_state"] == "new"
-    # no Ray of the flow's own: the only raylet is the cluster's, and this process started none
-    assert not [p for p in psutil.Process().children(recursive=True) if p.name() in ("raylet", "gcs_server")]
-    assert raylet.is_running()
-
-    def run_actors() -> list[str]:
-        names = []
-        for proc in raylet.children(recursive=True):
-            with contextlib.suppress(psutil.Error):
-                title = " ".join(proc.cmdline())
-                if "RolloutWorker" in title or "Rank" in title:
-                    names.append(title)
-        return names
-
-    deadline = time.monotonic() + 60  # the run's actors (rollout workers, learner ranks) end with the run
-    while run_actors() and time.monotonic() < deadline:
-        time.sleep(1)
-    assert not run_actors(), "actors of the finished run still alive in the cluster"
+    a, b, dead = "aa" * 28, "bb" * 28, "cc" * 28  # node ids are hex
+    nodes = [{"NodeID": b, "Alive": True}, {"NodeID": dead, "Alive": False}, {"NodeID": a, "Alive": True}]
+    strategies = spread_over_nodes(nodes, 5)
+    assert all(isinstance(s, NodeAffinitySchedulingStrategy) and not s.soft for s in strategies)
+    assert [s.node_id for s in strategies] == [a, b, a, b, a]
+    assert spread_over_nodes([], 2) == ["SPREAD", "SPREAD"]

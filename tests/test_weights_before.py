@@ -125,7 +125,7 @@ class _FakeLearner:
         self.fail = fail
         self.calls: list[tuple[str, str]] = []
 
-    def save_optimizer(self, out_dir: str, version: str, timeout_s: float | None = None) -> dict:
+    def save_optimizer(self, out_dir: str, version: str, timeout_s: float | None = None, **_: object) -> dict:
         self.calls.append((out_dir, version))
         Path(out_dir, "deepspeed").mkdir(parents=True, exist_ok=True)
         Path(out_dir, "deepspeed", "latest").write_text("global_step9")

@@ -31,6 +31,7 @@ class PolicyWeights:
     model_dir: str  # full weights to serve and to train from (== base_dir for LoRA or before any update)
     adapters: dict[str, str] = field(default_factory=dict)  # agent -> adapter folder (LoRA, after an update)
     deepspeed_dir: str | None = None  # the newest optimizer snapshot at or before these weights
+    snapshot_source: str | None = None  # the URI of the step holding deepspeed_dir (a rank on another node reads it)
     optimizer_age: int = 0  # updates between that snapshot and these weights (0: the snapshot is of these weights)
     source: str = BASE_VERSION  # BASE_VERSION or the URI of the update step they come from
     version: int = 0  # 0 = base, k + 1 = written by the update of iteration k (rows record it: policy_version)

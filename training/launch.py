@@ -40,7 +40,7 @@ from pettingflow import deathsig
 from pettingflow.allocator import preload_env
 from pettingflow.configs.settings import AlgorithmSettings, LoraSettings, Specialization, TrainingSettings
 from pettingflow.processes import free_port, stop_process_group
-from pettingflow.training.checkpoint import PolicyWeights, optimizer_snapshot_due
+from pettingflow.training.checkpoint import BASE_VERSION, PolicyWeights, optimizer_snapshot_due
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +48,20 @@ SPEC_FILE = "spec.json"
 LOG_FILE = "worker.log"
 METRICS_FILE = "metrics.json"
 WORKER_MODULE = "pettingflow.training.worker"
+
+
+class StartSources(BaseModel):
+    """Where an update's start weights live in storage rather than on one machine: a learner rank on another
+    node than the flow's makes its own local copies from these (``runs.weights.localize_start``), since the
+    folders in ``UpdateSpec`` (``init_model_dir``, ``resume_dir``, ...) are the flow node's."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    base_model: str = Field(description="The policy's `model`: a prepared model name, or a folder every node has.")
+    weights: str | None = Field(
+        None, description="URI of the committed update step holding model/ or adapters/; None: the base model."
+    )
+    snapshot: str | None = Field(None, description="URI of the committed step holding deepspeed/ (resume_dir).")
 
 
 class UpdateSpec(BaseModel):
@@ -94,6 +108,14 @@ class UpdateSpec(BaseModel):
         0, ge=0, description="Updates between the resume_dir snapshot and the starting weights (0: exact)."
     )
     num_threads: int | None = Field(None, ge=1, description="torch threads for this update (None: leave as is).")
+    start_sources: StartSources | None = Field(
+        None, description="The start weights in storage, for ranks on other nodes (None: only local folders known)."
+    )
+    out_uri: str | None = Field(
+        None,
+        description="Where out_dir's files belong in remote storage (the update step's URI): a rank on another node "
+        "than the flow's writes into a folder of its own and uploads its files there. None: storage is local.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> UpdateSpec:
@@ -335,6 +357,7 @@ def spec_from_config(
     version: str | None = None,
     save_optimizer: bool | None = None,
     num_threads: int | None = None,
+    out_uri: str | None = None,
 ) -> UpdateSpec:
     """The ``UpdateSpec`` of ``policy``'s update at ``iteration`` of an ``ExperimentConfig``: the only builder.
 
@@ -371,4 +394,17 @@ def spec_from_config(
         start_version=start.source,
         version=version,
         num_threads=num_threads if num_threads is not None else config.training.num_threads,
+        start_sources=start_sources(settings.model, start),
+        out_uri=out_uri,
     )
+
+
+def start_sources(base_model: str, start: PolicyWeights) -> StartSources | None:
+    """``start`` as storage sources: the base model, or a committed update step (version >= 1) and the step of its
+    optimizer snapshot. None for weights known only as folders (``pettingflow update --init DIR``)."""
+    if start.source == BASE_VERSION:
+        return StartSources(base_model=base_model)
+    if start.version < 1:
+        return None
+    snapshot = start.snapshot_source if start.deepspeed_dir else None
+    return StartSources(base_model=base_model, weights=start.source, snapshot=snapshot)

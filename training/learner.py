@@ -25,14 +25,22 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import logging
 import os
+import shutil
+import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from pettingflow.allocator import MallocChoice, loaded_malloc, preload_env
-from pettingflow.training.launch import LOG_FILE, StagedOutput, UpdateError, UpdateSpec
+from pettingflow.training.launch import LOG_FILE, StagedOutput, UpdateError, UpdateSpec, _rebase_outputs
+
+#: Keys of a rank's result that are for the driver, not metrics: the files it uploaded and its log lines.
+UPLOADED_KEY = "uploaded"
+LOG_KEY = "_log"
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +56,20 @@ class LearnerRank:
     """One training rank inside a Ray actor: an ``UpdateWorker`` kept alive between updates."""
 
     def __init__(
-        self, rank: int, world_size: int, log_path: str, omp_threads: int, driver_pid: int | None = None
+        self,
+        rank: int,
+        world_size: int,
+        log_path: str,
+        omp_threads: int,
+        driver_pid: int | None = None,
+        driver_node: str | None = None,
+        localize: Callable[[UpdateSpec], UpdateSpec] | None = None,
     ) -> None:
+        """``driver_node``: the Ray node id of the flow's process. A rank on another node cannot use the folders the
+        flow names (start weights, output); it makes its own copies with ``localize`` and uploads what it writes
+        (``UpdateSpec.out_uri``)."""
+        import ray
+
         from pettingflow.deathsig import die_with_parent
 
         die_with_parent()  # the raylet died (the flow process was killed): stop training at once, mid-step too
@@ -69,6 +89,25 @@ class LearnerRank:
         logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
         self.worker: Any = None
         self.broadcaster: Any = None
+        self.node_id = ray.get_runtime_context().get_node_id()
+        self.node_ip = ray.util.get_node_ip_address()
+        self.away = driver_node is not None and self.node_id != driver_node
+        self.localize = localize
+
+    def where(self) -> dict[str, Any]:
+        """This rank's node (id and address), pid and log file: the driver names them when the rank is lost."""
+        return {
+            "rank": self.rank,
+            "node_id": self.node_id,
+            "node_ip": self.node_ip,
+            "pid": os.getpid(),
+            "log_path": self.log_path,
+            "away": self.away,
+        }
+
+    def log_tail(self, lines: int = 30) -> str:
+        """The last ``lines`` of this rank's log (the driver cannot read a file on another node)."""
+        return _tail(Path(self.log_path), lines)
 
     def address(self, host: str | None = None) -> tuple[str, int]:
         """This rank's node address (or ``host``) and a free port on it (rank 0's become the group's master)."""
@@ -97,17 +136,76 @@ class LearnerRank:
         return os.getpid()
 
     def update(self, spec_json: str) -> dict[str, Any]:
+        """Run the update on this rank; the result carries this update's log lines and, for a rank on another
+        node, the entries of the files it uploaded into the update step."""
         spec = UpdateSpec.model_validate_json(spec_json)
+        offset = _size(Path(self.log_path))
+        staging = self._staging(spec.out_dir, spec.out_uri)
         try:
-            return self.worker.update(spec)
+            mine = self._localized(spec, staging)
+            result = self.worker.update(mine)
+            if staging is not None:
+                result = _rebase_outputs(result, staging, spec.out_uri)
+                result[UPLOADED_KEY] = self._upload(staging, spec.out_uri, spec.storage_options)
         except BaseException:
             logging.getLogger(__name__).exception("update of %s failed", spec.policy)
             self.worker.release()  # half-trained state must never pass for committed weights
             raise
+        finally:
+            if staging is not None:
+                shutil.rmtree(staging, ignore_errors=True)
+        result[LOG_KEY] = _read_from(Path(self.log_path), offset)
+        return result
 
-    def save_optimizer(self, out_dir: str, version: str) -> dict[str, Any]:
-        """This rank's part of the optimizer snapshot of ``version`` (``UpdateWorker.save_optimizer_snapshot``)."""
-        return self.worker.save_optimizer_snapshot(out_dir, version)
+    def save_optimizer(
+        self, out_dir: str, version: str, out_uri: str | None = None, storage_options: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """This rank's part of the optimizer snapshot of ``version`` (``UpdateWorker.save_optimizer_snapshot``),
+        into ``out_dir`` on the flow's node or, from another node, uploaded to ``out_uri``."""
+        staging = self._staging(out_dir, out_uri)
+        try:
+            result = self.worker.save_optimizer_snapshot(staging or out_dir, version)
+            if staging is not None:
+                result = {**result, UPLOADED_KEY: self._upload(staging, out_uri, storage_options or {})}
+            return result
+        finally:
+            if staging is not None:
+                shutil.rmtree(staging, ignore_errors=True)
+
+    def _staging(self, out_dir: str, out_uri: str | None) -> str | None:
+        """A folder of this node for what this rank writes, when it runs on another node than the flow (None: it
+        writes into ``out_dir`` itself). With local storage (no ``out_uri``) that works only when ``out_dir`` is
+        on a filesystem this node shares with the flow's; otherwise the error says what to change."""
+        if not self.away:
+            return None
+        if out_uri is None:
+            if Path(out_dir).is_dir():  # a filesystem shared with the flow's node, mounted at the same path
+                return None
+            raise RuntimeError(
+                f"learner rank {self.rank} runs on node {self.node_ip}, not the flow's, and the output folder "
+                f"{out_dir} does not exist there: with learner ranks on other nodes, run.storage_root must be storage "
+                "every node reaches (s3://... or gs://..., or a filesystem mounted at the same path on every node)"
+            )
+        return tempfile.mkdtemp(prefix=f"pettingflow-rank{self.rank}-")
+
+    def _localized(self, spec: UpdateSpec, staging: str | None) -> UpdateSpec:
+        """The spec as this node sees it: its own copies of the start weights, its own output folder."""
+        if not self.away:
+            return spec
+        if self.localize is not None:
+            spec = self.localize(spec)
+        return spec.model_copy(update={"out_dir": staging}) if staging is not None else spec
+
+    def _upload(self, staging: str, out_uri: str | None, storage_options: dict[str, Any]) -> list[dict[str, Any]]:
+        """Upload what this rank wrote into the step at ``out_uri``; the driver commits the entries."""
+        from pettingflow.storage.steps import Step
+
+        assert out_uri is not None
+        entries = Step.from_uri(out_uri, storage_options).add_tree(staging)
+        logging.getLogger(__name__).info(
+            "rank %d (node %s): uploaded %d file(s) to %s", self.rank, self.node_ip, len(entries), out_uri
+        )
+        return [dataclasses.asdict(e) for e in entries]
 
     def push_weights(self, url: str, backend: str, host: str) -> dict[str, Any]:
         """Broadcast the weights this rank holds into the vLLM server's workers (rank 0 only, full weights).
@@ -229,12 +327,19 @@ class Learner:
         master_host: str | None = None,
         malloc: MallocChoice = "auto",
         resources: dict[str, float] | None = None,
+        localize: Callable[[UpdateSpec], UpdateSpec] | None = None,
+        placement_wait_s: float = 180.0,
     ) -> None:
         """``master_host``: the address of the ranks' process group; None: rank 0's node address (a cluster).
         A local Ray passes 127.0.0.1 so that training traffic stays on loopback. ``resources``: custom Ray
         resources every rank asks for (``training.rank_resources``), which place the ranks on the nodes that
-        offer them."""
+        offer them. ``localize``: how a rank on another node than this one makes its own copies of an update's start
+        weights (``runs.weights.localize_start``). ``placement_wait_s``: how long a restart (after a rank or its
+        node was lost) waits for the cluster to offer the ranks' resources again."""
         self.resources = dict(resources or {})
+        self.localize = localize
+        self.placement_wait_s = placement_wait_s
+        self.places: list[dict[str, Any]] = []  # per rank: node id and address, pid, log file (LearnerRank.where)
         self.policy = policy
         self.master_host = master_host
         self.num_processes = num_processes
@@ -266,10 +371,19 @@ class Learner:
 
         if self.actors:
             return self
-        bundle = rank_bundle(ray.cluster_resources(), self.num_processes, self.num_cpus_per_rank, self.resources)
+        bundle = self._bundle()
         gpus = bundle.get("GPU", 0)
         self.placement_group = placement_group([bundle] * self.num_processes, strategy="PACK")
-        ray.get(self.placement_group.ready(), timeout=120)
+        try:
+            ray.get(self.placement_group.ready(), timeout=max(120.0, self.placement_wait_s))
+        except ray.exceptions.GetTimeoutError:
+            ray.util.remove_placement_group(self.placement_group)
+            self.placement_group = None
+            raise UpdateError(
+                f"learner {self.policy}: the Ray cluster could not place {self.num_processes} rank(s) of {bundle} "
+                f"(free: {ray.available_resources()}); free resources, or lower training.num_processes"
+            ) from None
+        driver_node = ray.get_runtime_context().get_node_id()
         remote_cls = ray.remote(LearnerRank)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         for rank, path in enumerate(self.log_paths()):
@@ -283,7 +397,15 @@ class Learner:
                 name=f"{self.name}-rank{rank}-{os.getpid()}-{self.starts}",
                 # the allocator is chosen at process start: Ray launches the actor's worker with this env
                 runtime_env={"env_vars": preload_env(self.malloc)},
-            ).remote(rank, self.num_processes, str(path), self.omp_threads, self._local_driver_pid())
+            ).remote(
+                rank,
+                self.num_processes,
+                str(path),
+                self.omp_threads,
+                self._local_driver_pid(),
+                driver_node,
+                self.localize,
+            )
             self.actors.append(actor)
         self.starts += 1
         self._joined = False
@@ -294,6 +416,24 @@ class Learner:
         log.info("learner %s: started %d rank actor(s) (start #%d)", self.policy, self.num_processes, self.starts)
         return self
 
+    def _bundle(self) -> dict[str, float]:
+        """One rank's placement bundle (``rank_bundle``). A restart after a lost rank waits up to
+        ``placement_wait_s`` for the cluster to offer the bundle's custom resources again (the lost node rejoining,
+        or another node offering them); a first start says at once what the cluster lacks."""
+        import ray
+
+        deadline = time.monotonic() + (self.placement_wait_s if self.starts else 0.0)
+        while True:
+            try:
+                return rank_bundle(ray.cluster_resources(), self.num_processes, self.num_cpus_per_rank, self.resources)
+            except ValueError as exc:
+                if time.monotonic() >= deadline:
+                    raise
+                log.warning(
+                    "learner %s: waiting for the cluster to offer the ranks' resources again: %s", self.policy, exc
+                )
+                time.sleep(5.0)
+
     def _local_driver_pid(self) -> int | None:
         """This process's pid when the ranks run on this machine (local Ray: master_host 127.0.0.1)."""
         return os.getpid() if self.master_host == "127.0.0.1" else None
@@ -301,9 +441,19 @@ class Learner:
     def _join(self) -> None:
         import ray
 
+        self.places = ray.get([a.where.remote() for a in self.actors], timeout=600)
         host, port = ray.get(self.actors[0].address.remote(self.master_host))
         self.pids = ray.get([a.join.remote(host, port) for a in self.actors], timeout=600)
         self._joined = True
+        for place in self.places:
+            if place["away"]:
+                log.info(
+                    "learner %s: rank %d runs on node %s (not the flow's): it downloads its start weights and uploads "
+                    "what it writes",
+                    self.policy,
+                    place["rank"],
+                    place["node_ip"],
+                )
         log.info(
             "learner %s: %d rank(s) joined at %s:%d, pids %s", self.policy, len(self.actors), host, port, self.pids
         )
@@ -317,6 +467,7 @@ class Learner:
                 ray.kill(actor, no_restart=True)
         self.actors = []
         self.pids = []
+        self.places = []
         self.version = None
         self._joined = False
         if self.placement_group is not None:
@@ -337,7 +488,6 @@ class Learner:
             self.start()
         stage = StagedOutput(spec)
         spec_json = stage.spec.model_dump_json()
-        offsets = [p.stat().st_size if p.is_file() else 0 for p in self.log_paths()]
         started = time.perf_counter()
         try:
             if not self._joined:
@@ -348,17 +498,21 @@ class Learner:
             self.stop()
             raise
         except Exception as exc:  # a rank died (RayActorError) or raised inside the update (RayTaskError)
+            lost, tails = self._lost_nodes(), self.log_tails()
             self.stop()
             raise UpdateError(
-                f"update of policy {spec.policy!r} failed in the resident learner: {_short(exc)}\n{self.log_tails()}",
+                f"update of policy {spec.policy!r} failed in the resident learner: {_short(exc)}{lost}\n{tails}",
                 None,
                 str(self.log_paths()[0]),
             ) from exc
         wall = time.perf_counter() - started
         if not results[0].get("skipped"):
             self.version = spec.version
-        self._copy_update_log(offsets, stage.local_out / LOG_FILE)
+        uploaded = [e for r in results for e in r.pop(UPLOADED_KEY, [])]
+        self._write_update_log([r.pop(LOG_KEY, "") for r in results], stage.local_out / LOG_FILE)
         metrics = stage.finish(results[0], log_name=LOG_FILE)
+        if uploaded:
+            metrics[UPLOADED_KEY] = uploaded
         metrics["wall_s"] = round(wall, 3)
         metrics["learner"] = {"starts": self.starts, "started_for_this_update": started_now, "pids": self.pids}
         log.info(
@@ -391,14 +545,24 @@ class Learner:
                 )
         return ray.get(refs)
 
-    def save_optimizer(self, out_dir: str, version: str, timeout_s: float | None = None) -> dict[str, Any]:
+    def save_optimizer(
+        self,
+        out_dir: str,
+        version: str,
+        timeout_s: float | None = None,
+        out_uri: str | None = None,
+        storage_options: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
         """Every rank writes its part of the optimizer snapshot of the weights named ``version`` into ``out_dir``
         (a folder on this machine; rank 0's metrics are returned). Ray runs an actor's calls one at a time, so an
         update asked for meanwhile starts after the snapshot: the state saved is always the one of ``version``.
-        Called from a background thread (``steps.updates.snapshot_in_background``)."""
-        refs = [a.save_optimizer.remote(out_dir, version) for a in self.actors]
+        Called from a background thread (``steps.updates.snapshot_in_background``). Ranks on other nodes upload
+        their parts to ``out_uri`` (remote storage); the entries come back under ``uploaded``."""
+        refs = [a.save_optimizer.remote(out_dir, version, out_uri, storage_options) for a in self.actors]
         try:
-            return self._wait(refs, timeout_s)[0]
+            results = self._wait(refs, timeout_s)
+            uploaded = [e for r in results for e in r.get(UPLOADED_KEY, [])]
+            return {**{k: v for k, v in results[0].items() if k != UPLOADED_KEY}, UPLOADED_KEY: uploaded}
         except UpdateError:
             raise
         except Exception as exc:
@@ -416,14 +580,12 @@ class Learner:
             raise ValueError("weight broadcast is wired for one training rank; use inference.weight_sync=disk")
         return ray.get(self.actors[0].push_weights.remote(url, backend, host), timeout=600)
 
-    def _copy_update_log(self, offsets: list[int], target: Path) -> None:
-        """This update's lines of every rank's log (those on this machine) into the step's ``worker.log``."""
+    @staticmethod
+    def _write_update_log(texts: list[str], target: Path) -> None:
+        """This update's lines of every rank's log (each rank returns its own: a rank on another node writes its
+        log file there) into the step's ``worker.log``."""
         with open(target, "w") as out:
-            for path, offset in zip(self.log_paths(), offsets, strict=True):
-                if path.is_file():
-                    with open(path, errors="replace") as f:
-                        f.seek(offset)
-                        out.write(f.read())
+            out.writelines(texts)
 
     def call(self, method: str, rank: int = 0) -> Any:
         """Call a ``LearnerRank`` method on one rank (inspection and tests)."""
@@ -438,14 +600,83 @@ class Learner:
         return ray.get([getattr(a, method).remote() for a in self.actors])
 
     def log_tails(self, lines: int = 30) -> str:
+        """The last lines of every rank's log: read here, or asked of the rank when its log is on another node."""
+        import ray
+
         out = []
-        for path in self.log_paths():
-            tail: collections.deque[str] = collections.deque(maxlen=lines)
-            if path.is_file():
-                with open(path, errors="replace") as f:
-                    tail.extend(line.rstrip("\n") for line in f)
-            out.append(f"--- {path} (last {len(tail)} lines)\n" + "\n".join(tail))
+        for rank, path in enumerate(self.log_paths()):
+            place = self.places[rank] if rank < len(self.places) else {}
+            if place.get("away"):
+                try:
+                    text = ray.get(self.actors[rank].log_tail.remote(lines), timeout=10)
+                except Exception:  # the rank or its node is gone
+                    text = "(unreachable: the rank's log stays on its node)"
+                out.append(f"--- {place['log_path']} on node {place['node_ip']}\n{text}")
+            else:
+                out.append(f"--- {path}\n" + _tail(path, lines))
         return "\n".join(out)
+
+    def _lost_nodes(self, wait_s: float = 45.0) -> str:
+        """A sentence naming the ranks whose node was lost ("" when every rank still answers).
+
+        A rank that does not answer a ping within seconds is unreachable; the cluster marks its node dead only
+        after its health checks fail (tens of seconds), so this waits up to ``wait_s`` for that verdict, to say
+        "left the cluster" rather than guess."""
+        import ray
+
+        if not self.places:
+            return ""
+        pings = [a.where.remote() for a in self.actors]
+        ready, _ = ray.wait(pings, num_returns=len(pings), timeout=5.0)
+        answered = set()
+        for ref in ready:
+            with contextlib.suppress(Exception):
+                answered.add(ray.get(ref)["rank"])
+        silent = [p for p in self.places if p["rank"] not in answered]
+        if not silent:
+            return ""
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+            except Exception:
+                alive = {p["node_id"] for p in silent}
+            gone = [p for p in silent if p["node_id"] not in alive]
+            if gone or time.monotonic() >= deadline:
+                break
+            time.sleep(1.0)
+        named = ", ".join(f"rank {p['rank']} on node {p['node_ip']} (id {p['node_id'][:12]})" for p in silent)
+        verdict = (
+            "left the Ray cluster (its raylet died or stopped answering)"
+            if gone
+            else f"stopped answering (its node is still listed as alive after {wait_s:.0f} s)"
+        )
+        wanted = self.resources or {"CPU": self.num_cpus_per_rank}
+        return (
+            f"; lost node: {named} {verdict}. The retry places the learner again once the cluster offers its "
+            f"resources ({wanted}), waiting up to {self.placement_wait_s:.0f} s"
+        )
+
+
+def _size(path: Path) -> int:
+    return path.stat().st_size if path.is_file() else 0
+
+
+def _read_from(path: Path, offset: int) -> str:
+    """The text of ``path`` from byte ``offset`` on ("" when there is no file)."""
+    if not path.is_file():
+        return ""
+    with open(path, errors="replace") as f:
+        f.seek(offset)
+        return f.read()
+
+
+def _tail(path: Path, lines: int) -> str:
+    tail: collections.deque[str] = collections.deque(maxlen=lines)
+    if path.is_file():
+        with open(path, errors="replace") as f:
+            tail.extend(line.rstrip("\n") for line in f)
+    return f"(last {len(tail)} lines)\n" + "\n".join(tail)
 
 
 def _short(exc: BaseException) -> str:
