@@ -102,6 +102,32 @@ def dist_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
+def check_gpu_for_rank() -> None:
+    """Under CUDA each rank trains on ``cuda:LOCAL_RANK`` (DeepSpeed's placement): a rank without its own GPU
+    fails here with what to change, not deep inside NCCL or with an invalid device ordinal."""
+    import torch
+
+    if not torch.cuda.is_available() or os.environ.get("PETTINGFLOW_DIST_BACKEND") == "gloo":
+        return
+    local_rank, gpus = _env_int("LOCAL_RANK", 0), torch.cuda.device_count()
+    if local_rank >= gpus:
+        raise RuntimeError(
+            f"rank with LOCAL_RANK={local_rank} has no GPU of its own: this machine has {gpus} (NCCL needs one GPU per "
+            f"rank). Set training.num_processes <= {gpus} per node, or CUDA_VISIBLE_DEVICES to show more GPUs"
+        )
+
+
+def collective_device() -> Any:
+    """Where a tensor for a torch.distributed collective must live: the rank's GPU under NCCL (which refuses CPU
+    tensors), the CPU under gloo."""
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def deepspeed_config(t: Any, world_size: int, dtype: str, hidden_size: int | None = None) -> dict[str, Any]:
     """The DeepSpeed config of a ``TrainingSettings`` at ``world_size`` ranks (``dtype``: fp32 | bf16, resolved).
 
@@ -167,8 +193,10 @@ class _Accumulator:
             key_lists: list[list[str] | None] = [None] * world_size
             dist.all_gather_object(key_lists, sorted(sums))
             keys = sorted({k for ks in key_lists for k in (ks or [])})
-            t = torch.tensor([sums.get(k, 0.0) for k in keys] + [counts.get(k, 0.0) for k in keys], dtype=torch.float64)
+            values = [sums.get(k, 0.0) for k in keys] + [counts.get(k, 0.0) for k in keys]
+            t = torch.tensor(values, dtype=torch.float64, device=collective_device())
             dist.all_reduce(t)
+            t = t.cpu()
             n = len(keys)
             sums = dict(zip(keys, t[:n].tolist(), strict=True))
             counts = dict(zip(keys, t[n:].tolist(), strict=True))
@@ -294,6 +322,7 @@ class UpdateWorker:
         torch.manual_seed(spec.seed)
         if not dist.is_initialized():
             ensure_dist_env()
+            check_gpu_for_rank()
             disable_shm_comm()
             logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
             deepspeed.init_distributed(dist_backend=dist_backend())
@@ -683,7 +712,9 @@ class UpdateWorker:
         rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
         norms = torch.tensor([max(self._grad_norms, default=0.0), rss_mb], dtype=torch.float64)
         if self.world_size > 1:
+            norms = norms.to(collective_device())
             dist.all_reduce(norms, op=dist.ReduceOp.MAX)
+            norms = norms.cpu()
         out: dict[str, Any] = {}
         epochs: dict[int, dict[str, float]] = defaultdict(dict)
         agents: dict[str, dict[str, float]] = defaultdict(dict)

@@ -1,0 +1,1130 @@
+"""The learner on a GPU, in one prepared run: does the update code that was only ever run on CPUs give the same
+updates on CUDA, at ZeRO-3 with checkpointing, at 2 ranks, in bf16 and with LoRA?
+
+Why: the update (``training/worker.py``) was developed and tested on a 2-core CPU VM; its CUDA path (NCCL,
+``engine.device``, bf16 on a GPU, ``torch.cuda`` memory) had never run (docs/training.md, "Not verified").
+Device time is scarce (one lent H100/H200 for ~10 minutes), so this script runs every check once, each stage in
+its own subprocess with its own timeout: a failing stage records its error's key lines and the next one runs.
+Everything uses the repo's own learner: ``UpdateWorker`` run in-process by this script's ``--run-job`` mode
+(one process, or 2 ranks under ``torch.distributed.run``), the one-shot ``launch.run_update``, ``UpdateSpec``,
+``bench/common.write_random_batch`` and ``bench/memory.key_line``. Models are random Llamas built locally
+(``transformers.LlamaConfig``, nothing downloaded; a stand-in ``tokenizer_config.json`` + chat template as the
+tests use, which the worker's save step copies).
+
+Device command (repo root; the ignored folder ``.whl/`` must travel with the tree, e.g. ``carry: [".whl"]``)::
+
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site && { python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/pf . || echo "pip install of pettingflow failed: gpu_check maps the source tree itself"; } && export PYTHONPATH=/tmp/pf:/tmp/site PYTHONUNBUFFERED=1 && python3 bench/gpu_check.py --device cuda --out "$OUT"
+
+``.whl/`` (wheels of what the device lacks, for CPython 3.12 / manylinux x86-64; versions of requirements/cpu.lock):
+deepspeed-0.19.8-py3-none-any (built from the sdist without ops: pure Python, no op is JIT-compiled by these
+runs), pydantic-2.14.3, pydantic_core-2.50.4 (cp312 manylinux2014), annotated_types-0.8.0,
+typing_inspection-0.4.5, typing_extensions-4.16.0 (pydantic needs >= 4.16), hjson-3.1.0; about 5 MiB. The import
+closure of the update path is the device's packages (torch, transformers, peft, accelerate, pyarrow, fsspec,
+numpy, pyyaml, psutil, safetensors, msgpack, einops, ninja, py-cpuinfo, tqdm, packaging) plus these: checked on
+a bare Python 3.12 venv holding only those packages (torch 2.11.0, transformers 5.17.0) with this exact command,
+in ``--device cpu`` mode. If pettingflow's own pip install fails on the device (an old setuptools), the script
+builds the package layout of pyproject's ``[tool.setuptools.package-dir]`` from symlinks instead.
+
+Stages (``--device cuda``; expected 3-4 minutes on an H100; ``--budget-s`` 420 s caps the stages, so give the command 480 s):
+
+1. ``env``: torch / CUDA / device name, capability and memory, NCCL version, TF32 settings, versions of
+   deepspeed, transformers, peft, pydantic, and where each imported package came from (``/tmp/site``?).
+2. ``cpu_vs_gpu_fp32``: one fp32 update (1 rank, ZeRO-0, 8 rows with random non-zero advantages, 2 epochs x 2
+   windows = 4 optimizer steps, a 4-layer random Llama) on the CPU (``CUDA_VISIBLE_DEVICES=""``, 8 threads) and
+   on the GPU (TF32 off: torch's default): ``rel = ||w_gpu - w_cpu|| / ||w_cpu - w_start||`` over all weights,
+   max |diff| against the largest single weight update, loss and grad_norm of both. Pass: rel < 1e-3.
+3. ``zero3_ckpt_vs_zero0``: GPU fp32, 1 rank, 2 successive updates in one resident worker (the second continues
+   in memory, ``optimizer_state: resident``), ZeRO-3 + gradient checkpointing vs ZeRO-0: rel after each update
+   (pass < 1e-3); the ZeRO-3 ``model/`` folder loads with ``AutoModelForCausalLM`` and every tensor equals its
+   ``model.safetensors``; ``torch.cuda.max_memory_allocated`` per update (read in the worker process).
+4. ``two_ranks_one_gpu``: 2 ranks (torchrun) on the one GPU. (a) ``PETTINGFLOW_DIST_BACKEND=gloo``: gloo on
+   CUDA tensors, ZeRO-0 fp32, the stage-2 update: rel against stage 2's 1-rank GPU weights (pass < 1e-3);
+   this mode sets ``LOCAL_RANK=0`` in both ranks (the job's ``same_gpu``), since DeepSpeed puts a rank on
+   ``cuda:LOCAL_RANK``. (b) the default backend (NCCL) with both ranks on cuda:0: expected to fail with NCCL's
+   duplicate-GPU error, 90 s timeout, recorded as is. (c) the repo's own one-shot path as a flow calls it
+   (``launch.run_update``: torchrun, default backend, so NCCL with ranks on cuda:0 and cuda:1 on a 1-GPU machine),
+   90 s timeout, recorded as is (on the CPU: gloo, compared with the 1-rank run too). (a), (b), (c) run at once.
+5. ``bf16_lora``: (a) a bf16 LoRA update (two agents, one adapter each, ZeRO-2) on the small model: it runs,
+   both adapters are written and moved, the loss is finite. (b) a ~1.1B random Llama (hidden 2048, 16 layers,
+   intermediate 8192, 32 heads / 8 KV heads, vocab 32000, tied embeddings), 8 rows x 1024 tokens, bf16,
+   micro-batch 4: ZeRO-3 + checkpointing vs ZeRO-0 without, 2 updates each (the second resident, so the
+   optimizer state exists before it), no weights saved: duration per update, max_memory_allocated, and the
+   activation memory of the second update's training (peak during ``train()`` minus what was allocated before
+   it; includes the transient gradients) with its checkpointing / no-checkpointing ratio (goal <= 0.5).
+
+``--device cpu``: the same stages on tiny models where CUDA is not needed (this is how the script is tested on
+the CPU machine): stage 2 compares 1 CPU thread with 2 threads (no GPU), stage 4 runs gloo and run_update on the CPU, stage
+5 uses a tiny "big" model; memory figures are the ranks' peak RSS instead of CUDA allocations.
+
+Output (``--out``, default ``$OUT``): ``gpu_check.json`` (every stage's status, figures, error key lines and log
+tails), ``gpu_check.log`` (this console) and ``runs.log`` (the logs of every worker run, capped).
+"""  # noqa: E501 (the device command is one line)
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import common
+import memory
+
+HERE = Path(__file__).resolve()
+STAGES = ("env", "cpu_vs_gpu_fp32", "zero3_ckpt_vs_zero0", "two_ranks_one_gpu", "bf16_lora")
+STAGE_TIMEOUT_S = {"env": 90, "cpu_vs_gpu_fp32": 180, "zero3_ckpt_vs_zero0": 180, "two_ranks_one_gpu": 200}
+STAGE_TIMEOUT_S["bf16_lora"] = 300
+PASS_REL = 1e-3
+AGENTS = ["code_generator", "test_generator"]
+# Llama shapes (tied embeddings like SmolLM2); seq = tokens per row, prompt = its prompt part
+SHAPES: dict[str, dict[str, dict[str, int]]] = {
+    "cuda": {
+        "small": {"layers": 4, "hidden": 256, "intermediate": 688, "heads": 4, "kv_heads": 2, "vocab": 4096},
+        "big": {"layers": 16, "hidden": 2048, "intermediate": 8192, "heads": 32, "kv_heads": 8, "vocab": 32000},
+    },
+    "cpu": {
+        "small": {"layers": 2, "hidden": 64, "intermediate": 128, "heads": 4, "kv_heads": 2, "vocab": 512},
+        "big": {"layers": 2, "hidden": 128, "intermediate": 256, "heads": 4, "kv_heads": 2, "vocab": 1024},
+    },
+}
+SEQ = {"cuda": {"small": (128, 32), "big": (1024, 64)}, "cpu": {"small": (40, 12), "big": (96, 16)}}
+ROWS = 8
+STARTED = float(os.environ.get("GPU_CHECK_STARTED") or time.time())  # the whole run's start, in every child
+
+
+def say(msg: str) -> None:
+    stamp = time.strftime("%H:%M:%S")
+    print(f"[{stamp} +{time.time() - STARTED:6.1f}s] {msg}", flush=True)
+
+
+def key_lines(text: str, n: int = 6) -> list[str]:
+    """The failing rank's exception line (bench/memory.key_line) and the last few error-looking lines."""
+    pat = re.compile(r"Error|Exception|error:|NCCL WARN|Duplicate GPU|invalid device|Traceback|Killed|timed out")
+    found: list[str] = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line and pat.search(line) and line not in found:
+            found.append(line[:400])
+    return [memory.key_line(text), *found[-n:]]
+
+
+# ------------------------------------------------------------------------------------------------ processes
+class Proc:
+    """A child process in its own session, its output in a log file, killed (whole group) at its deadline."""
+
+    def __init__(self, name: str, cmd: list[str], log: Path, env: dict[str, str], cwd: Path, timeout_s: float):
+        self.name, self.log, self.timeout_s = name, log, timeout_s
+        self.started = time.perf_counter()
+        self.handle = open(log, "w")  # noqa: SIM115 - closed in wait()
+        self.proc = subprocess.Popen(
+            with_parent(cmd),
+            stdout=self.handle,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            cwd=cwd,
+            start_new_session=True,
+        )
+
+    def wait(self) -> dict[str, Any]:
+        left = max(1.0, self.timeout_s - (time.perf_counter() - self.started))
+        timed_out = False
+        try:
+            rc = self.proc.wait(timeout=left)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            kill_group(self.proc)
+            rc = self.proc.wait()
+        finally:
+            self.handle.close()
+        text = self.log.read_text(errors="replace")
+        out = {"rc": rc, "timed_out": timed_out, "wall_s": round(time.perf_counter() - self.started, 1)}
+        if rc != 0 or timed_out:
+            out["key_lines"] = key_lines(text) + ([f"timed out after {self.timeout_s:.0f} s"] if timed_out else [])
+            out["log_tail"] = text[-3000:]
+        return out
+
+
+def with_parent(cmd: list[str]) -> list[str]:
+    """``cmd`` in the repo's death-signal wrapper (group mode): if this process dies (a stage killed at its
+    timeout), the child's whole process group (torchrun and its ranks) is killed too, not left on the GPU."""
+    import signal
+
+    try:
+        from pettingflow import deathsig
+    except ImportError:  # no pettingflow here: the child runs unwrapped (and fails on its own imports)
+        return cmd
+    return deathsig.wrap(cmd, signal.SIGKILL, group_grace_s=2.0)
+
+
+def kill_group(proc: subprocess.Popen[Any]) -> None:
+    import signal
+
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)  # the session this Popen started (torchrun and its ranks)
+
+
+def child_env(threads: int, cuda_visible: str | None = None, extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR", "LD_PRELOAD"):
+        env.pop(key, None)
+    env.update(
+        OMP_NUM_THREADS=str(threads),
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+        PYTHONUNBUFFERED="1",
+    )
+    if cuda_visible is not None:
+        env["CUDA_VISIBLE_DEVICES"] = cuda_visible
+    env.update(extra or {})
+    return env
+
+
+# ------------------------------------------------------------------------------------------------ models, batches
+def build_model(folder: Path, shape: dict[str, int], dtype: str, device: str) -> int:
+    """A random Llama of ``shape`` saved in ``folder`` (weights in ``dtype``), stand-in tokenizer files beside it."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=shape["vocab"],
+        hidden_size=shape["hidden"],
+        intermediate_size=shape["intermediate"],
+        num_hidden_layers=shape["layers"],
+        num_attention_heads=shape["heads"],
+        num_key_value_heads=shape["kv_heads"],
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    with torch.device(device):
+        model = LlamaForCausalLM(config)
+    model = model.to({"fp32": torch.float32, "bf16": torch.bfloat16}[dtype])
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    (tmp / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 4096}))
+    (tmp / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    params = sum(p.numel() for p in model.parameters())
+    (tmp / "params.json").write_text(json.dumps({"params": params}))
+    os.replace(tmp, folder)
+    del model
+    return params
+
+
+def ensure_model(work: Path, mode: str, size: str, dtype: str = "fp32", device: str = "cpu") -> Path:
+    folder = work / "models" / f"{size}-{dtype}"
+    if not (folder / "config.json").is_file():
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        t0 = time.perf_counter()
+        params = build_model(folder, SHAPES[mode][size], dtype, device)
+        say(
+            f"built random Llama {size} ({params / 1e6:.1f}M params, {dtype}, on {device}) in "
+            f"{time.perf_counter() - t0:.1f} s"
+        )
+    return folder
+
+
+def write_batch(path: Path, mode: str, size: str, seed: int, agents: list[str] | None = None) -> Path:
+    """``common.write_random_batch`` (8 rows, every response token trained, sampler log-probs -log V), with its
+    +-1 advantages replaced by random non-zero ones and, for LoRA, rows alternating between ``agents``."""
+    import random
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    seq, prompt = SEQ[mode][size]
+    vocab = SHAPES[mode][size]["vocab"]
+    common.write_random_batch(path, ROWS, seq, prompt, vocab, seed=seed, sampler_logprob=-math.log(vocab))
+    table = pq.read_table(path)
+    rng = random.Random(seed)
+    columns = {"advantage": [rng.choice((-1.0, 1.0)) * rng.uniform(0.2, 1.5) for _ in range(ROWS)]}
+    if agents:
+        columns["agent_name"] = [agents[i % len(agents)] for i in range(ROWS)]
+        columns["agent_idx"] = [i % len(agents) for i in range(ROWS)]
+    for name, values in columns.items():
+        i = table.schema.get_field_index(name)
+        table = table.set_column(i, table.schema.field(i), pa.array(values, table.schema.field(i).type))
+    pq.write_table(table, path)
+    return path
+
+
+def spec_dict(batch: Path, out: Path, model: Path, seq: int, **kw: Any) -> dict[str, Any]:
+    """An ``UpdateSpec`` (validated) as JSON: fp32 ZeRO-0, micro 2, mini 4, 2 epochs unless ``kw`` says otherwise."""
+    from pettingflow.training.launch import UpdateSpec
+
+    training = {
+        "num_processes": 1,
+        "zero_stage": 0,
+        "dtype": "fp32",
+        "micro_batch_size": 2,
+        "mini_batch_size": 4,
+        "epochs": 2,
+        "lr": 1e-4,
+        "max_seq_len": seq,
+        "malloc": "system",
+    }
+    training.update(kw.pop("training", {}))
+    spec = {
+        "batch_uri": str(batch),
+        "policy": "shared",
+        "out_dir": str(out),
+        "init_model_dir": str(model),
+        "training": training,
+        "algorithm": {"kl_coef": 0.0},
+        "save_resume_state": False,
+        "seed": 0,
+        "start_version": "base",
+        "version": "u1",
+        **kw,
+    }
+    return UpdateSpec.model_validate(spec).model_dump(mode="json")
+
+
+# ------------------------------------------------------------------------------------------------ worker runs
+def run_job(job_path: str) -> int:
+    """``--run-job JOB``: one rank. Runs the job's specs one after another in one resident ``UpdateWorker``
+    (so a second spec whose ``start_version`` is the first's ``version`` continues in memory) and writes
+    ``result-rank<r>.json`` beside the job: metrics, device, CUDA memory (peak per update, before and during
+    ``train()``) and peak RSS."""
+    import logging
+    import resource
+
+    job = json.loads(Path(job_path).read_text())
+    if job.get("same_gpu"):
+        os.environ["LOCAL_RANK"] = "0"  # DeepSpeed binds a rank to cuda:LOCAL_RANK; one GPU: all on cuda:0
+    rank = int(os.environ.get("RANK", "0"))
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
+    import torch
+    import torch.distributed as dist
+
+    from pettingflow.training.launch import UpdateSpec
+    from pettingflow.training.worker import UpdateWorker, ensure_dist_env
+
+    ensure_dist_env()
+    cuda = torch.cuda.is_available()
+    skip_save = bool(job.get("skip_save"))
+
+    class CheckWorker(UpdateWorker):
+        def train(self) -> None:
+            if cuda:
+                torch.cuda.synchronize()
+                before = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+            super().train()
+            if cuda:
+                torch.cuda.synchronize()
+                self.train_memory = {"before_train": before, "train_peak": torch.cuda.max_memory_allocated()}
+
+        def save_checkpoint(self) -> None:
+            if not skip_save:
+                return super().save_checkpoint()
+            self.metrics["outputs"] = None
+            self.metrics["optimizer_saved"] = False
+            return None
+
+    worker = CheckWorker()
+    results: list[dict[str, Any]] = []
+    keys = (
+        "loss",
+        "pg_loss",
+        "grad_norm",
+        "grad_norm_max",
+        "optimizer_steps",
+        "global_step",
+        "micro_batches",
+        "optimizer_state",
+        "num_processes",
+        "zero_stage",
+        "dtype",
+        "duration_s",
+        "timings",
+        "tokens_per_s",
+        "outputs",
+        "agents",
+        "max_rss_mb_per_rank",
+    )
+    try:
+        for i, raw in enumerate(job["specs"]):
+            spec = UpdateSpec.model_validate(raw)
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            t0 = time.perf_counter()
+            metrics = worker.update(spec)
+            entry: dict[str, Any] = {"metrics": {k: metrics.get(k) for k in keys}}
+            entry["wall_s"] = round(time.perf_counter() - t0, 2)
+            entry["engine_device"] = str(worker.engine.device)
+            entry["param_device"] = str(next(worker.engine.module.parameters()).device)
+            entry["backend"] = dist.get_backend()
+            if cuda:
+                torch.cuda.synchronize()
+                entry["max_memory_allocated"] = torch.cuda.max_memory_allocated()
+                entry["max_memory_reserved"] = torch.cuda.max_memory_reserved()
+                entry.update(getattr(worker, "train_memory", {}))
+            entry["max_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+            results.append(entry)
+            mem = f", max_memory_allocated {entry['max_memory_allocated'] / 2**30:.2f} GiB" if cuda else ""
+            print(
+                f"rank{rank} update {i + 1}/{len(job['specs'])}: loss {metrics.get('loss')}, grad_norm "
+                f"{metrics.get('grad_norm')}, {entry['wall_s']} s on {entry['engine_device']}{mem}",
+                flush=True,
+            )
+    finally:
+        worker.cleanup()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    out = Path(job_path).with_name(f"result-rank{rank}.json")
+    out.write_text(json.dumps({"rank": rank, "updates": results}, indent=1, default=str))
+    return 0
+
+
+def start_job(
+    work: Path,
+    name: str,
+    specs: list[dict[str, Any]],
+    *,
+    ranks: int = 1,
+    threads: int = 4,
+    cuda_visible: str | None = None,
+    env: dict[str, str] | None = None,
+    same_gpu: bool = False,
+    skip_save: bool = False,
+    timeout_s: float = 120,
+) -> Proc:
+    from pettingflow.processes import free_port
+
+    timeout_s *= float(os.environ.get("GPU_CHECK_TIMEOUT_SCALE", "1"))  # --device cpu: slower runs
+    folder = work / "jobs" / name
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    job = folder / "job.json"
+    job.write_text(json.dumps({"specs": specs, "same_gpu": same_gpu, "skip_save": skip_save}, indent=1))
+    if ranks == 1:
+        cmd = [sys.executable, str(HERE), "--run-job", str(job)]
+        extra = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
+        extra["MASTER_PORT"] = str(free_port())
+    else:
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc_per_node={ranks}",
+            "--nnodes=1",
+            "--master_addr=127.0.0.1",
+            f"--master_port={free_port()}",
+            str(HERE),
+            "--run-job",
+            str(job),
+        ]
+        extra = {}
+    say(f"  run {name}: {ranks} rank(s), {len(specs)} update(s), timeout {timeout_s:.0f} s")
+    return Proc(
+        name, cmd, folder / "run.log", child_env(threads, cuda_visible, {**extra, **(env or {})}), work, timeout_s
+    )
+
+
+def finish_job(proc: Proc) -> dict[str, Any]:
+    out = proc.wait()
+    folder = proc.log.parent
+    ranks = sorted(folder.glob("result-rank*.json"))
+    out["ranks"] = [json.loads(p.read_text()) for p in ranks]
+    out["ok"] = out["rc"] == 0 and not out["timed_out"] and bool(ranks)
+    if out["ok"]:
+        out["updates"] = out["ranks"][0]["updates"]
+    say(
+        f"  run {proc.name}: {'ok' if out['ok'] else 'FAILED'} in {out['wall_s']} s"
+        + ("" if out["ok"] else f": {out.get('key_lines', ['?'])[0]}")
+    )
+    with open(proc.log.parent.parent.parent / "runs.log", "a") as f:
+        f.write(f"\n===== run {proc.name} (rc {out['rc']}, {out['wall_s']} s) =====\n")
+        f.write(proc.log.read_text(errors="replace")[-200_000:])
+    return out
+
+
+def run_jobs(procs: list[Proc]) -> list[dict[str, Any]]:
+    return [finish_job(p) for p in procs]
+
+
+# ------------------------------------------------------------------------------------------------ comparisons
+def load_weights(folder: Path) -> dict[str, Any]:
+    from safetensors.torch import load_file
+
+    out: dict[str, Any] = {}
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    if not out:
+        raise FileNotFoundError(f"no *.safetensors in {folder}")
+    return out
+
+
+def distance(candidate: Path, reference: Path, start: Path) -> dict[str, Any]:
+    """How far ``candidate``'s weights are from ``reference``'s, relative to the update ``reference`` made from
+    ``start``: rel = ||cand - ref|| / ||ref - start|| (all tensors together), and max |cand - ref| against the
+    largest single-weight update."""
+    a, b, s = load_weights(candidate), load_weights(reference), load_weights(start)
+    keys = sorted(set(a) & set(b) & set(s))
+    diff2 = upd2 = 0.0
+    max_diff = max_upd = 0.0
+    for k in keys:
+        x, y, z = a[k].double(), b[k].double(), s[k].double()
+        d, u = x - y, y - z
+        diff2 += float((d * d).sum())
+        upd2 += float((u * u).sum())
+        max_diff = max(max_diff, float(d.abs().max()))
+        max_upd = max(max_upd, float(u.abs().max()))
+    rel = math.sqrt(diff2) / math.sqrt(upd2) if upd2 > 0 else float("nan")
+    return {
+        "rel": rel,
+        "diff_l2": math.sqrt(diff2),
+        "update_l2": math.sqrt(upd2),
+        "max_abs_diff": max_diff,
+        "max_abs_update": max_upd,
+        "max_diff_over_max_update": max_diff / max_upd if max_upd else float("nan"),
+        "tensors": len(keys),
+        "keys_only_in_one": sorted(set(a) ^ set(b)),
+    }
+
+
+def verdict(rel: float) -> str:
+    return "pass" if rel == rel and rel < PASS_REL else "fail"
+
+
+def gib(value: Any) -> Any:
+    return round(value / 2**30, 3) if isinstance(value, int | float) else None
+
+
+def memory_of(update: dict[str, Any]) -> dict[str, Any]:
+    keys = ("max_memory_allocated", "max_memory_reserved", "before_train", "train_peak", "max_rss_bytes")
+    out = {f"{k}_gib": gib(update.get(k)) for k in keys if update.get(k) is not None}
+    if "train_peak" in update:
+        out["train_activation_gib"] = gib(update["train_peak"] - update["before_train"])
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ stages
+def stage_env(work: Path, mode: str, args: Any) -> dict[str, Any]:
+    import importlib
+    import importlib.metadata as md
+
+    out: dict[str, Any] = {"python": sys.version.split()[0], "executable": sys.executable}
+    out["pythonpath"] = os.environ.get("PYTHONPATH", "")
+    mods = [
+        "torch",
+        "deepspeed",
+        "transformers",
+        "peft",
+        "accelerate",
+        "pydantic",
+        "pydantic_core",
+        "typing_extensions",
+        "hjson",
+        "pyarrow",
+        "fsspec",
+        "safetensors",
+        "numpy",
+        "yaml",
+        "pettingflow",
+    ]
+    out["modules"] = {}
+    for name in mods:
+        try:
+            m = importlib.import_module(name)
+            out["modules"][name] = {"file": getattr(m, "__file__", None), "version": getattr(m, "__version__", None)}
+        except Exception as exc:
+            out["modules"][name] = {"error": f"{type(exc).__name__}: {exc}"}
+    for dist_name in ("deepspeed", "transformers", "peft", "torch", "pydantic", "accelerate"):
+        try:
+            out.setdefault("versions", {})[dist_name] = md.version(dist_name)
+        except md.PackageNotFoundError:
+            out.setdefault("versions", {})[dist_name] = None
+    closure = [
+        "pettingflow.training.worker",
+        "pettingflow.training.model",
+        "pettingflow.training.logprobs",
+        "pettingflow.training.optim",
+        "pettingflow.training.launch",
+        "pettingflow.training.data",
+        "pettingflow.storage.schema",
+        "peft",
+        "transformers.models.llama.modeling_llama",
+        "deepspeed.comm.torch",
+    ]
+    out["import_errors"] = {}
+    for name in closure:
+        try:
+            importlib.import_module(name)
+        except Exception as exc:
+            out["import_errors"][name] = f"{type(exc).__name__}: {exc}"
+    third = sorted({n.split(".")[0] for n in sys.modules if not n.startswith("_")} - set(sys.stdlib_module_names))
+    out["from_site"] = sorted(
+        n for n in third if str(getattr(sys.modules.get(n), "__file__", "") or "").startswith("/tmp/site")
+    )
+    import torch
+
+    out["torch"] = torch.__version__
+    out["cuda_available"] = torch.cuda.is_available()
+    out["torch_cuda"] = torch.version.cuda
+    matmul = torch.backends.cuda.matmul
+    out["matmul_allow_tf32"] = matmul.allow_tf32
+    out["matmul_fp32_precision"] = getattr(matmul, "fp32_precision", None)
+    out["cudnn_allow_tf32"] = torch.backends.cudnn.allow_tf32
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        out["device_count"] = torch.cuda.device_count()
+        out["device_name"] = torch.cuda.get_device_name(0)
+        out["capability"] = list(torch.cuda.get_device_capability(0))
+        out["total_memory_gib"] = gib(props.total_memory)
+        out["bf16_supported"] = torch.cuda.is_bf16_supported()
+        try:
+            out["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        except Exception as exc:
+            out["nccl"] = f"error: {exc}"
+        x = torch.randn(512, 512, device="cuda", dtype=torch.float64)
+        y = torch.randn(512, 512, device="cuda", dtype=torch.float64)
+        ref = (x @ y).cpu()
+        out["fp32_matmul_rel_err"] = float(
+            ((x.float() @ y.float()).double().cpu() - ref).norm() / ref.norm()
+        )  # ~1e-6 with TF32 off, ~1e-3 with it on
+        from deepspeed.accelerator import get_accelerator
+
+        out["deepspeed_accelerator"] = get_accelerator()._name
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        q = "--query-gpu=name,memory.total,driver_version"
+        res = subprocess.run([smi, q, "--format=csv,noheader"], capture_output=True, text=True, timeout=20)
+        out["nvidia_smi"] = res.stdout.strip()
+    bad = out["import_errors"] or (mode == "cuda" and not out["cuda_available"])
+    out["status"] = "fail" if bad else "pass"
+    return out
+
+
+def fp32_specs(
+    work: Path, mode: str, name: str, batch: Path, model: Path, threads: int | None = None, **training: Any
+) -> list[dict[str, Any]]:
+    """The one fp32 update of stages 2 and 4 (ZeRO-0, 8 rows, 2 windows x 2 epochs), into ``out/<name>``."""
+    seq = SEQ[mode]["small"][0]
+    return [spec_dict(batch, work / "out" / name, model, seq, training=training, num_threads=threads)]
+
+
+def stage_cpu_vs_gpu(work: Path, mode: str, args: Any) -> dict[str, Any]:
+    model = ensure_model(work, mode, "small")
+    batch = write_batch(work / "batch-a.parquet", mode, "small", seed=1)
+    if mode == "cuda":  # both at once: the CPU run uses 8 of the 16 cores, the GPU run the GPU
+        ref = start_job(
+            work,
+            "s2-ref",
+            fp32_specs(work, mode, "s2-ref", batch, model, threads=8),
+            threads=8,
+            cuda_visible="",
+            timeout_s=150,
+        )
+        dev = start_job(work, "s2-dev", fp32_specs(work, mode, "s2-dev", batch, model), threads=4, timeout_s=150)
+        r_ref, r_dev = finish_job(ref), finish_job(dev)
+        what = "GPU vs CPU (8 threads)"
+    else:  # no GPU: 2 threads vs 1 thread, one after the other (tests the pipeline, not the hardware)
+        ref = start_job(
+            work, "s2-ref", fp32_specs(work, mode, "s2-ref", batch, model, threads=1), threads=1, timeout_s=150
+        )
+        r_ref = finish_job(ref)
+        dev = start_job(
+            work, "s2-dev", fp32_specs(work, mode, "s2-dev", batch, model, threads=2), threads=2, timeout_s=150
+        )
+        r_dev = finish_job(dev)
+        what = "CPU 2 threads vs CPU 1 thread (no GPU in --device cpu)"
+    out: dict[str, Any] = {"what": what, "reference_run": r_ref, "device_run": r_dev}
+    if not (r_ref["ok"] and r_dev["ok"]):
+        out["status"] = "fail"
+        return out
+    out["distance"] = distance(work / "out" / "s2-dev" / "model", work / "out" / "s2-ref" / "model", model)
+    m_ref, m_cand = r_ref["updates"][0]["metrics"], r_dev["updates"][0]["metrics"]
+    out["loss"] = {"reference": m_ref["loss"], "candidate": m_cand["loss"]}
+    out["grad_norm"] = {"reference": m_ref["grad_norm"], "candidate": m_cand["grad_norm"]}
+    out["devices"] = {
+        "reference": r_ref["updates"][0]["engine_device"],
+        "candidate": r_dev["updates"][0]["engine_device"],
+    }
+    out["status"] = verdict(out["distance"]["rel"])
+    out["headline"] = (
+        f"{what}: rel {out['distance']['rel']:.2e} (pass < {PASS_REL:g}), max|diff|/max|update| "
+        f"{out['distance']['max_diff_over_max_update']:.2e}, loss {m_cand['loss']:.6f} vs {m_ref['loss']:.6f}, "
+        f"grad_norm {m_cand['grad_norm']:.6f} vs {m_ref['grad_norm']:.6f}"
+    )
+    return out
+
+
+def stage_zero3(work: Path, mode: str, args: Any) -> dict[str, Any]:
+    model = ensure_model(work, mode, "small")
+    seq = SEQ[mode]["small"][0]
+    batches = [
+        write_batch(work / "batch-a.parquet", mode, "small", seed=1),
+        write_batch(work / "batch-b.parquet", mode, "small", seed=2),
+    ]
+    runs = {"z3ckpt": {"zero_stage": 3, "gradient_checkpointing": True}, "z0": {"zero_stage": 0}}
+
+    def specs(name: str) -> list[dict[str, Any]]:
+        return [
+            spec_dict(batches[0], work / "out" / f"s3-{name}-u1", model, seq, training=runs[name]),
+            spec_dict(
+                batches[1],
+                work / "out" / f"s3-{name}-u2",
+                model,
+                seq,
+                training=runs[name],
+                start_version="u1",
+                version="u2",
+            ),
+        ]
+
+    if mode == "cuda":  # independent processes: each one's memory peak is its own
+        results = dict(
+            zip(runs, run_jobs([start_job(work, f"s3-{n}", specs(n), timeout_s=150) for n in runs]), strict=True)
+        )
+    else:
+        results = {n: finish_job(start_job(work, f"s3-{n}", specs(n), threads=2, timeout_s=150)) for n in runs}
+    out: dict[str, Any] = {"runs": results}
+    if not all(r["ok"] for r in results.values()):
+        out["status"] = "fail"
+        return out
+    out["distance"] = {
+        f"u{u}": distance(work / "out" / f"s3-z3ckpt-u{u}" / "model", work / "out" / f"s3-z0-u{u}" / "model", model)
+        for u in (1, 2)
+    }
+    out["optimizer_state_update2"] = {n: r["updates"][1]["metrics"]["optimizer_state"] for n, r in results.items()}
+    out["memory"] = {n: [memory_of(u) for u in r["updates"]] for n, r in results.items()}
+    # the ZeRO-3 HF folder: loads with transformers and holds exactly its safetensors' tensors
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    folder = work / "out" / "s3-z3ckpt-u2" / "model"
+    loaded = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, local_files_only=True)
+    state = loaded.state_dict()
+    stored = load_weights(folder)
+    unequal = [k for k, v in stored.items() if k not in state or not torch.equal(state[k], v)]
+    out["hf_load"] = {
+        "tensors": len(stored),
+        "unequal": unequal[:10],
+        "n_unequal": len(unequal),
+        "tied": loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr(),
+    }
+    rels = [out["distance"][u]["rel"] for u in ("u1", "u2")]
+    ok = all(verdict(r) == "pass" for r in rels) and not unequal
+    ok = ok and out["optimizer_state_update2"]["z3ckpt"] == "resident"
+    out["status"] = "pass" if ok else "fail"
+    mem_key, mem_name = (
+        ("max_memory_allocated_gib", "max_memory_allocated") if mode == "cuda" else ("max_rss_bytes_gib", "peak RSS")
+    )
+    peaks = {n: [m.get(mem_key) for m in v] for n, v in out["memory"].items()}
+    out["headline"] = (
+        f"ZeRO-3+ckpt vs ZeRO-0: rel {rels[0]:.2e} after update 1, {rels[1]:.2e} after update 2 (resident); "
+        f"HF folder loads, {len(stored) - len(unequal)}/{len(stored)} tensors equal; {mem_name} GiB per update {peaks}"
+    )
+    return out
+
+
+def stage_two_ranks(work: Path, mode: str, args: Any) -> dict[str, Any]:
+    model = ensure_model(work, mode, "small")
+    batch = work / "batch-a.parquet"
+    if not batch.is_file():
+        write_batch(batch, mode, "small", seed=1)
+    one_rank = work / "out" / "s2-dev" / "model"  # stage 2's device run: the 1-rank run on this device
+    out: dict[str, Any] = {}
+    procs = [
+        start_job(
+            work,
+            "s4-gloo",
+            fp32_specs(work, mode, "s4-gloo", batch, model, num_processes=2),
+            ranks=2,
+            threads=2,
+            env={"PETTINGFLOW_DIST_BACKEND": "gloo"},
+            same_gpu=True,
+            timeout_s=120,
+        )
+    ]
+    if mode == "cuda":
+        procs.append(
+            start_job(
+                work,
+                "s4-nccl-same-gpu",
+                fp32_specs(work, mode, "s4-nccl", batch, model, num_processes=2),
+                ranks=2,
+                threads=2,
+                same_gpu=True,
+                timeout_s=90,
+            )
+        )
+    repo: dict[str, Any] = {}
+    repo_timeout = 90 * float(os.environ.get("GPU_CHECK_TIMEOUT_SCALE", "1"))
+
+    def repo_path() -> None:  # the repo's one-shot launcher as a flow calls it: torchrun, default backend
+        from pettingflow.training import UpdateError, UpdateSpec, run_update
+
+        spec = UpdateSpec.model_validate(fp32_specs(work, mode, "s4-repo", batch, model, num_processes=2)[0])
+        t0 = time.perf_counter()
+        try:
+            metrics = run_update(spec, timeout_s=repo_timeout)
+            repo.update(ok=True, loss=metrics.get("loss"), num_processes=metrics.get("num_processes"))
+        except UpdateError as exc:
+            repo.update(ok=False, key_lines=key_lines(str(exc)), log_tail=str(exc)[-3000:])
+        except Exception as exc:  # anything else: recorded, the stage goes on
+            repo.update(ok=False, key_lines=[f"{type(exc).__name__}: {exc}"])
+        repo["wall_s"] = round(time.perf_counter() - t0, 1)
+
+    say(f"  run s4-repo: launch.run_update, 2 ranks, default backend, timeout {repo_timeout:.0f} s")
+    thread = threading.Thread(target=repo_path, daemon=True)
+    thread.start()
+    results = run_jobs(procs)
+    gloo = results[0]
+    out["gloo_same_gpu"] = gloo
+    thread.join(timeout=repo_timeout + 30)
+    out["repo_run_update_default_backend"] = repo or {"ok": False, "key_lines": ["did not finish in time"]}
+    say(f"  run s4-repo: {'ok' if repo.get('ok') else 'FAILED: ' + (repo.get('key_lines') or ['?'])[0]}")
+    if mode == "cuda":
+        out["nccl_same_gpu"] = results[1]
+    if not gloo["ok"]:
+        out["status"] = "fail"
+        return out
+    if not list(one_rank.glob("*.safetensors")):  # stage 2 did not run or failed: the 1-rank run here
+        r1 = finish_job(start_job(work, "s2-dev", fp32_specs(work, mode, "s2-dev", batch, model), timeout_s=120))
+        out["one_rank_run"] = r1
+    out["distance"] = distance(work / "out" / "s4-gloo" / "model", one_rank, model)
+    out["devices"] = [r["updates"][0]["engine_device"] for r in gloo["ranks"]]
+    out["backend"] = gloo["updates"][0]["backend"]
+    if repo.get("ok"):
+        out["repo_run_update_default_backend"]["distance"] = distance(
+            work / "out" / "s4-repo" / "model", one_rank, model
+        )
+    out["status"] = verdict(out["distance"]["rel"])
+    nccl = "; repo run_update (default backend): " + (
+        f"ran, rel {repo['distance']['rel']:.2e}" if repo.get("ok") else (repo.get("key_lines") or ["failed"])[0][:160]
+    )
+    if mode == "cuda":
+        n = results[1]
+        nccl += "; nccl, both ranks on cuda:0: " + ("ran" if n["ok"] else (n.get("key_lines") or ["failed"])[0][:160])
+    out["headline"] = (
+        f"2 ranks gloo ({', '.join(out['devices'])}) vs 1 rank: rel {out['distance']['rel']:.2e} "
+        f"(pass < {PASS_REL:g}){nccl}"
+    )
+    return out
+
+
+def stage_bf16_lora(work: Path, mode: str, args: Any) -> dict[str, Any]:
+    import torch
+
+    small = ensure_model(work, mode, "small")
+    seq_small = SEQ[mode]["small"][0]
+    lora_batch = write_batch(work / "batch-lora.parquet", mode, "small", seed=3, agents=AGENTS)
+    lora_spec = spec_dict(
+        lora_batch,
+        work / "out" / "s5-lora",
+        small,
+        seq_small,
+        specialization="lora",
+        agents=AGENTS,
+        lora={"rank": 8, "alpha": 16},
+        training={"dtype": "bf16", "zero_stage": 2, "lr": 1e-3, "epochs": 1},
+    )
+    lora = start_job(work, "s5-lora", [lora_spec], threads=2, timeout_s=120)
+    big: Path | None = None
+    out: dict[str, Any] = {}
+    try:
+        if mode == "cuda":  # build the big model on the GPU while the LoRA run goes
+            big = ensure_model(work, mode, "big", dtype="bf16", device="cuda")
+            torch.cuda.empty_cache()
+    except Exception as exc:  # recorded; the LoRA run is still collected
+        out["big_error"] = key_lines(f"{type(exc).__name__}: {exc}")
+        say(f"  building the big model failed: {type(exc).__name__}: {exc}")
+    r_lora = finish_job(lora)
+    if mode != "cuda":
+        big = ensure_model(work, mode, "big", dtype="bf16")
+    out["lora_run"] = r_lora
+    lora_ok = False
+    if r_lora["ok"]:
+        from safetensors.torch import load_file
+
+        m = r_lora["updates"][0]["metrics"]
+        adapters = (m.get("outputs") or {}).get("adapters") or {}
+        moved = {}
+        for agent in AGENTS:
+            f = Path(adapters.get(agent, "/nonexistent")) / "adapter_model.safetensors"
+            if f.is_file():
+                t = load_file(str(f))
+                moved[agent] = max(float(v.float().abs().max()) for k, v in t.items() if "lora_B" in k)
+        out["lora"] = {"loss": m["loss"], "adapters": adapters, "max_abs_lora_B": moved, "agents": m.get("agents")}
+        lora_ok = math.isfinite(m["loss"] or float("nan")) and len(moved) == 2 and all(v > 0 for v in moved.values())
+    if big is None:
+        out["status"] = "fail"
+        out["headline"] = f"LoRA bf16: {'ok' if lora_ok else 'FAILED'}; big model: {out['big_error'][0]}"
+        return out
+    seq_big = SEQ[mode]["big"][0]
+    big_batch = write_batch(work / "batch-big.parquet", mode, "big", seed=4)
+    cases = {"z3ckpt": {"zero_stage": 3, "gradient_checkpointing": True}, "z0": {"zero_stage": 0}}
+    big_runs = {}
+    for name, training in cases.items():  # one after the other: their durations are compared
+        t = {"dtype": "bf16", "micro_batch_size": 4, "mini_batch_size": 8, "epochs": 1, "lr": 1e-5, **training}
+        specs = [
+            spec_dict(big_batch, work / "out" / f"s5-big-{name}", big, seq_big, training=t),
+            spec_dict(
+                big_batch, work / "out" / f"s5-big-{name}", big, seq_big, training=t, start_version="u1", version="u2"
+            ),
+        ]
+        big_runs[name] = finish_job(
+            start_job(
+                work, f"s5-big-{name}", specs, threads=4, skip_save=True, timeout_s=150 if mode == "cuda" else 300
+            )
+        )
+    out["big_runs"] = big_runs
+    params = json.loads((big / "params.json").read_text())["params"]
+    out["big_params"] = params
+    summary = {}
+    for name, r in big_runs.items():
+        if r["ok"]:
+            summary[name] = {
+                "duration_s": [u["metrics"]["duration_s"] for u in r["updates"]],
+                "train_s": [(u["metrics"]["timings"] or {}).get("train_s") for u in r["updates"]],
+                "setup_s": (r["updates"][0]["metrics"]["timings"] or {}).get("setup_s"),
+                "loss": [u["metrics"]["loss"] for u in r["updates"]],
+                "memory": [memory_of(u) for u in r["updates"]],
+            }
+    out["big"] = summary
+    ratio = None
+    if len(summary) == 2 and mode == "cuda":
+        act = {n: s["memory"][1].get("train_activation_gib") for n, s in summary.items()}
+        if act["z0"]:
+            ratio = act["z3ckpt"] / act["z0"]
+        out["activation_ratio_ckpt_over_none"] = ratio
+    big_ok = len(summary) == 2 and all(math.isfinite(x) for s in summary.values() for x in s["loss"] if x is not None)
+    out["status"] = "pass" if lora_ok and big_ok else "fail"
+    parts = [
+        f"LoRA bf16: {'ok' if lora_ok else 'FAILED'}" + (f" (loss {out['lora']['loss']:.4f})" if "lora" in out else "")
+    ]
+    for name, s in summary.items():
+        mem = s["memory"][-1]
+        parts.append(
+            f"{params / 1e6:.1f}M params {name}: {s['duration_s']} s per update, max_memory_allocated "
+            f"{mem.get('max_memory_allocated_gib')} GiB, activations {mem.get('train_activation_gib')} GiB"
+        )
+    if ratio is not None:
+        parts.append(f"activation ratio ckpt/none {ratio:.3f} (goal <= 0.5)")
+    out["headline"] = "; ".join(parts)
+    return out
+
+
+STAGE_FUNCS = {
+    "env": stage_env,
+    "cpu_vs_gpu_fp32": stage_cpu_vs_gpu,
+    "zero3_ckpt_vs_zero0": stage_zero3,
+    "two_ranks_one_gpu": stage_two_ranks,
+    "bf16_lora": stage_bf16_lora,
+}
+
+
+def run_stage_child(name: str, work: Path, mode: str) -> int:
+    """``--stage NAME``: one stage in this (child) process; its result in ``stage-NAME.json``."""
+    try:
+        result = STAGE_FUNCS[name](work, mode, None)
+    except Exception as exc:
+        import traceback
+
+        traceback.print_exc()
+        result = {"status": "error", "key_lines": [f"{type(exc).__name__}: {exc}"]}
+    (work / f"stage-{name}.json").write_text(json.dumps(result, indent=1, default=str))
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------ pettingflow import
+def pettingflow_path(work: Path) -> str | None:
+    """Where ``pettingflow.training`` comes from for the children: installed (``/tmp/pf`` or a venv), or else a
+    symlink tree of pyproject's ``[tool.setuptools.package-dir]`` built here (what an editable install does)."""
+    probe = subprocess.run(
+        [sys.executable, "-c", "import pettingflow.training.launch, pettingflow.configs; print('ok')"],
+        capture_output=True,
+        text=True,
+        cwd=work,
+        env=child_env(1),
+    )
+    if probe.returncode == 0:
+        return None
+    import tomllib
+
+    repo = HERE.parent.parent
+    dirs = tomllib.loads((repo / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    root = work / "pfsrc"
+    shutil.rmtree(root, ignore_errors=True)
+    top = root / "pettingflow"
+    top.mkdir(parents=True)
+    for item in (repo / dirs["pettingflow"]).iterdir():
+        (top / item.name).symlink_to(item)
+    for package, folder in sorted(dirs.items()):
+        if package == "pettingflow":
+            continue
+        link = root / Path(*package.split("."))
+        link.parent.mkdir(parents=True, exist_ok=True)
+        if not link.exists():
+            link.symlink_to(repo / folder)
+    return str(root)
+
+
+# ------------------------------------------------------------------------------------------------ main
+class Tee:
+    def __init__(self, path: Path):
+        self.file = open(path, "a")  # noqa: SIM115 - lives as long as the run
+        self.stdout = sys.stdout
+
+    def write(self, text: str) -> int:
+        self.file.write(text)
+        self.file.flush()
+        return self.stdout.write(text)
+
+    def flush(self) -> None:
+        self.file.flush()
+        self.stdout.flush()
+
+
+def stream(proc: subprocess.Popen[str], prefix: str) -> None:
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        print(f"{prefix}{line.rstrip()}", flush=True)
+
+
+def summary_line(name: str, res: dict[str, Any]) -> str:
+    status = res.get("status", "error").upper()
+    if status in ("SKIPPED", "TIMEOUT", "ERROR"):
+        text = "; ".join(res.get("key_lines") or [])[:600] or "see gpu_check.json"
+    elif name == "env":
+        if res.get("device_name"):
+            text = (
+                f"{res.get('device_name')} cc {res.get('capability')}, torch {res.get('torch')} (CUDA "
+                f"{res.get('torch_cuda')}), NCCL {res.get('nccl')}, deepspeed {res['versions']['deepspeed']}, "
+                f"transformers {res['versions']['transformers']}, peft {res['versions']['peft']}"
+            )
+        else:
+            text = f"no CUDA; torch {res.get('torch')}, deepspeed {(res.get('versions') or {}).get('deepspeed')}"
+        if res.get("import_errors"):
+            text += f"; import errors: {res['import_errors']}"
+    else:
+        text = res.get("headline") or "; ".join(res.get("key_lines") or []) or "see gpu_check.json"
+        if not res.get("headline"):
+            failed = [v for v in res.values() if isinstance(v, dict) and v.get("key_lines")]
+            if failed:
+                text = "; ".join(f["key_lines"][0] for f in failed)[:600]
+    return f"{name:<22} {status:<7} {text}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--run-job"]:
+        return run_job(argv[1])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--out", type=Path, default=os.environ.get("OUT"), help="results folder (default $OUT)")
+    parser.add_argument("--stages", nargs="+", choices=STAGES, default=list(STAGES))
+    parser.add_argument("--budget-s", type=float, default=420.0, help="wall-clock budget for all stages")
+    parser.add_argument("--work", type=Path, help="work folder (default: a temp folder, removed unless --keep)")
+    parser.add_argument("--keep", action="store_true")
+    parser.add_argument("--stage", choices=STAGES, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.stage:
+        return run_stage_child(args.stage, args.work, args.device)
+    if args.out is None:
+        parser.error("--out or $OUT is required")
+    args.out.mkdir(parents=True, exist_ok=True)
+    sys.stdout = Tee(args.out / "gpu_check.log")  # type: ignore[assignment]
+    work = args.work or Path(tempfile.mkdtemp(prefix="gpu-check-"))
+    work.mkdir(parents=True, exist_ok=True)
+    say(f"gpu_check --device {args.device}: stages {args.stages}, budget {args.budget_s:.0f} s, work {work}")
+    pf = pettingflow_path(work)
+    if pf:
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (pf, os.environ.get("PYTHONPATH", "")) if p)
+        sys.path.insert(0, pf)
+        say(f"pettingflow is not importable as installed: using a symlink tree of the source at {pf}")
+    record: dict[str, Any] = {
+        "device_mode": args.device,
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "host": os.uname().nodename,
+        "pettingflow_source": pf or "installed",
+        "stages": {},
+    }
+    scale = 1 if args.device == "cuda" else 4  # tiny models, but a 2-core CPU
+    os.environ["GPU_CHECK_TIMEOUT_SCALE"] = str(scale)
+    os.environ["GPU_CHECK_STARTED"] = str(STARTED)
+    deadline = time.perf_counter() + args.budget_s
+    for name in args.stages:
+        left = deadline - time.perf_counter()
+        if left < 20:
+            record["stages"][name] = {"status": "skipped", "key_lines": ["out of the time budget"]}
+            say(f"stage {name}: SKIPPED (budget spent)")
+            continue
+        timeout = min(STAGE_TIMEOUT_S[name] * scale, left)
+        say(f"stage {name}: start (timeout {timeout:.0f} s)")
+        t0 = time.perf_counter()
+        cmd = [sys.executable, str(HERE), "--stage", name, "--work", str(work), "--device", args.device]
+        proc = subprocess.Popen(
+            with_parent(cmd),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            env=child_env(4),
+            cwd=work,
+            start_new_session=True,
+        )
+        reader = threading.Thread(target=stream, args=(proc, f"  {name} | "), daemon=True)
+        reader.start()
+        timed_out = False
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            kill_group(proc)
+            proc.wait()
+        reader.join(timeout=5)
+        path = work / f"stage-{name}.json"
+        if path.is_file() and not timed_out:
+            res = json.loads(path.read_text())
+        else:
+            log_text = (args.out / "gpu_check.log").read_text(errors="replace")
+            mine = "\n".join(ln.split("| ", 1)[-1] for ln in log_text.splitlines() if f"  {name} | " in ln)
+            res = {
+                "status": "timeout" if timed_out else "error",
+                "key_lines": key_lines(mine),
+                "log_tail": mine[-3000:],
+            }
+            if timed_out:
+                res["key_lines"].insert(0, f"stage timed out after {timeout:.0f} s")
+        res["wall_s"] = round(time.perf_counter() - t0, 1)
+        record["stages"][name] = res
+        say(f"stage {name}: {res.get('status', 'error').upper()} in {res['wall_s']} s")
+        (args.out / "gpu_check.json").write_text(json.dumps(record, indent=1, default=str))
+    record["total_s"] = round(time.time() - STARTED, 1)
+    record["summary"] = [summary_line(n, r) for n, r in record["stages"].items()]
+    (args.out / "gpu_check.json").write_text(json.dumps(record, indent=1, default=str))
+    runs_log = work / "runs.log"
+    if runs_log.is_file():
+        data = runs_log.read_bytes()
+        (args.out / "runs.log").write_bytes(data[-12 * 2**20 :])
+    print()
+    say(f"summary ({args.device}, {record['total_s']:.0f} s):")
+    for line in record["summary"]:
+        print("  " + line, flush=True)
+    print(f"results: {args.out / 'gpu_check.json'}", flush=True)
+    if not args.keep and args.work is None:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
