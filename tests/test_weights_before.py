@@ -190,3 +190,72 @@ def test_a_snapshot_a_crash_cut_short_is_removed_once_its_update_is_committed(se
     kept.commit({})
     commit_update(layout, 1, snapshot=False)
     assert not discard_lost_snapshot(kept, layout.step(1, "update-shared")) and kept.is_committed()
+
+
+def test_a_rank_on_another_node_localizes_its_start_from_the_bucket(setup, s3_server, tmp_path, monkeypatch) -> None:  # noqa: F811
+    """``localize_start``: the spec the flow built names the flow node's folders; a rank on another node (its own
+    ``$PETTINGFLOW_HOME``) gets the same weights and snapshot as verified downloads into its own cache, from
+    ``UpdateSpec.start_sources`` alone."""
+    from pettingflow.runs.weights import localize_start
+    from pettingflow.training.launch import spec_from_config
+
+    _, config, base = setup
+    layout = RunLayout("s3://pf-bucket/localize", "r-loc", storage_options=s3_server)
+    u0 = commit_update(layout, 0, snapshot=True)
+    monkeypatch.setenv("PETTINGFLOW_HOME", str(tmp_path / "flow-home"))
+    start = weights_before(layout, config, "shared", 1)
+    spec = spec_from_config(
+        config, policy="shared", batch_uri="b.parquet", out_dir=str(tmp_path / "out"), start=start, iteration=1
+    ).model_copy(update={"storage_options": s3_server})  # a run's are config.run.storage_options
+    assert spec.start_sources.model_dump() == {"base_model": base, "weights": u0, "snapshot": u0}
+    assert spec.init_model_dir.startswith(str(tmp_path / "flow-home"))
+
+    monkeypatch.setenv("PETTINGFLOW_HOME", str(tmp_path / "node2-home"))  # the rank's node
+    away = localize_start(spec)
+    assert Path(away.init_model_dir).is_relative_to(tmp_path / "node2-home" / "cache")
+    assert (Path(away.init_model_dir) / "model.safetensors").read_bytes() == b"w0"
+    assert (Path(away.resume_dir) / "latest").read_bytes() == b"global_step0"
+    assert away.base_model_dir == base and away.out_dir == spec.out_dir
+    # the base model (no update yet): the policy's model, resolved on the rank's node; no snapshot
+    fresh = spec_from_config(
+        config, policy="shared", batch_uri="b.parquet", out_dir="o", start=weights_before(layout, config, "shared", 0)
+    )
+    assert fresh.start_sources.model_dump() == {"base_model": base, "weights": None, "snapshot": None}
+    assert localize_start(fresh).init_model_dir == base and localize_start(fresh).resume_dir is None
+
+
+def test_files_uploaded_by_another_process_are_committed_only_as_uploaded(tmp_path) -> None:
+    """``Step.add_entries``: what a rank on another node uploaded (``add_tree`` on its own ``Step``) is committed
+    by the flow with the rank's sizes and hashes; a missing or truncated upload is refused, naming the file."""
+    from pettingflow.storage.steps import CorruptFileError, Step
+
+    layout = RunLayout(str(tmp_path / "runs"), "r-up")
+    flow_side = layout.step(0, "update-shared").begin()
+    rank_dir = tmp_path / "rank0"
+    (rank_dir / "model").mkdir(parents=True)
+    (rank_dir / "model" / "model.safetensors").write_bytes(b"weights")
+    (rank_dir / "metrics.json").write_text("{}")
+    entries = Step.from_uri(flow_side.uri).add_tree(rank_dir)  # the rank, from the step's URI alone
+    flow_side.add_entries(entries)
+    manifest = flow_side.commit({})
+    assert [e.name for e in manifest.files] == ["metrics.json", "model/model.safetensors"]
+    assert flow_side.read_bytes("model/model.safetensors") == b"weights"  # size and sha256 check out
+
+    other = layout.step(1, "update-shared").begin()
+    with pytest.raises(CorruptFileError, match=r"update-shared/metrics\.json is missing"):
+        other.add_entries(entries)
+    other.write_bytes("model/model.safetensors", b"weigh")
+    with pytest.raises(CorruptFileError, match="has 5 bytes; its writer uploaded 7"):
+        other.add_entries([e for e in entries if e.name.startswith("model/")])
+
+
+def test_a_rank_away_from_the_flow_writes_locally_only_with_remote_storage(tmp_path) -> None:
+    """``writes_elsewhere``: ranks on the flow's node write into the step; an away rank uploads with remote
+    storage, writes in place on a shared filesystem, and fails naming its node otherwise."""
+    from pettingflow.training.learner import writes_elsewhere
+
+    assert writes_elsewhere(False, "/nowhere", None, 0, "10.0.0.2") is False
+    assert writes_elsewhere(True, "/nowhere", "s3://b/run/iter-0/update-shared", 0, "10.0.0.2") is True
+    assert writes_elsewhere(True, str(tmp_path), None, 1, "10.0.0.2") is False  # shared filesystem
+    with pytest.raises(RuntimeError, match=r"rank 1 runs on node 10\.0\.0\.2.*run\.storage_root must be storage"):
+        writes_elsewhere(True, str(tmp_path / "missing"), None, 1, "10.0.0.2")

@@ -173,19 +173,9 @@ class LearnerRank:
                 shutil.rmtree(staging, ignore_errors=True)
 
     def _staging(self, out_dir: str, out_uri: str | None) -> str | None:
-        """A folder of this node for what this rank writes, when it runs on another node than the flow (None: it
-        writes into ``out_dir`` itself). With local storage (no ``out_uri``) that works only when ``out_dir`` is
-        on a filesystem this node shares with the flow's; otherwise the error says what to change."""
-        if not self.away:
+        """A folder of this node for what this rank writes (``writes_elsewhere``), or None: into ``out_dir``."""
+        if not writes_elsewhere(self.away, out_dir, out_uri, self.rank, self.node_ip):
             return None
-        if out_uri is None:
-            if Path(out_dir).is_dir():  # a filesystem shared with the flow's node, mounted at the same path
-                return None
-            raise RuntimeError(
-                f"learner rank {self.rank} runs on node {self.node_ip}, not the flow's, and the output folder "
-                f"{out_dir} does not exist there: with learner ranks on other nodes, run.storage_root must be storage "
-                "every node reaches (s3://... or gs://..., or a filesystem mounted at the same path on every node)"
-            )
         return tempfile.mkdtemp(prefix=f"pettingflow-rank{self.rank}-")
 
     def _localized(self, spec: UpdateSpec, staging: str | None) -> UpdateSpec:
@@ -259,6 +249,24 @@ class LearnerRank:
                 for i, s in enumerate(inner.state.values())
             }
         }
+
+
+def writes_elsewhere(away: bool, out_dir: str, out_uri: str | None, rank: int, node_ip: str) -> bool:
+    """Whether a rank writes its files into a folder of its own node and uploads them to ``out_uri`` (True), or
+    straight into ``out_dir`` (False): only a rank on another node than the flow (``away``) with remote storage.
+    With local storage (no ``out_uri``) an away rank can write only where ``out_dir`` is on a filesystem its
+    node shares with the flow's; otherwise the error says what to change."""
+    if not away:
+        return False
+    if out_uri is not None:
+        return True
+    if Path(out_dir).is_dir():  # a filesystem shared with the flow's node, mounted at the same path
+        return False
+    raise RuntimeError(
+        f"learner rank {rank} runs on node {node_ip}, not the flow's, and the output folder {out_dir} does not "
+        "exist there: with learner ranks on other nodes, run.storage_root must be storage every node reaches "
+        "(s3://... or gs://..., or a filesystem mounted at the same path on every node)"
+    )
 
 
 def rank_bundle(
