@@ -34,7 +34,7 @@ from pettingflow.steps.outcome import StepOutcome, already_done
 from pettingflow.storage.fs import join, uri_of
 from pettingflow.storage.layout import OPTIMIZER_STEP_PREFIX
 from pettingflow.storage.steps import FileEntry, Step
-from pettingflow.training.launch import METRICS_FILE, _rebase_outputs, run_update, spec_from_config
+from pettingflow.training.launch import METRICS_FILE, rebase_outputs, run_update, spec_from_config
 from pettingflow.training.learner import UPLOADED_KEY
 
 log = logging.getLogger(__name__)
@@ -126,7 +126,7 @@ def update_step(ctx: IterationContext, config: ExperimentConfig, policy: str, ru
         step.add_tree(out_dir)
         step.add_entries(uploaded)
         if local is None:  # name the uploaded files (log, checkpoint), not the temp folder deleted below
-            metrics = _rebase_outputs(metrics, str(out_dir), step.uri)
+            metrics = rebase_outputs(metrics, str(out_dir), step.uri)
         if background and not metrics.get("skipped"):
             metrics["optimizer_snapshot"] = "background"
         meta = {"metrics": _small(metrics), "starts_from": start.source, "skipped": bool(metrics.get("skipped"))}

@@ -332,7 +332,7 @@ class StagedOutput:
         """Upload a remote output, then add ``out_dir`` and ``log_path`` to the metrics."""
         if self.remote:
             self.fs.put(str(self.local_out) + "/", self.out_path, recursive=True)
-            metrics = _rebase_outputs(metrics, str(self.local_out), self.fs.unstrip_protocol(self.out_path))
+            metrics = rebase_outputs(metrics, str(self.local_out), self.fs.unstrip_protocol(self.out_path))
             shutil.rmtree(self.local_out, ignore_errors=True)
         metrics["out_dir"] = self.out_dir
         metrics["log_path"] = (
@@ -341,7 +341,9 @@ class StagedOutput:
         return metrics
 
 
-def _rebase_outputs(metrics: dict[str, Any], local: str, remote: str) -> dict[str, Any]:
+def rebase_outputs(metrics: dict[str, Any], local: str, remote: str) -> dict[str, Any]:
+    """``metrics`` with every path under ``local`` (a staging folder) rewritten to ``remote`` (where its files were
+    uploaded), so the outputs an update reports name where they are, not a deleted temp folder."""
     text = json.dumps(metrics).replace(json.dumps(local)[1:-1], json.dumps(remote)[1:-1])
     return json.loads(text)
 

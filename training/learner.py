@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from pettingflow.allocator import MallocChoice, loaded_malloc, preload_env
-from pettingflow.training.launch import LOG_FILE, StagedOutput, UpdateError, UpdateSpec, _rebase_outputs
+from pettingflow.training.launch import LOG_FILE, StagedOutput, UpdateError, UpdateSpec, rebase_outputs
 
 #: Keys of a rank's result that are for the driver, not metrics: the files it uploaded and its log lines.
 UPLOADED_KEY = "uploaded"
@@ -145,7 +145,7 @@ class LearnerRank:
             mine = self._localized(spec, staging)
             result = self.worker.update(mine)
             if staging is not None:
-                result = _rebase_outputs(result, staging, spec.out_uri)
+                result = rebase_outputs(result, staging, spec.out_uri)
                 result[UPLOADED_KEY] = self._upload(staging, spec.out_uri, spec.storage_options)
         except BaseException:
             logging.getLogger(__name__).exception("update of %s failed", spec.policy)
