@@ -52,6 +52,13 @@ Stages (``--device cuda``; expected 3-4 minutes on an H100; ``--budget-s`` 420 s
    activation memory of the second update's training (peak during ``train()`` minus what was allocated before
    it; includes the transient gradients) with its checkpointing / no-checkpointing ratio (goal <= 0.5).
 
+6. ``resident_learner``: the resident learner (``training.learner.Learner``) in a local Ray started by
+   ``ray_cluster.init_ray``: the rank's placement bundle asks for the GPU, two fp32 ZeRO-3 + checkpointing updates
+   (the second resident); the weights equal stage 3's in-process run. Needs ray, which is larger than what may
+   travel: the ray-2.60.0 cp312 wheel repacked without ``ray/jars`` (Java) and source maps (45 MB), plus
+   jsonschema, jsonschema-specifications, referencing, rpds-py; run it as
+   ``--stages env zero3_ckpt_vs_zero0 resident_learner`` (stage 3 is its reference).
+
 ``--device cpu``: the same stages on tiny models where CUDA is not needed (this is how the script is tested on
 the CPU machine): stage 2 compares 1 CPU thread with 2 threads (no GPU), stage 4 runs gloo and run_update on the CPU, stage
 5 uses a tiny "big" model; memory figures are the ranks' peak RSS instead of CUDA allocations.
@@ -81,9 +88,10 @@ import common
 import memory
 
 HERE = Path(__file__).resolve()
-STAGES = ("env", "cpu_vs_gpu_fp32", "zero3_ckpt_vs_zero0", "two_ranks_one_gpu", "bf16_lora")
+STAGES = ("env", "cpu_vs_gpu_fp32", "zero3_ckpt_vs_zero0", "two_ranks_one_gpu", "bf16_lora", "resident_learner")
 STAGE_TIMEOUT_S = {"env": 90, "cpu_vs_gpu_fp32": 180, "zero3_ckpt_vs_zero0": 180, "two_ranks_one_gpu": 200}
 STAGE_TIMEOUT_S["bf16_lora"] = 300
+STAGE_TIMEOUT_S["resident_learner"] = 240
 PASS_REL = 1e-3
 AGENTS = ["code_generator", "test_generator"]
 # Llama shapes (tied embeddings like SmolLM2); seq = tokens per row, prompt = its prompt part
@@ -923,12 +931,88 @@ def stage_bf16_lora(work: Path, mode: str, args: Any) -> dict[str, Any]:
     return out
 
 
+def stage_resident_learner(work: Path, mode: str, args: Any) -> dict[str, Any]:
+    """The resident learner as a run uses it (``training.learner.Learner``): a local Ray started by
+    ``ray_cluster.init_ray`` (token auth) that sees the machine's GPU, one rank actor whose placement bundle asks
+    for it (``rank_bundle``: one GPU per rank when the cluster has one for each), two updates (the second
+    continues in memory), fp32 ZeRO-3 + checkpointing: the weights equal stage 3's in-process worker run
+    (``s3-z3ckpt``) on the same batches. Needs ray (a wheel without its Java jars travels in ``.whl``)."""
+    import ray
+
+    from pettingflow.ray_cluster import init_ray
+    from pettingflow.training.launch import UpdateSpec
+    from pettingflow.training.learner import Learner, rank_bundle
+
+    model = ensure_model(work, mode, "small")
+    seq = SEQ[mode]["small"][0]
+    batches = [work / "batch-a.parquet", work / "batch-b.parquet"]
+    for i, b in enumerate(batches):
+        if not b.is_file():
+            write_batch(b, mode, "small", seed=i + 1)
+    training = {"zero_stage": 3, "gradient_checkpointing": True}
+    specs = [
+        spec_dict(batches[0], work / "out" / "s6-u1", model, seq, training=training),
+        spec_dict(batches[1], work / "out" / "s6-u2", model, seq, training=training, start_version="u1", version="u2"),
+    ]
+    os.environ.setdefault("PETTINGFLOW_HOME", str(work / "pf-home"))
+    init_ray(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    out: dict[str, Any] = {"cluster": {k: v for k, v in ray.cluster_resources().items() if not k.startswith("node:")}}
+    out["bundle"] = rank_bundle(ray.cluster_resources(), 1, 1.0)
+    learner = Learner("shared", 1, work / "learner-logs", master_host="127.0.0.1", malloc="system")
+    try:
+        learner.start()
+        metrics = []
+        for spec in specs:
+            t0 = time.perf_counter()
+            m = learner.update(UpdateSpec.model_validate(spec), timeout_s=180)
+            metrics.append(
+                {k: m.get(k) for k in ("loss", "grad_norm", "optimizer_state", "learner_loaded", "zero_stage")}
+            )
+            metrics[-1]["wall_s"] = round(time.perf_counter() - t0, 2)
+        actor = learner.actors[0]
+        try:
+            out["rank"] = ray.get(
+                actor.__ray_call__.remote(
+                    lambda rank: {
+                        "engine_device": str(rank.worker.engine.device),
+                        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                        "backend": __import__("torch.distributed", fromlist=["x"]).get_backend(),
+                        "gpu_ids": ray.get_gpu_ids(),
+                    }
+                ),
+                timeout=60,
+            )
+        except Exception as exc:  # __ray_call__ missing in this Ray: say so, the rest stands
+            out["rank"] = {"error": str(exc)[:300]}
+        out["where"] = learner.places
+    finally:
+        learner.stop()
+        ray.shutdown()
+    out["updates"] = metrics
+    ok = metrics[1]["optimizer_state"] == "resident" and out["bundle"].get("GPU") == (1 if mode == "cuda" else None)
+    reference = work / "out" / "s3-z3ckpt-u2" / "model"
+    if reference.is_dir():
+        out["distance_to_stage3"] = distance(work / "out" / "s6-u2" / "model", reference, model)
+        ok = ok and verdict(out["distance_to_stage3"]["rel"]) == "pass"
+        versus = f"rel {out['distance_to_stage3']['rel']:.2e} to stage 3's in-process run"
+    else:
+        versus = "stage 3 did not run: no reference"
+    out["status"] = "pass" if ok else "fail"
+    out["headline"] = (
+        f"Ray learner, bundle {out['bundle']}, rank on {out.get('rank', {}).get('engine_device')} "
+        f"({out.get('rank', {}).get('backend')}); updates {[m['optimizer_state'] for m in metrics]} in "
+        f"{[m['wall_s'] for m in metrics]} s; {versus}"
+    )
+    return out
+
+
 STAGE_FUNCS = {
     "env": stage_env,
     "cpu_vs_gpu_fp32": stage_cpu_vs_gpu,
     "zero3_ckpt_vs_zero0": stage_zero3,
     "two_ranks_one_gpu": stage_two_ranks,
     "bf16_lora": stage_bf16_lora,
+    "resident_learner": stage_resident_learner,
 }
 
 
