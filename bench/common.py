@@ -251,6 +251,26 @@ def request_body(model: str, prompt: list[int], new_tokens: int, seed: int) -> d
     }
 
 
+def random_llama_config(shape: dict[str, int]) -> Any:
+    """The ``LlamaConfig`` of the random models the learner benches build locally (nothing downloaded): tied
+    embeddings as SmolLM2; ``shape`` has vocab, hidden, intermediate, layers, heads and optionally kv_heads."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=shape["vocab"],
+        hidden_size=shape["hidden"],
+        intermediate_size=shape["intermediate"],
+        num_hidden_layers=shape["layers"],
+        num_attention_heads=shape["heads"],
+        num_key_value_heads=shape.get("kv_heads", shape["heads"]),
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+
+
 def write_random_batch(
     path: Path,
     rows: int,

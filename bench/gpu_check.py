@@ -203,22 +203,10 @@ def child_env(threads: int, cuda_visible: str | None = None, extra: dict[str, st
 def build_model(folder: Path, shape: dict[str, int], dtype: str, device: str) -> int:
     """A random Llama of ``shape`` saved in ``folder`` (weights in ``dtype``), stand-in tokenizer files beside it."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=shape["vocab"],
-        hidden_size=shape["hidden"],
-        intermediate_size=shape["intermediate"],
-        num_hidden_layers=shape["layers"],
-        num_attention_heads=shape["heads"],
-        num_key_value_heads=shape["kv_heads"],
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
+    config = common.random_llama_config(shape)
     with torch.device(device):
         model = LlamaForCausalLM(config)
     model = model.to({"fp32": torch.float32, "bf16": torch.bfloat16}[dtype])

@@ -316,23 +316,11 @@ def rank_worker(job_path: str) -> int:
 def save_model(folder: str, shape_json: str) -> int:
     """A random Llama of ``shape`` (fp32) in ``folder``; run in its own process so the parent stays small."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     shape = json.loads(shape_json)
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=shape["vocab"],
-        hidden_size=shape["hidden"],
-        intermediate_size=shape["intermediate"],
-        num_hidden_layers=shape["layers"],
-        num_attention_heads=shape["heads"],
-        num_key_value_heads=shape["heads"],
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
+    config = common.random_llama_config(shape)
     model = LlamaForCausalLM(config)
     model.save_pretrained(folder)
     path = Path(folder)
