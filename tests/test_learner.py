@@ -114,6 +114,7 @@ def test_resident_updates_equal_updates_with_a_kill_and_resume(local_ray, tiny_m
         with pytest.raises(UpdateError, match="resident learner") as info:
             b.update(spec2)
         assert "learner-shared-rank0.log" in str(info.value) and not b.alive
+        assert "lost rank: rank 0 on node" in str(info.value) and "its process died" in str(info.value)
         m2 = b.update(spec2)  # what the Prefect task's retry does
         opt_b = b.call("optimizer_state")
     finally:

@@ -506,7 +506,8 @@ class Learner:
             self.stop()
             raise
         except Exception as exc:  # a rank died (RayActorError) or raised inside the update (RayTaskError)
-            lost, tails = self._lost_nodes(), self.log_tails()
+            lost = self._lost_nodes() if _actor_lost(exc) else ""  # a rank that raised was not lost
+            tails = self.log_tails()
             self.stop()
             raise UpdateError(
                 f"update of policy {spec.policy!r} failed in the resident learner: {_short(exc)}{lost}\n{tails}",
@@ -625,45 +626,71 @@ class Learner:
         return "\n".join(out)
 
     def _lost_nodes(self, wait_s: float = 45.0) -> str:
-        """A sentence naming the ranks whose node was lost ("" when every rank still answers).
+        """A sentence naming the ranks that were lost and how ("" when every rank still answers).
 
-        A rank that does not answer a ping within seconds is unreachable; the cluster marks its node dead only
-        after its health checks fail (tens of seconds), so this waits up to ``wait_s`` for that verdict, to say
-        "left the cluster" rather than guess."""
+        Each rank is pinged: one that answers is fine; one whose actor is dead (``ActorDiedError``) died, on a
+        node that may be alive (killed, out of memory) or gone; one that does not answer within seconds is
+        unreachable, and since the cluster marks a node dead only after its health checks fail (tens of seconds),
+        this then waits up to ``wait_s`` for that verdict, to say "left the cluster" rather than guess."""
         import ray
 
         if not self.places:
             return ""
         pings = [a.where.remote() for a in self.actors]
         ready, _ = ray.wait(pings, num_returns=len(pings), timeout=5.0)
-        answered = set()
-        for ref in ready:
-            with contextlib.suppress(Exception):
-                answered.add(ray.get(ref)["rank"])
-        silent = [p for p in self.places if p["rank"] not in answered]
-        if not silent:
+        died, unreachable = [], []
+        for place, ref in zip(self.places, pings, strict=True):
+            if ref in ready:
+                try:
+                    ray.get(ref)
+                    continue  # answered: not lost
+                except ray.exceptions.ActorDiedError:
+                    died.append(place)
+                    continue
+                except Exception:  # unavailable: maybe its node is going
+                    pass
+            unreachable.append(place)
+        if not died and not unreachable:
             return ""
-        deadline = time.monotonic() + wait_s
+        suspects = died + unreachable
+        # a dead actor is also what a node loss looks like before the cluster has marked the node dead (its health
+        # checks take ~15 s to fail): wait for that verdict too, less long
+        deadline = time.monotonic() + (wait_s if unreachable else min(wait_s, 20.0))
         while True:
             try:
                 alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
             except Exception:
-                alive = {p["node_id"] for p in silent}
-            gone = [p for p in silent if p["node_id"] not in alive]
+                alive = {p["node_id"] for p in suspects}
+            gone = [p for p in suspects if p["node_id"] not in alive]
             if gone or time.monotonic() >= deadline:
                 break
             time.sleep(1.0)
-        named = ", ".join(f"rank {p['rank']} on node {p['node_ip']} (id {p['node_id'][:12]})" for p in silent)
-        verdict = (
-            "left the Ray cluster (its raylet died or stopped answering)"
-            if gone
-            else f"stopped answering (its node is still listed as alive after {wait_s:.0f} s)"
-        )
+
+        def name(p: dict[str, Any]) -> str:
+            return f"rank {p['rank']} on node {p['node_ip']} (id {p['node_id'][:12]})"
+
+        if gone:
+            what = (
+                f"lost node: {', '.join(map(name, gone))} left the Ray cluster (its raylet died or stopped answering)"
+            )
+        elif died:
+            ranks = ", ".join(map(name, died))
+            what = f"lost rank: {ranks}: its process died (the node is alive: killed, or out of memory?)"
+        else:
+            ranks = ", ".join(map(name, unreachable))
+            what = f"lost rank: {ranks} stopped answering (its node still alive after {wait_s:.0f} s)"
         wanted = self.resources or {"CPU": self.num_cpus_per_rank}
         return (
-            f"; lost node: {named} {verdict}. The retry places the learner again once the cluster offers its "
-            f"resources ({wanted}), waiting up to {self.placement_wait_s:.0f} s"
+            f"; {what}. The retry places the learner again once the cluster offers its resources ({wanted}), "
+            f"waiting up to {self.placement_wait_s:.0f} s"
         )
+
+
+def _actor_lost(exc: BaseException) -> bool:
+    """Whether a rank's actor died or became unreachable (its process or node is gone), as opposed to raising."""
+    import ray
+
+    return isinstance(exc, ray.exceptions.RayActorError)
 
 
 def _size(path: Path) -> int:
