@@ -143,6 +143,7 @@ def test_learner_on_a_second_node_then_that_node_lost_mid_update(
 ) -> None:
     from pettingflow.flows.train import train
     from pettingflow.paths import home
+    from pettingflow.storage.local_copy import COMPLETE, cached_copy_dir
     from pettingflow.training.learner import Learner
 
     root = f"s3://{BUCKET}/two-nodes"
@@ -200,13 +201,13 @@ def test_learner_on_a_second_node_then_that_node_lost_mid_update(
     assert f"rank 0 (node {SECOND_IP}): uploaded" in log0, log0[-3000:]
     assert update0.read_json("metrics.json")["optimizer_state"] == "new"
     # iteration 1 started from iteration 0's weights, downloaded into the second node's own cache
-    node_cache = two_nodes.home / "cache" / update0.path.strip("/").replace("/", "__")
-    assert (node_cache / ".complete").read_text() == update0.manifest().to_json()
+    node_cache = two_nodes.home / cached_copy_dir(update0).relative_to(home())  # the same layout, its own home
+    assert (node_cache / COMPLETE).read_text() == update0.manifest().to_json()
     # the server on the first node reloaded each checkpoint from the flow node's copy
     flow_cache = home() / "cache"
     served = [Path(r["kwargs"]["weights_path"]) for r in scripted.reloads if r.get("method") == "reload_weights"]
     for k in (0, 1):
-        copy = flow_cache / layout.step(k, "update-shared").path.strip("/").replace("/", "__") / "model"
+        copy = cached_copy_dir(layout.step(k, "update-shared")) / "model"
         assert copy.resolve() in [p.resolve() for p in served], (k, served)
     assert not str(flow_cache).startswith(str(two_nodes.home))
 
