@@ -28,6 +28,32 @@ from pettingflow.inference.models import DEFAULT_MODEL, prepare_model
 VLLM_KV_CACHE_GIB = 2  # small: other test sessions may share this 24 GiB machine
 VLLM_MAX_LORA_RANK = 16
 VLLM_MAX_LORAS = 4
+# Free disk the session needs in its temp folder. A passing test's tmp_path is deleted when it ends
+# (pyproject: tmp_path_retention_policy = "failed"), so the peak is the largest end-to-end test (a run with its
+# updates and a 1.6-1.9 GB optimizer snapshot) plus the session's model, servers' and Ray's files.
+MIN_FREE_GIB = {"slow": 8.0, "fast": 2.0}
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Refuse to start on a disk too full for the selected tests: a full disk otherwise shows up much later as
+    unrelated errors (SQLite writes of the Prefect server, Ray's logs, a truncated checkpoint)."""
+    import shutil
+    import tempfile
+
+    if not session.items:
+        return
+    kind = "slow" if any(item.get_closest_marker("slow") for item in session.items) else "fast"
+    need = float(os.environ.get("PETTINGFLOW_TEST_MIN_FREE_GIB", MIN_FREE_GIB[kind]))
+    where = session.config.option.basetemp or tempfile.gettempdir()
+    while not os.path.exists(where):
+        where = os.path.dirname(os.path.abspath(where))
+    free = shutil.disk_usage(where).free / 2**30
+    if free < need:
+        raise pytest.UsageError(
+            f"only {free:.1f} GiB free on the disk of {where}; these tests ({kind} ones selected) need about "
+            f"{need:.0f} GiB there. Free space (old pytest folders: rm -rf {tempfile.gettempdir()}/pytest-of-*), "
+            f"point --basetemp at a bigger disk, or set PETTINGFLOW_TEST_MIN_FREE_GIB to override this check."
+        )
 
 
 @pytest.fixture(scope="session")
