@@ -7,10 +7,10 @@
     .venv/bin/python bench/memory.py --show docs/results/bench/memory-20261125-small.json   # re-print a run
 
 Why: ZeRO stages, gradient checkpointing and optimizer offload are settings of ``training`` (``zero_stage``,
-``gradient_checkpointing``, ``offload_optimizer``); this measures what each one does to the memory of one
-learner rank, with the DeepSpeed config ``training/worker.py`` builds for them (``deepspeed_config``), so
-that a setting is chosen on figures. Goals (issue): ZeRO-3's model + gradient + optimizer memory per rank
-<= 0.55 x ZeRO-0's; activation memory with checkpointing <= 0.5 x without.
+``gradient_checkpointing`` with ``head_chunk_tokens``, ``offload_optimizer``); this measures what each one
+does to the memory of one learner rank, with the DeepSpeed config ``training/worker.py`` builds for them
+(``deepspeed_config``), so that a setting is chosen on figures. Goals: ZeRO-3's model + gradient + optimizer
+memory per rank <= 0.55 x ZeRO-0's; activation memory with checkpointing <= 0.5 x without.
 
 Model: a randomly initialised Llama built locally (``transformers.LlamaConfig`` / ``LlamaForCausalLM``, nothing
 downloaded), saved once in fp32 into a temp folder; ``--size`` picks the shape (``SIZES``), ``--layers`` etc.
@@ -18,6 +18,11 @@ override it. Training dtype fp32 by default (``--dtype bf16`` possible, what ``t
 an AVX-512 CPU or a GPU): in fp32 the bytes per parameter read off plainly (weights and gradients 4, Adam
 moments 8); in bf16 DeepSpeed keeps an fp32 master copy beside the bf16 weights at every stage (ZeRO-0:
 ``FP16_UnfusedOptimizer``).
+
+"Checkpointing on" checkpoints the decoder layers (``gradient_checkpointing``) and computes the LM head, log-softmax
+and entropy in chunks of ``--head-chunk`` tokens recomputed in the backward (``head_chunk_tokens``, default 256):
+with the layers checkpointed, the vocabulary-wide logits are the largest activation left (``--head-chunk 0``: the
+layers only, as runs before 2026-11-26 measured).
 
 Each configuration runs in fresh processes: ``torch.distributed.run`` with 2 ranks (gloo) of this script's
 ``--rank-worker`` mode, each of which uses ``training.worker.UpdateWorker`` as the learner does
@@ -342,6 +347,7 @@ def training_settings(case: Case, args: Any) -> dict[str, Any]:
         "max_seq_len": args.seq_len,
         "share_prompts": False,
         "gradient_checkpointing": case.checkpointing,
+        "head_chunk_tokens": args.head_chunk if case.checkpointing else 0,
         "offload_optimizer": case.offload,
         "malloc": "system",
     }
@@ -541,6 +547,12 @@ def report(record: dict[str, Any]) -> dict[str, float]:
         print(goal_line(f"ZeRO-{z} activations (fwd+bwd peak) checkpointing / none (offload off)", value, 0.5))
     if record.get("ds_overrides"):
         print(f"DeepSpeed config overrides: {record['ds_overrides']}")
+    chunk = record.get("head_chunk_tokens", 0)  # runs recorded before the key: the decoder layers only
+    print(
+        f"checkpointing on = decoder layers checkpointed + LM head in chunks of {chunk} tokens"
+        if chunk
+        else "checkpointing on = decoder layers checkpointed (LM head all at once)"
+    )
     print(f"total {record['total_s'] / 60:.1f} min", flush=True)
     return ratios
 
@@ -560,6 +572,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--zero", type=int, nargs="+", default=[0, 2, 3], choices=(0, 1, 2, 3))
     parser.add_argument("--checkpointing", nargs="+", default=["off", "on"], choices=("off", "on"))
     parser.add_argument("--offload", nargs="+", default=["off", "on"], choices=("off", "on"))
+    parser.add_argument(
+        "--head-chunk",
+        type=int,
+        default=256,
+        help="training.head_chunk_tokens of the checkpointing-on rows (0: the decoder layers only)",
+    )
     parser.add_argument("--ds", action="append", default=[], metavar="KEY=VALUE", help="DeepSpeed config override")
     parser.add_argument("--timeout-s", type=float, default=3600.0, help="per configuration")
     parser.add_argument(
@@ -608,7 +626,8 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{cpu}; random Llama {label} {shape} = {params / 1e6:.1f}M params, {args.dtype}, 2 ranks (gloo), "
             f"{ROWS} rows x {args.seq_len} tokens, micro-batch 1, gradient accumulation 2, 2 optimizer steps, "
-            f"1 torch thread per rank; DeepSpeed overrides {args.ds_overrides or 'none'}",
+            f"1 torch thread per rank; checkpointing on = layers + LM head in chunks of {args.head_chunk} tokens; "
+            f"DeepSpeed overrides {args.ds_overrides or 'none'}",
             flush=True,
         )
         for i, case in enumerate(cases, 1):
@@ -635,6 +654,7 @@ def main(argv: list[str] | None = None) -> int:
         "seq_len": args.seq_len,
         "rows": ROWS,
         "ds_overrides": args.ds_overrides,
+        "head_chunk_tokens": args.head_chunk,
         "malloc": f"glibc, MALLOC_MMAP_THRESHOLD_={MMAP_THRESHOLD}",
         "total_s": round(total_s, 1),
         "configs": rows,
@@ -643,6 +663,8 @@ def main(argv: list[str] | None = None) -> int:
     suffix = ("-bf16" if args.dtype == "bf16" else "") + ("-ds" if args.ds_overrides else "")
     if args.seq_len != 1024:
         suffix += f"-seq{args.seq_len}"
+    if args.head_chunk == 0:
+        suffix += "-layers-only"
     path = args.json or RESULTS / f"memory-{time.strftime('%Y%m%d')}-{label}{suffix}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=1))

@@ -310,6 +310,14 @@ class TrainingSettings(_Strict):
         description="Recompute each decoder layer's activations in the backward pass instead of keeping them: "
         "activation memory drops to about one layer's, at the cost of one more forward (docs/benchmarks.md, memory).",
     )
+    head_chunk_tokens: int = Field(
+        0,
+        ge=0,
+        description="Compute the LM head, log-softmax and entropy over this many model tokens at a time, recomputed "
+        "in the backward pass, instead of keeping vocabulary-wide logits for every token of a micro-batch (4 B x "
+        "vocab per token in fp32: 0.2 GB per 1,000 tokens for SmolLM2). With gradient_checkpointing these logits are "
+        "the largest activation left. Costs one more LM-head matmul per chunk; 0: all at once (docs/training.md).",
+    )
     offload_optimizer: bool = Field(
         False,
         description="ZeRO 1-3: keep the fp32 master weights and Adam moments in host memory and step there "

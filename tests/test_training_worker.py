@@ -655,3 +655,46 @@ def test_shared_prompts_give_the_padded_forward_results_on_fewer_tokens(tiny_mod
     assert any(torch.count_nonzero(g) for g in grads1.values())
     for name in grads1:
         torch.testing.assert_close(grads2[name], grads1[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("entropy_coef", [0.0, 0.01])
+def test_chunked_head_gives_the_unchunked_logprobs_loss_and_gradients(tiny_model_dir, entropy_coef):
+    """training.head_chunk_tokens: the LM head, log-softmax and entropy computed a few tokens at a time (and
+    recomputed in the backward pass) give the log-probs, loss, metrics and every gradient of the one-shot
+    computation, with shared prompts or padded rows, under gradient checkpointing too; 0 tokens is refused."""
+    from pettingflow.training.logprobs import chunked_head, response_hidden
+
+    model = load_model(tiny_model_dir)
+    table = trajectories_to_table(shared_prompt_rows()).append_column(
+        "advantage", pa.array([1.0, -0.5, 0.3, 2.0, -1.0, 0.7, 0.1], pa.float32())
+    )
+    mb = collate(samples_from_table(table, 64).samples)
+    whole = micro_batch_logprobs(model, mb, share_prompts=False)
+    for share in (False, True):
+        for chunk in (1, 5, 10_000):
+            torch.testing.assert_close(micro_batch_logprobs(model, mb, share, chunk), whole, rtol=0, atol=1e-5)
+    mb.old_logprobs = whole - 0.05 * mb.loss_mask
+    algo = AlgorithmSettings(entropy_coef=entropy_coef, clip_ratio_low=0.02, clip_ratio_high=0.03)
+
+    def loss_and_grads(share: bool, chunk: int):
+        model.zero_grad()
+        loss, metrics = micro_batch_loss(model, mb, algo, share_prompts=share, head_chunk_tokens=chunk)
+        loss.backward()
+        return loss.detach(), metrics, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    loss0, metrics0, grads0 = loss_and_grads(False, 0)
+    assert any(torch.count_nonzero(g) for g in grads0.values())
+    for share, chunk in [(False, 3), (True, 3), (False, 10_000), ("checkpointed", 4)]:
+        if share == "checkpointed":  # checkpointed layers and chunked head together (padded rows, as the worker)
+            model.gradient_checkpointing_enable()
+            model.train()
+            share = False
+        loss, metrics, grads = loss_and_grads(share, chunk)
+        torch.testing.assert_close(loss, loss0, rtol=1e-5, atol=1e-6)
+        assert metrics.keys() == metrics0.keys()
+        for key in metrics0:
+            assert metrics[key] == pytest.approx(metrics0[key], rel=1e-4, abs=1e-6), (share, chunk, key)
+        for name in grads0:
+            torch.testing.assert_close(grads[name], grads0[name], rtol=1e-4, atol=1e-6, msg=f"{share} {chunk} {name}")
+    with pytest.raises(ValueError, match="chunk_tokens must be >= 1"):
+        chunked_head(model, response_hidden(model, mb, False), mb.targets[mb.loss_mask != 0], 0, entropy_grad=False)

@@ -117,6 +117,16 @@ def check_gpu_for_rank() -> None:
         )
 
 
+def max_over_ranks(value: int) -> int:
+    """The largest ``value`` over all ranks (one all-reduce on the default process group)."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([value], dtype=torch.int64, device=collective_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
 def collective_device() -> Any:
     """Where a tensor for a torch.distributed collective must live: the rank's GPU under NCCL (which refuses CPU
     tensors), the CPU under gloo."""
@@ -487,7 +497,13 @@ class UpdateWorker:
         module.eval()
         # one epoch: no optimizer step precedes the first window, so its old log-probs are the current ones
         first_is_current = spec.training.epochs == 1 and not algo.use_sampler_logprobs
-        share = spec.training.share_prompts
+        # ZeRO-3 gathers each module's weights with a collective at every call, so all ranks must make the same
+        # module calls: no prompt sharing (its forward count follows the rows' prompt groups) and the same number
+        # of LM-head chunks on every rank
+        sharded = spec.training.zero_stage == 3 and self.world_size > 1
+        share = spec.training.share_prompts and not sharded
+        chunk = spec.training.head_chunk_tokens
+        agree = max_over_ranks if sharded else None
         diff_sum, diff_n = 0.0, 0
         forwards_skipped = 0
         for w, slots in enumerate(self.my_slots):
@@ -500,7 +516,7 @@ class UpdateWorker:
                     mb.old_logprobs = None
                     forwards_skipped += 1
                 else:
-                    mb.old_logprobs = L.micro_batch_logprobs(module, mb, share)
+                    mb.old_logprobs = L.micro_batch_logprobs(module, mb, share, chunk, agree)
                     if not mb.is_padding:
                         valid = mb.loss_mask != 0
                         diff_sum += float((mb.old_logprobs - mb.sampler_logprobs).abs()[valid].sum())
@@ -508,9 +524,9 @@ class UpdateWorker:
                 if algo.kl_coef > 0:
                     if spec.uses_lora:
                         with M.adapters_disabled(module):
-                            mb.ref_logprobs = L.micro_batch_logprobs(module, mb, share)
+                            mb.ref_logprobs = L.micro_batch_logprobs(module, mb, share, chunk, agree)
                     else:
-                        mb.ref_logprobs = L.micro_batch_logprobs(self.reference, mb, share)
+                        mb.ref_logprobs = L.micro_batch_logprobs(self.reference, mb, share, chunk)
         self.timings["logprob_s"] = time.perf_counter() - t0
         self.metrics["old_logprob_forwards_skipped"] = forwards_skipped
 
@@ -538,6 +554,8 @@ class UpdateWorker:
                         old_is_current=current_is_old,
                         share_prompts=share,
                         denominator=window.denominator,
+                        head_chunk_tokens=chunk,
+                        agree=agree,
                     )
                     engine.backward(loss * scale)
                     if i == len(slots) - 1 and spec.training.zero_stage == 0 and self.dtype == "fp32":
