@@ -297,7 +297,8 @@ class TrainingSettings(_Strict):
     share_prompts: bool = Field(
         True,
         description="Rows of a micro-batch with an identical prompt (a GRPO group's samples) run the prompt once "
-        "and their responses on its KV cache: same log-probs and gradients, fewer tokens (docs/training.md).",
+        "and their responses on its KV cache: same log-probs and gradients, fewer tokens (docs/training.md). Off "
+        "under ZeRO-3 at several ranks, where all ranks must make the same forward calls.",
     )
     gradient_accumulation_steps: int = Field(
         1,
