@@ -345,3 +345,29 @@ def test_deepspeed_config_derives_accumulation_from_the_mini_batch_and_the_world
         TrainingSettings(zero_stage=0, offload_optimizer=True)
     with pytest.raises(ValueError, match="offload_params needs ZeRO-3"):
         TrainingSettings(zero_stage=2, offload_params=True)
+
+
+def test_zero3_master_partitions_alias_fp32_weights_only_where_deepspeed_means_them_to():
+    """share_fp32_master: an fp32 master partition equal to its fp32 weight partition takes that storage (the
+    optimizer keeps its tensor object); a bf16 weight, an offloaded master or a partition already aliased stays as
+    it is; a master that differs before any step is an error."""
+    from types import SimpleNamespace
+
+    from pettingflow.training.worker import share_fp32_master
+
+    w32, w16 = torch.randn(6), torch.randn(4).bfloat16()
+    m32, m16 = w32.clone(), w16.float()
+    opt = SimpleNamespace(fp16_partitioned_groups_flat=[w32, w16], fp32_partitioned_groups_flat=[m32, m16])
+    assert share_fp32_master(opt) == 6 * 4
+    assert opt.fp32_partitioned_groups_flat[0] is m32 and m32.data_ptr() == w32.data_ptr()
+    assert m16.data_ptr() != w16.data_ptr()
+    m32.data.add_(1.0)  # an optimizer step on the master is a step on the weights
+    assert torch.equal(w32, m32)
+    assert share_fp32_master(opt) == 0  # already aliased
+    offloaded = SimpleNamespace(
+        fp16_partitioned_groups_flat=[w32], fp32_partitioned_groups_flat=[w32.clone()], offload_optimizer=True
+    )
+    assert share_fp32_master(offloaded) == 0
+    assert share_fp32_master(SimpleNamespace()) == 0  # not a ZeRO-3 optimizer
+    with pytest.raises(RuntimeError, match="differs"):
+        share_fp32_master(SimpleNamespace(fp16_partitioned_groups_flat=[w32], fp32_partitioned_groups_flat=[w32 + 1]))

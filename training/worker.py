@@ -117,6 +117,40 @@ def check_gpu_for_rank() -> None:
         )
 
 
+def share_fp32_master(optimizer: Any) -> int:
+    """Let ZeRO-3's fp32 master partitions share the storage of fp32 weight partitions; returns the bytes freed.
+
+    Why: when the weights are fp32 already, DeepSpeed's ZeRO-3 means to use the weight partition itself as the
+    optimizer's master copy (the alias branch of ``DeepSpeedZeroOptimizer_Stage3._create_fp32_partitions``), but
+    0.19.8 enters that branch only if ``tensor.device == self.device``, a ``torch.device`` against a device *name*
+    (``'cpu'``, ``'cuda:0'``), which is never equal: every rank then keeps a redundant fp32 copy, 4 B per
+    parameter / ranks (docs/benchmarks.md, memory). This makes the alias the branch would have made: the master
+    tensor (the object the optimizer and its state know) takes the weight partition's storage; DeepSpeed's
+    copy of the master into the weights after each step is then a copy onto itself, as in that branch. Only for
+    partitions of equal dtype, shape, device and values, with no optimizer or parameter offload (a master
+    elsewhere is meant to be separate); anything else is left as DeepSpeed built it.
+    """
+    import torch
+
+    weights = getattr(optimizer, "fp16_partitioned_groups_flat", None)
+    masters = getattr(optimizer, "fp32_partitioned_groups_flat", None)
+    if not weights or not masters or getattr(optimizer, "offload_optimizer", False):
+        return 0
+    if getattr(optimizer, "offload_param", False) or getattr(optimizer, "params_in_nvme_and_cpu", False):
+        return 0
+    freed = 0
+    for weight, master in zip(weights, masters, strict=True):
+        if weight is None or master is weight or master.data_ptr() == weight.data_ptr():
+            continue
+        if (weight.dtype, weight.shape, weight.device) != (master.dtype, master.shape, master.device):
+            continue
+        if not torch.equal(weight, master):
+            raise RuntimeError("ZeRO-3 master partition differs from its weight partition before any step")
+        master.data = weight.data
+        freed += weight.numel() * weight.element_size()
+    return freed
+
+
 def max_over_ranks(value: int) -> int:
     """The largest ``value`` over all ranks (one all-reduce on the default process group)."""
     import torch
@@ -371,6 +405,9 @@ class UpdateWorker:
         self.engine, _, _, _ = deepspeed.initialize(
             model=model, optimizer=self.client_optimizer, config=self.deepspeed_config()
         )
+        freed = share_fp32_master(self.engine.optimizer)
+        if freed:
+            log.info("rank %d: ZeRO-3 master partitions alias the fp32 weights (%.2f GiB)", self.rank, freed / 2**30)
         if self.reference is not None and not isinstance(self.reference, str):
             self.reference.to(self.engine.device)
         log.info(
