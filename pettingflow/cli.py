@@ -27,7 +27,14 @@ app.add_typer(runs_app, name="runs")
 app.add_typer(traj_app, name="trajectories")
 
 Overrides = Annotated[list[str] | None, typer.Argument(help="Config overrides like algorithm.filter_ratio=0.25.")]
-RootOpt = Annotated[str, typer.Option("--root", help="Storage root (default: run.storage_root of code-env).")]
+RootOpt = Annotated[
+    str,
+    typer.Option(
+        "--root",
+        help="Storage root (default: where this machine's run index says the run is, else run.storage_root of "
+        "code-env).",
+    ),
+]
 
 
 def fail(message: str, code: int = 2) -> None:
@@ -45,6 +52,17 @@ def _config(name: str, overrides: list[str] | None):
 
 def _default_root() -> str:
     return load_config("code-env").run.storage_root
+
+
+def _root_for(run_id: str | None, root: str) -> str:
+    """``--root`` if given, else the root the run index recorded for ``run_id`` (runs started on this machine,
+    with any config and from any folder), else the default config's root."""
+    if root:
+        return root
+    from pettingflow.storage.run_index import find_run
+
+    entry = find_run(run_id) if run_id else None
+    return entry["root"] if entry else _default_root()
 
 
 # ------------------------------------------------------------------------------------------ config
@@ -160,7 +178,7 @@ def _existing_run(run_id: str, root: str) -> RunLayout:
     from pettingflow.storage import RunLayout
 
     try:
-        layout = RunLayout(root or _default_root(), run_id)
+        layout = RunLayout(_root_for(run_id, root), run_id)
     except ValueError as exc:
         fail(str(exc))
     if not layout.fs.exists(layout.run_path):
@@ -170,19 +188,29 @@ def _existing_run(run_id: str, root: str) -> RunLayout:
 
 @runs_app.command("list")
 def runs_list(root: RootOpt = "") -> None:
-    """Runs under the storage root, oldest first."""
+    """Runs under the storage root (without --root: the default one and every root a run on this machine used),
+    oldest first."""
     from rich.console import Console
     from rich.table import Table
 
     from pettingflow.analysis.inspect import run_rows
+    from pettingflow.storage.run_index import recorded_roots, same_root
 
-    rows = run_rows(root or _default_root())
-    table = Table(title=f"runs under {root or _default_root()}")
-    for col in ("run_id", "config", "iterations", "created", "evaluates"):
-        table.add_column(col)
-    for row in rows:
-        table.add_row(*(str(row[c] or "") for c in ("run_id", "config", "iterations", "created", "evaluates")))
-    Console().print(table)
+    roots = [root] if root else [_default_root()]
+    if not root:  # and every other root a run on this machine was stored under
+        roots += [r for r in recorded_roots() if not any(same_root(r, seen) for seen in roots)]
+    for where in roots:
+        try:
+            rows = run_rows(where)
+        except (FileNotFoundError, OSError) as exc:
+            typer.secho(f"runs under {where}: not readable ({exc})", err=True)
+            continue
+        table = Table(title=f"runs under {where}")
+        for col in ("run_id", "config", "iterations", "created", "evaluates"):
+            table.add_column(col)
+        for row in rows:
+            table.add_row(*(str(row[c] or "") for c in ("run_id", "config", "iterations", "created", "evaluates")))
+        Console().print(table)
 
 
 @runs_app.command("show")
@@ -196,7 +224,7 @@ def runs_show(
     from pettingflow.storage import RunLayout
 
     try:
-        show_run(RunLayout(root or _default_root(), run_id), Console())
+        show_run(RunLayout(_root_for(run_id, root), run_id), Console())
     except FileNotFoundError as exc:
         fail(str(exc))
 
@@ -283,7 +311,7 @@ def runs_summary(
     from pettingflow.analysis.summary import summary_lines as what_happened
     from pettingflow.storage import RunLayout, list_runs
 
-    root = root or _default_root()
+    root = _root_for(run_id, root)
     if run_id is None:
         runs = [r for r in list_runs(root) if not r.startswith("eval-")]
         if not runs:
@@ -315,7 +343,7 @@ def trajectories_show(
 
     try:
         Console(width=max(140, Console().width)).print(
-            trajectories_table(RunLayout(root or _default_root(), run_id), iteration, agent, limit, step)
+            trajectories_table(RunLayout(_root_for(run_id, root), run_id), iteration, agent, limit, step)
         )
     except (StepNotCommittedError, FileNotFoundError) as exc:
         fail(str(exc))
@@ -345,7 +373,7 @@ def rerun(
     from pettingflow.flows.rerun import rerun as rerun_flow
     from pettingflow.runs.run import RerunOverrideError, RunRef, format_change, rerun_config
 
-    root = root or _default_root()
+    root = _root_for(run_id, root)
     try:  # refuse bad overrides before a Prefect server is started
         _, changes = rerun_config(RunRef(root=root, run_id=run_id), overrides or [], from_step)
     except (ConfigError, RerunOverrideError, FileNotFoundError, ValueError) as exc:

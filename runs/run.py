@@ -19,6 +19,7 @@ from pettingflow.configs.loader import ConfigError, parse_override, validate_con
 from pettingflow.configs.settings import ExperimentConfig
 from pettingflow.runs.context import STEP_ORDER, step_kind
 from pettingflow.storage import RunLayout, new_run_id
+from pettingflow.storage.run_index import record_run
 
 
 class RunRef(BaseModel):
@@ -58,6 +59,7 @@ def start_or_resume(
                 **extra,
             }
         )
+        record_run(run_id, config.run.storage_root, config_name, config.run.storage_options)
         return ref, False
     stored = _normalized(info["config"])
     if stored != wanted:
