@@ -83,6 +83,30 @@ def config_list() -> None:
 
 
 # ------------------------------------------------------------------------------------------ rollout
+@app.command("check")
+def check(
+    config: Annotated[str, typer.Argument(help="Config name or YAML path.")],
+    overrides: Overrides = None,
+    tasks: Annotated[
+        str, typer.Option("--tasks", help="A task file to use (sets env.dataset.source=file, env.dataset.path).")
+    ] = "",
+    models: Annotated[bool, typer.Option("--models/--no-models", help="Also check each policy's model.")] = True,
+) -> None:
+    """Check a config before a run: class paths resolve, the task file loads, every task's env has a team, the
+    models exist. Starts nothing; exits 2 with what is wrong and where."""
+    from pettingflow.runs.preflight import PreflightError, preflight
+
+    extra = ["env.dataset.source=file", f"env.dataset.path={tasks}"] if tasks else []
+    cfg = _config(config, [*(overrides or []), *extra])
+    try:
+        report = preflight(cfg, check_models=models)
+    except PreflightError as exc:
+        fail(f"{config}: {exc}")
+    for line in report.lines():
+        typer.echo(line)
+    typer.secho(f"{config}: ok", fg=typer.colors.GREEN)
+
+
 @app.command("rollout")
 def rollout(
     config: Annotated[str, typer.Argument(help="Config name or YAML path.")],
