@@ -90,13 +90,42 @@ def show_run(layout: RunLayout, console: Console) -> None:
         console.print(table)
         for line in attempt_lines(layout, k):
             console.print(line, markup=False)
-        report = layout.step(k, REPORT_STEP)
-        if report.is_committed():
-            metrics = report.read_json("metrics.json")
+        reports = attempt_metrics(layout, k)
+        if len(reports) > 1:  # re-runs: the headline metrics of every attempt side by side
+            console.print(attempts_table(reports, k))
+        elif reports:
+            metrics = next(iter(reports.values()))
             for key in [m for m in sorted(metrics) if _headline(m)]:
                 console.print(f"  {key:<48} {metrics[key]:.4f}")
+        report = layout.step(k, REPORT_STEP)
+        if report.is_committed():
             for warning in stored_warnings(report):
                 console.print(f"  [bold red]warning:[/bold red] {warning}", highlight=False)
+
+
+def attempt_metrics(layout: RunLayout, iteration: int) -> dict[int, dict[str, float]]:
+    """``{attempt: metrics}`` of every attempt of ``iteration`` whose report is committed (0 = the original)."""
+    out = {}
+    for attempt in layout.attempts(iteration):
+        report = layout.step(iteration, REPORT_STEP, attempt=attempt or None)
+        if report.is_committed():
+            out[attempt] = report.read_json("metrics.json")
+    return out
+
+
+def attempts_table(reports: dict[int, dict[str, float]], iteration: int) -> Table:
+    """Headline metrics, one column per attempt (blank where an attempt did not record the metric)."""
+    table = Table(title=f"iteration {iteration}: metrics by attempt", show_lines=False)
+    table.add_column("metric")
+    for attempt in reports:
+        table.add_column(f"attempt {attempt}" + (" (original)" if attempt == 0 else ""), justify="right")
+    keys = sorted({m for metrics in reports.values() for m in metrics if _headline(m)})
+    for key in keys:
+        cells = [
+            f"{metrics[key]:.4f}" if isinstance(metrics.get(key), int | float) else "" for metrics in reports.values()
+        ]
+        table.add_row(key, *cells)
+    return table
 
 
 def attempt_lines(layout: RunLayout, iteration: int) -> list[str]:

@@ -101,6 +101,18 @@ def test_an_attempt_reads_its_own_stored_config_and_runs_show_prints_the_diff(st
     show_run(layout, console)
     assert "attempt 1 (from filtered, no report): training.lr: 2e-05 -> 1e-06" in console.export_text()
 
+    # with both reports committed, the headline metrics of each attempt stand side by side
+    for attempt, loss in ((None, 0.25), (1, 0.125)):
+        report = layout.step(0, "report", attempt=attempt).begin()
+        report.write_json("metrics.json", {"update/shared/loss": loss, "rollout/reward_mean": 0.5, "other": 1.0})
+        report.commit()
+    console = Console(record=True, width=200)
+    show_run(layout, console)
+    text = console.export_text()
+    assert "metrics by attempt" in text and "attempt 0 (original)" in text and "attempt 1" in text
+    row = next(line for line in text.splitlines() if "update/shared/loss" in line)
+    assert "0.2500" in row and "0.1250" in row and "other" not in text
+
 
 def test_a_run_stored_before_a_setting_existed_still_resumes(tmp_path) -> None:
     """A new field with a default (validation.at_start) must not make every older run.json a mismatch."""
