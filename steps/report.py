@@ -195,11 +195,22 @@ def _is_local(layout: RunLayout) -> bool:
     return is_local(layout.fs)
 
 
-def log_metrics(layout: RunLayout, iteration: int, metrics: Mapping[str, float], mlflow_uri: str | None) -> None:
-    """TensorBoard always; MLflow too when a tracking URI is configured."""
+def log_metrics(
+    layout: RunLayout, iteration: int, metrics: Mapping[str, float], mlflow_uri: str | None, attempt: int = 0
+) -> None:
+    """TensorBoard always; MLflow too when a tracking URI is configured.
+
+    A re-run (``attempt`` >= 1 of ``iteration``) is its own TensorBoard run, ``iter-<k>-attempt-<a>`` inside the
+    run's log folder: the same metric tags at step k, so each chart shows the re-run's point beside the
+    original curve (TensorBoard names runs by their sub-folder). In MLflow it is its own run too, tagged with
+    the iteration and attempt.
+    """
     from torch.utils.tensorboard import SummaryWriter
 
-    writer = SummaryWriter(log_dir=str(tensorboard_dir(layout)))
+    log_dir = tensorboard_dir(layout)
+    if attempt:
+        log_dir = log_dir / f"iter-{iteration}-attempt-{attempt}"
+    writer = SummaryWriter(log_dir=str(log_dir))
     try:
         for key, value in metrics.items():
             writer.add_scalar(key, value, global_step=iteration)
@@ -214,7 +225,11 @@ def log_metrics(layout: RunLayout, iteration: int, metrics: Mapping[str, float],
             ) from exc
         mlflow.set_tracking_uri(mlflow_uri)
         mlflow.set_experiment("pettingflow")
-        with mlflow.start_run(run_name=layout.run_id, tags={"pettingflow.run_id": layout.run_id}):
+        name = layout.run_id + (f"-iter-{iteration}-attempt-{attempt}" if attempt else "")
+        tags = {"pettingflow.run_id": layout.run_id}
+        if attempt:
+            tags |= {"pettingflow.iteration": str(iteration), "pettingflow.attempt": str(attempt)}
+        with mlflow.start_run(run_name=name, tags=tags):
             mlflow.log_metrics({k.replace("/", "."): v for k, v in metrics.items()}, step=iteration)
 
 

@@ -62,8 +62,7 @@ def report_iteration(
         markdown=report.png_markdown(png, f"Reward and success, run {run.run_id}"),
         description="reward/success per iteration (updated every iteration)",
     )
-    if attempt == 0:
-        report.log_metrics(ctx.layout, iteration, metrics, config.run.mlflow_tracking_uri)
+    report.log_metrics(ctx.layout, iteration, metrics, config.run.mlflow_tracking_uri, attempt=attempt)
     get_run_logger().info("iteration %s: %s", ctx.label, {k: v for k, v in metrics.items() if "/success_rate" in k})
     return {"uri": result["uri"], "metrics": metrics}
 

@@ -177,3 +177,24 @@ def test_validation_is_periodic_or_only_after_the_last_iteration() -> None:
     assert [k for k in range(5) if validation_due(1, k, 5, "end")] == [4]
     assert not any(validation_due(0, k, 5, "end") for k in range(5))  # frequency 0: never
     assert load_config("code-env").validation.schedule == "end"  # the default run: base weights -> last weights
+
+
+def test_a_rerun_is_its_own_tensorboard_run_beside_the_original(tmp_path) -> None:
+    """Attempt 0 writes the run's curve; a re-run of iteration 1 writes the same tags at step 1 in its own run
+    folder (iter-1-attempt-1), so TensorBoard shows both and the original curve is left as it was."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from pettingflow.steps.report import log_metrics, tensorboard_dir
+
+    layout = RunLayout(str(tmp_path), "run-tb")
+    log_metrics(layout, 0, {"update/shared/loss": 0.5}, None)
+    log_metrics(layout, 1, {"update/shared/loss": 0.25}, None)
+    log_metrics(layout, 1, {"update/shared/loss": 0.125}, None, attempt=1)
+
+    def scalars(folder) -> list[tuple[int, float]]:
+        events = EventAccumulator(str(folder))
+        events.Reload()
+        return [(e.step, e.value) for e in events.Scalars("update/shared/loss")]
+
+    assert scalars(tensorboard_dir(layout)) == [(0, 0.5), (1, 0.25)]
+    assert scalars(tensorboard_dir(layout) / "iter-1-attempt-1") == [(1, 0.125)]
