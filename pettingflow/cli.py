@@ -107,6 +107,31 @@ def check(
     typer.secho(f"{config}: ok", fg=typer.colors.GREEN)
 
 
+@app.command("train")
+def train(
+    config: Annotated[str, typer.Argument(help="Config name or YAML path.")],
+    overrides: Overrides = None,
+    run_id: Annotated[str, typer.Option("--run-id", help="Resume this run (same config and overrides).")] = "",
+) -> None:
+    """Train in the foreground: the flow `prefect deployment run train/...` runs, here, with its log in this
+    terminal (against PREFECT_API_URL if set, so the UI shows it; else a temporary local Prefect server).
+    Checks the config first (`pettingflow check`)."""
+    from pettingflow.runs.preflight import PreflightError, preflight
+
+    cfg = _config(config, overrides)
+    try:
+        preflight(cfg)
+    except PreflightError as exc:
+        fail(f"{config}: {exc}")
+    if os.environ.get("PREFECT_API_URL") is None:
+        typer.secho("PREFECT_API_URL is not set: running with a temporary local Prefect server", err=True)
+    from pettingflow.flows.train import train as train_flow
+
+    result = train_flow(config=config, overrides=list(overrides or []), run_id=run_id or None)
+    typer.echo(f"run {result['run_id']}: {len(result['iterations'])} iteration(s) at {result['uri']}")
+    typer.echo(f"next: pettingflow runs summary {result['run_id']}")
+
+
 @app.command("rollout")
 def rollout(
     config: Annotated[str, typer.Argument(help="Config name or YAML path.")],

@@ -6,11 +6,14 @@ import json
 from pathlib import Path
 
 import pytest
+import test_training_worker
 from typer.testing import CliRunner
 
 from pettingflow.cli import app
 from pettingflow.configs.loader import available_configs, load_config
 from pettingflow.runs.preflight import PreflightError, preflight
+
+tiny_model_dir = test_training_worker.tiny_model_dir  # the same session fixture (one tiny model per test run)
 
 
 @pytest.mark.parametrize("name", available_configs())
@@ -52,3 +55,25 @@ def test_cli_checks_a_task_file(tmp_path: Path) -> None:
     bad.write_text(good.read_text() + json.dumps(row) + "\n")
     failed = runner.invoke(app, ["check", "plan-path", "--tasks", str(bad), "--no-models"])
     assert failed.exit_code == 2 and "bad.jsonl: line 7" in failed.output and "seed" in failed.output
+
+
+def test_cli_train_checks_then_runs_the_train_flow_in_the_foreground(tiny_model_dir, monkeypatch) -> None:
+    """`pettingflow train CONFIG overrides` calls the train flow with them (the flow itself runs in the end-to-end
+    tests); a config that fails the check never reaches the flow."""
+    import pettingflow.flows.train as train_module
+
+    calls = []
+
+    def fake_flow(config: str, overrides: list[str], run_id: str | None) -> dict:
+        calls.append((config, overrides, run_id))
+        return {"run_id": "code-env-x", "uri": "/tmp/runs/code-env-x", "iterations": [{}]}
+
+    monkeypatch.setattr(train_module, "train", fake_flow)
+    runner = CliRunner()
+    model = f"policies.0.model={tiny_model_dir}"
+    ok = runner.invoke(app, ["train", "code-env", model, "run.iterations=1"])
+    assert ok.exit_code == 0, ok.output
+    assert calls == [("code-env", [model, "run.iterations=1"], None)]
+    assert "run code-env-x: 1 iteration(s)" in ok.output and "pettingflow runs summary code-env-x" in ok.output
+    refused = runner.invoke(app, ["train", "code-env", model, "agents.0.class_path=nope:Nope"])
+    assert refused.exit_code == 2 and "agents[0]" in refused.output and len(calls) == 1
