@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -55,17 +55,22 @@ def load_humaneval() -> list[dict[str, Any]]:
     return tasks
 
 
-def load_task_file(path: str | Path) -> list[dict[str, Any]]:
+def load_task_file(path: str | Path, default_env: str | None = None) -> list[dict[str, Any]]:
     """Rows of a ``.jsonl`` / ``.jsonl.gz`` / ``.parquet`` file or a ``datasets.save_to_disk`` folder.
 
     Env rows (``{"env_class_path", "env_config"?, "task_data"}``) are checked by
-    ``task_files.validate_env_rows`` (each row's env class, config and task); other rows must be
-    HumanEval-shaped tasks for the configured env.
+    ``task_files.validate_env_rows`` (each row's env class, config and task). Bare rows (a task each) are
+    tasks of ``default_env`` (the config's ``env.class_path``): for the code env (or no default) they must be
+    HumanEval-shaped; for any other env each becomes an env row of that class, checked by its
+    ``validate_task``, and runs in the configured env (its ``env.options`` included).
     """
     path = Path(path)
     raw = read_rows(path)
     if is_env_row_file(raw.rows):
         return validate_env_rows(raw, source=str(path))
+    if default_env is not None and not _is_code_env(default_env):
+        wrapped = [{"env_class_path": default_env, "task_data": dict(row)} for row in raw.rows]
+        return validate_env_rows(replace(raw, rows=wrapped), source=str(path))
     if raw.columns is not None:
         missing = [c for c in REQUIRED_COLUMNS if c not in raw.columns]
         if missing:
@@ -124,8 +129,16 @@ def split_tasks(tasks: Sequence[Mapping[str, Any]], validation_fraction: float, 
     )
 
 
-def load_tasks(settings: DatasetSettings) -> TaskSplit:
-    """Tasks named by ``env.dataset`` in the config, split into train and validation."""
+def _is_code_env(name_or_path: str) -> bool:
+    from pettingflow.envs.code_env import CodeEnv
+    from pettingflow.envs.registry import resolve_env_class
+
+    return issubclass(resolve_env_class(name_or_path), CodeEnv)
+
+
+def load_tasks(settings: DatasetSettings, default_env: str | None = None) -> TaskSplit:
+    """Tasks named by ``env.dataset`` in the config, split into train and validation. ``default_env``: the
+    config's ``env.class_path``, the env of a task file's bare rows (``load_task_file``)."""
     if settings.source == "humaneval":
         tasks = load_humaneval()
     elif settings.source == "basic-python":
@@ -142,7 +155,7 @@ def load_tasks(settings: DatasetSettings) -> TaskSplit:
                 "env.dataset.source is 'file' but env.dataset.path is not set; "
                 "set it to a .jsonl, .parquet or datasets folder (docs/datasets.md)"
             )
-        tasks = load_task_file(resolve_task_path(settings.path))
+        tasks = load_task_file(resolve_task_path(settings.path), default_env)
     return split_tasks(tasks, settings.validation_fraction, settings.split_seed)
 
 

@@ -76,7 +76,7 @@ def preflight(config: ExperimentConfig, *, check_models: bool = True) -> Preflig
             except ModelError as exc:
                 raise PreflightError(f"policies[{i}] ({policy.name!r}).model: {exc}") from exc
     try:
-        split = load_tasks(config.env.dataset)
+        split = load_tasks(config.env.dataset, config.env.class_path)
     except (OSError, ValueError) as exc:
         raise PreflightError(f"env.dataset ({config.env.dataset.source}): {exc}") from exc
     if not split.train:

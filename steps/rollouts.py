@@ -46,7 +46,7 @@ def select_train_tasks(config: ExperimentConfig, iteration: int) -> list[dict[st
     The split is shuffled once with ``run.seed`` and walked in order, wrapping around, so every task
     is seen once per epoch and the choice for an iteration is reproducible (re-runs, resume).
     """
-    train = load_tasks(config.env.dataset).train
+    train = load_tasks(config.env.dataset, config.env.class_path).train
     if not train:
         raise ValueError("the train split is empty; lower env.dataset.validation_fraction")
     order = list(range(len(train)))
@@ -58,7 +58,7 @@ def select_train_tasks(config: ExperimentConfig, iteration: int) -> list[dict[st
 
 def select_validation_tasks(config: ExperimentConfig) -> list[dict[str, Any]]:
     """The first ``validation.num_tasks`` of the validation split: the same set at every evaluation."""
-    return list(load_tasks(config.env.dataset).validation[: config.validation.num_tasks])
+    return list(load_tasks(config.env.dataset, config.env.class_path).validation[: config.validation.num_tasks])
 
 
 def _bindings(config: ExperimentConfig, endpoints: dict[str, PolicyEndpoint], client_for) -> dict[str, AgentBinding]:

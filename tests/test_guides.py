@@ -56,8 +56,7 @@ def test_custom_env_guide_passes_the_check(custom_env: Path) -> None:
     assert done.returncode == 0, done.stdout + done.stderr
     assert "agent proposer: mygame.agents:Proposer" in done.stdout and "mygame.yaml: ok" in done.stdout
     assert "8 train, 2 held-out" in done.stdout
-    bad_row = '{"env_class_path": "mygame.env:SumEnv", "task_data": {"task_id": "bad", "a": "two", "b": 3}}'
-    (custom_env / "tasks.jsonl").write_text(bad_row + "\n")
+    (custom_env / "tasks.jsonl").write_text('{"task_id": "bad", "a": "two", "b": 3}\n')
     bad = subprocess.run(
         [str(cli), "check", "mygame.yaml", "--no-models"], cwd=custom_env, env=env, capture_output=True, text=True
     )

@@ -244,3 +244,23 @@ def test_bad_folders_and_paths(tmp_path: Path) -> None:
         load_tasks(DatasetSettings(source="file", path="tasks/no-such-file.jsonl"))
     with pytest.raises(TaskFileError, match=r"path is not set; set it to a \.jsonl"):
         load_tasks(DatasetSettings(source="file"))
+
+
+def test_bare_rows_are_tasks_of_the_default_env(tmp_path) -> None:
+    """A file of bare rows (a task per row) belongs to the config's env.class_path: for plan-path each row is
+    checked by PlanPathEnv.validate_task (a bad one fails naming its line and field) and runs in the default
+    env; for the code env (or no default) bare rows must still be HumanEval-shaped."""
+
+    path = tmp_path / "grids.jsonl"
+    path.write_text("".join(json.dumps({"task_id": f"g{s}", "seed": s}) + "\n" for s in range(5)))
+    rows = load_task_file(path, "plan-path")
+    assert rows[0] == {"env_class_path": "plan-path", "task_data": {"task_id": "g0", "seed": 0}}
+    split = load_tasks(DatasetSettings(source="file", path=str(path), validation_fraction=0.4), "plan-path")
+    assert len(split.train) + len(split.validation) == 5
+    with pytest.raises(TaskFileError, match="missing columns"):
+        load_task_file(path, "code-env")
+    with pytest.raises(TaskFileError, match="missing columns"):
+        load_task_file(path)
+    path.write_text(path.read_text() + json.dumps({"task_id": "g9"}) + "\n")
+    with pytest.raises(TaskFileError, match=r"grids.jsonl: line 6: field 'task_data.*seed"):
+        load_task_file(path, "plan-path")
