@@ -12,6 +12,8 @@ instance and starts nothing (no sandbox, no server).
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from pettingflow.agents.base import resolve_agent_class
@@ -47,38 +49,37 @@ class PreflightReport:
         return out
 
 
+@contextmanager
+def _at(where: str, *errors: type[Exception]) -> Iterator[None]:
+    """Turn ``errors`` raised inside into a ``PreflightError`` that names ``where`` (the config key)."""
+    try:
+        yield
+    except errors as exc:
+        raise PreflightError(f"{where}: {exc}") from exc
+
+
 def _path(cls: type) -> str:
     return f"{cls.__module__}:{cls.__qualname__}"
 
 
 def preflight(config: ExperimentConfig, *, check_models: bool = True) -> PreflightReport:
     """Resolve what a run of ``config`` needs; raises ``PreflightError`` at the first problem."""
-    try:
+    with _at(f"env (env.class_path={config.env.class_path!r})", RegistryError, ValueError):
         default_env = env_spec_from_settings(config.env)
-    except (RegistryError, ValueError) as exc:
-        raise PreflightError(f"env (env.class_path={config.env.class_path!r}): {exc}") from exc
     agents: dict[str, str] = {}
     agent_envs: dict[str, tuple[type, ...]] = {}
     for i, agent in enumerate(config.agents):
-        try:
+        with _at(f"agents[{i}] ({agent.name!r}).class_path", RegistryError):
             agents[agent.name] = _path(resolve_agent_class(agent.class_path))
-        except RegistryError as exc:
-            raise PreflightError(f"agents[{i}] ({agent.name!r}).class_path: {exc}") from exc
-        try:
+        with _at(f"agents[{i}] ({agent.name!r}).envs", RegistryError):
             agent_envs[agent.name] = tuple(resolve_env_class(e) for e in agent.envs)
-        except RegistryError as exc:
-            raise PreflightError(f"agents[{i}] ({agent.name!r}).envs: {exc}") from exc
     models: dict[str, str] = {}
     if check_models:
         for i, policy in enumerate(config.policies):
-            try:
+            with _at(f"policies[{i}] ({policy.name!r}).model", ModelError):
                 models[policy.name] = str(resolve_model(policy.model))
-            except ModelError as exc:
-                raise PreflightError(f"policies[{i}] ({policy.name!r}).model: {exc}") from exc
-    try:
+    with _at(f"env.dataset ({config.env.dataset.source})", OSError, ValueError):
         split = load_tasks(config.env.dataset, config.env.class_path)
-    except (OSError, ValueError) as exc:
-        raise PreflightError(f"env.dataset ({config.env.dataset.source}): {exc}") from exc
     if not split.train:
         raise PreflightError(
             f"env.dataset ({config.env.dataset.source}) gave no training tasks; add tasks or lower "
