@@ -96,3 +96,19 @@ def test_custom_env_guide_plays_an_episode(custom_env: Path) -> None:
     assert [t.agent_name for t in record.turns] == ["proposer", "checker", "proposer", "checker"]
     assert [t.reward for t in record.turns] == [0.0, 1.0, 1.0, 1.0]  # 6 is wrong, "no" is right, 5, "yes"
     assert record.done and envs[0].solved() and envs[0].episode_info() == {"team_reward": 1.0}
+
+
+def test_one_gpu_guide_config_loads_and_passes_the_check(tmp_path: Path) -> None:
+    """docs/guides/one-gpu.md: its config loads and passes the check (classes, tasks); its model folder is
+    named by the check when absent (no GPU or model here: what the guide says has not run, does not run here)."""
+    from pettingflow.configs.loader import load_config
+    from pettingflow.runs.preflight import PreflightError, preflight
+
+    write_guide_files(ROOT / "docs" / "guides" / "one-gpu.md", tmp_path)
+    config = load_config(str(tmp_path / "one-gpu.yaml"))
+    assert config.inference.gpu_memory_utilization == 0.35 and config.inference.between_updates == "sleep"
+    assert config.training.head_chunk_tokens == 512
+    preflight(config, check_models=False)
+    if not Path(config.policies[0].model).exists():
+        with pytest.raises(PreflightError, match=r"policies\[0\] \('shared'\)\.model: model folder /models/"):
+            preflight(config)
