@@ -49,6 +49,16 @@ def test_every_config_key_and_command_is_listed():
                 yield " ".join([*path, name])
 
     commands = list(leaves(typer.main.get_command(app), ["pettingflow"]))
+    assert "pettingflow check" in commands and "pettingflow train" in commands
     assert "pettingflow runs show" in commands
     for command in commands:
         assert f"### `{command}`" in cli, command
+
+
+def test_every_trajectory_column_is_described() -> None:
+    from pettingflow.storage.schema import COLUMN_DOCS, TRAJECTORY_FIELDS
+
+    assert [f.name for f in TRAJECTORY_FIELDS] == list(COLUMN_DOCS)  # same columns, in file order
+    page = load_generator().trajectories_page()
+    for f in TRAJECTORY_FIELDS:
+        assert f"| `{f.name}` | " in page, f.name
