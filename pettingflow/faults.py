@@ -12,6 +12,8 @@ environment asks for that point:
   worker above it, this process and its descendants. ``process``: this process alone (what the deathsig
   watchers must then clean up after);
 - ``PETTINGFLOW_CRASH_DELAY_S``: for ``crash_soon`` (points inside a long call, ``update:mid``), seconds to wait.
+- ``PETTINGFLOW_HOLD_AT``: points where ``hold`` waits (``update:before_commit``: the update trained and wrote its
+  files, its marker not yet), until ``<point>.release`` appears in the same folder.
 
 Points (docs/flows.md, "Kill matrix"): ``rollouts:mid`` (a group shard committed, the step not), ``filtered:mid``,
 ``advantages:mid`` (a batch file written, the step not committed), ``update:mid`` (the learner training),
@@ -33,6 +35,7 @@ ENV_POINTS = "PETTINGFLOW_CRASH_AT"
 ENV_DIR = "PETTINGFLOW_CRASH_DIR"
 ENV_SCOPE = "PETTINGFLOW_CRASH_SCOPE"
 ENV_DELAY = "PETTINGFLOW_CRASH_DELAY_S"
+ENV_HOLD = "PETTINGFLOW_HOLD_AT"
 WORKER_MARK = "prefect worker start"  # the command line of a Prefect worker (``prefect worker start --pool ...``)
 
 
@@ -56,6 +59,23 @@ def crash_soon(point: str) -> None:
         return
     delay = float(os.environ.get(ENV_DELAY, "3"))
     threading.Thread(target=lambda: (time.sleep(delay), maybe_crash(point)), daemon=True, name=f"crash-{point}").start()
+
+
+def hold(point: str, timeout_s: float = 900.0) -> None:
+    """Wait at ``point`` while ``PETTINGFLOW_HOLD_AT`` names it, until ``<point>.release`` appears in ``fired_dir()``
+    or ``timeout_s`` passes.
+
+    Why: a crash test that needs two things in flight at once (an update not yet committed while the rollouts
+    of the next iteration are collected ahead) must not depend on which of them the machine's load makes
+    finish first; holding one of them open makes the window certain. A no-op unless the variable is set.
+    """
+    wanted = os.environ.get(ENV_HOLD)
+    if not wanted or point not in (p.strip() for p in wanted.split(",")):
+        return
+    release = fired_dir() / f"{_file_name(point)}.release"
+    deadline = time.monotonic() + timeout_s
+    while not release.exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
 
 
 def fired_dir() -> Path:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from pettingflow.configs.settings import ExperimentConfig
-from pettingflow.faults import armed, crash_soon, maybe_crash
+from pettingflow.faults import armed, crash_soon, hold, maybe_crash
 from pettingflow.runs.context import IterationContext
 from pettingflow.runs.weights import (
     PolicyWeights,
@@ -130,6 +130,7 @@ def update_step(ctx: IterationContext, config: ExperimentConfig, policy: str, ru
         if background and not metrics.get("skipped"):
             metrics["optimizer_snapshot"] = "background"
         meta = {"metrics": _small(metrics), "starts_from": start.source, "skipped": bool(metrics.get("skipped"))}
+        hold("update:before_commit")  # crash tests: keep the update in flight while other work goes on
         manifest = step.commit(meta)
     finally:
         if local is None:

@@ -53,8 +53,8 @@ def stack(tmp_path_factory, pettingflow_home, default_model_dir):
     try:
         create_pool_and_deployments(env)
 
-        def start_worker() -> subprocess.Popen:
-            proc = e2e_stack.start_worker(env, state / f"worker-{len(workers)}.log")
+        def start_worker(extra: dict[str, str] | None = None) -> subprocess.Popen:
+            proc = e2e_stack.start_worker({**env, **(extra or {})}, state / f"worker-{len(workers)}.log")
             workers.append(proc)
             return proc
 
@@ -338,7 +338,9 @@ def test_async_worker_crash_while_update_and_next_rollouts_overlap_then_resume(
     env, start_worker, state_dir = stack
     # one request at a time: the 2 groups of iteration 1 end a few requests apart, so the crash finds one committed
     overrides = [*async_overrides(tmp_path, vllm_server, default_model_dir, 2), "rollout.max_concurrent_requests=1"]
-    worker = start_worker()
+    # iteration 0's update holds before its commit, so the overlap is certain whatever the machine's load (the
+    # update used to finish before any group ahead was committed on a busy machine); the resumed worker holds not
+    worker = start_worker({"PETTINGFLOW_HOLD_AT": "update:before_commit", "PETTINGFLOW_CRASH_DIR": str(tmp_path)})
     _, first_id = deployment_run(env, overrides, watch=False)
     # the overlapped phase: iteration 0's update in flight (folder, no marker) while iteration 1's rollouts are
     # collected ahead (a group shard committed, the step not)

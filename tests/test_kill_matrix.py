@@ -56,6 +56,26 @@ def test_unset_crash_points_change_nothing(tmp_path: Path, monkeypatch: pytest.M
     faults.maybe_crash("filtered:mid")
 
 
+def test_a_hold_point_waits_for_its_release_file_and_nothing_else(tmp_path: Path, monkeypatch) -> None:
+    import threading
+
+    monkeypatch.setenv(faults.ENV_DIR, str(tmp_path))
+    monkeypatch.delenv(faults.ENV_HOLD, raising=False)
+    start = time.monotonic()
+    faults.hold("update:before_commit", timeout_s=30)  # unset: returns at once
+    monkeypatch.setenv(faults.ENV_HOLD, "update:before_commit")
+    faults.hold("sync:mid", timeout_s=30)  # another point: returns at once
+    assert time.monotonic() - start < 5
+    release = tmp_path / "update_before_commit.release"
+    threading.Timer(1.0, release.touch).start()
+    faults.hold("update:before_commit", timeout_s=30)
+    assert release.exists() and 0.9 < time.monotonic() - start < 10
+    release.unlink()
+    held = time.monotonic()
+    faults.hold("update:before_commit", timeout_s=0.5)  # no release: the timeout ends it
+    assert 0.4 < time.monotonic() - held < 5
+
+
 WRITER = """
 import sys, fsspec
 from pettingflow.storage import Step
