@@ -66,7 +66,7 @@ import common
 
 from pettingflow.allocator import describe, preload_env
 
-GOAL = 0.45  # PettingFlow (sync, tuned) wall / TRL wall per warm iteration (issue 24; was 0.5)
+GOAL = 0.45  # PettingFlow (sync, tuned) wall / TRL wall per warm iteration (was 0.5)
 DEFAULTS_GOAL = 1.05  # PettingFlow with the shipped defaults / tuned: within 5 %
 ASYNC_GOAL = 0.33  # PettingFlow async wall / TRL wall
 ASYNC_SPEEDUP_GOAL = 1.5  # sync wall / async wall
@@ -668,7 +668,7 @@ def report(
     else:
         print(f"TRL not measured: {trl_error}")
     if pf_runs.get("sync") and pf_runs.get("defaults"):
-        # shipped defaults / tuned, per warm iteration of the same round (issue 24: defaults within 5 % of tuned)
+        # shipped defaults / tuned, per warm iteration of the same round (goal: defaults within 5 % of tuned)
         ratios["defaults_vs_tuned"] = paired(pf_runs["defaults"], pf_runs["sync"])
         print(
             common.ratio_line(

@@ -38,7 +38,7 @@ from pettingflow.envs import EnvCache
 from pettingflow.rollout.engine import EngineStats, timeline
 from pettingflow.steps.rollouts import select_train_tasks
 
-#: the issue's workload W: the code agent alone, one turn, 128 new tokens, 8 HumanEval tasks x G=4
+#: the workload W: the code agent alone, one turn, 128 new tokens, 8 HumanEval tasks x G=4
 W_CONFIG = "code-env-learn-solo"
 W_OVERRIDES = ("env.dataset.source=humaneval", "env.group_size=4", "env.tasks_per_iteration=8")
 

@@ -1,4 +1,4 @@
-"""``plan-path``: a generated grid path-planning env for two cooperating agents (issue 14, item 3).
+"""``plan-path``: a generated grid path-planning env for two cooperating agents.
 
 A grid has walls, a start and a goal. A **planner** proposes the next few moves and an **executor**
 reads the plan and the board and issues the moves the env actually makes. The env is their only

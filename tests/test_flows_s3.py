@@ -5,7 +5,7 @@ DeepSpeed update in the resident learner), with every step, checkpoint and re-ru
 endpoint comes from the config (``run.storage_options.client_kwargs.endpoint_url``), the credentials from the
 environment, as in a deployment. The crash is injected, not a kill: iteration 1's checkpoint is uploaded and its
 marker is not (``Step.commit`` raises), so the flow fails in the window between a step's data and its marker;
-the kill matrix (issue 15) kills real processes on local storage.
+the kill matrix (tests/test_kill_matrix.py) kills real processes on local storage.
 """
 
 from __future__ import annotations

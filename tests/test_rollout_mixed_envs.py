@@ -61,7 +61,7 @@ def test_bare_tasks_use_the_configured_env() -> None:
 
 
 def test_shipped_mixed_dataset_runs_each_env_with_its_own_team() -> None:
-    """configs/mixed-envs.yaml (issue 14 item 4): one batch of code-env and plan-path rows from the shipped file;
+    """configs/mixed-envs.yaml: one batch of code-env and plan-path rows from the shipped file;
     agents[].envs gives each env its team, so code episodes see only the code agents and grids only the planner
     and executor (real agents and envs; a fake sandbox and a scripted LLM)."""
     from test_code_env import FakeSandbox

@@ -1,4 +1,4 @@
-"""Env-row task files (issue 14 item 4): rows that name their env load from JSONL, Parquet and datasets folders;
+"""Env-row task files: rows that name their env load from JSONL, Parquet and datasets folders;
 bad rows fail with the file, the row and the field."""
 
 from __future__ import annotations
