@@ -1,6 +1,6 @@
 """What an episode leaves behind, and how it becomes training rows in either sample layout.
 
-Two layouts (ARCHITECTURE §3):
+Two layouts (docs/architecture.md, storage):
 
 - ``per_turn`` (PettingLLMs): every agent call is one sample. ``prompt_ids`` is the prompt
   the sampler saw, ``response_ids`` the tokens it generated, all masked 1. The UID groups the G

@@ -166,7 +166,7 @@ def episode_specs(
 
 
 def task_id(task: dict[str, Any], index: int) -> str:
-    """A task's id for reports, for bare tasks and seed-001 rows alike."""
+    """A task's id for reports, for bare tasks and env rows (``task_data``) alike."""
     data = task.get("task_data", task)
     return str(data.get("task_id", index))
 

@@ -1,4 +1,4 @@
-"""The trajectory record: one Parquet row = one training sample (ARCHITECTURE §3).
+"""The trajectory record: one Parquet row = one training sample (docs/reference/trajectories.md).
 
 The schema is versioned in the Parquet key-value metadata so that a reader can refuse files it does
 not understand instead of mis-reading them. Bump ``SCHEMA_VERSION`` whenever a column is added, and give

@@ -9,9 +9,9 @@ alike. ``run_update(spec)`` writes ``spec.json`` into the output folder, starts
 ``UpdateError`` with the log tail. This module imports no torch, so a Prefect flow can import it cheaply.
 
 Environment given to the worker: ``OMP_NUM_THREADS=1`` (two threads are 2-5x slower on this kind of
-machine, see NOTES), ``HF_HUB_OFFLINE=1`` (nothing may come from a hub), ``TOKENIZERS_PARALLELISM=false``
-and a free ``MASTER_PORT`` on 127.0.0.1. Values already set in ``env`` or the caller's environment for
-``OMP_NUM_THREADS`` win.
+machine when two processes compute at once), ``HF_HUB_OFFLINE=1`` (nothing may come from a hub),
+``TOKENIZERS_PARALLELISM=false`` and a free ``MASTER_PORT`` on 127.0.0.1. Values already set in ``env`` or the
+caller's environment for ``OMP_NUM_THREADS`` win.
 
 Output folders: the worker writes to a local folder. When ``out_dir`` is a remote fsspec URI
 (``s3://...``), the job runs in a local staging folder and the finished folder is uploaded afterwards;
