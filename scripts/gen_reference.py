@@ -260,6 +260,7 @@ def trajectories_page() -> str:
         "",
         "```python",
         "import pandas as pd",
+        "",
         'rows = pd.read_parquet("outputs/runs/<run_id>/iter-0/rollouts")',
         'one = rows[rows.rollout_idx == 0].sort_values("turn_idx")  # one episode, turn by turn',
         "```",
