@@ -112,3 +112,47 @@ def test_one_gpu_guide_config_loads_and_passes_the_check(tmp_path: Path) -> None
     if not Path(config.policies[0].model).exists():
         with pytest.raises(PreflightError, match=r"policies\[0\] \('shared'\)\.model: model folder /models/"):
             preflight(config)
+
+
+def command_block(page: Path, name: str) -> list[list[str]]:
+    """The shell lines of the ``<!-- commands: NAME -->`` block of ``page``, split into words."""
+    import shlex
+
+    match = re.search(rf"<!-- commands: {name} -->\n```bash\n(.*?)```", page.read_text(), re.S)
+    assert match, f"{page.name} has no '{name}' command block"
+    return [shlex.split(line) for line in match[1].strip().splitlines()]
+
+
+def test_rerun_guide_commands_are_accepted(tmp_path: Path) -> None:
+    """docs/guides/rerun-and-compare.md: each re-run it shows has options the CLI knows and overrides that
+    `rerun_config` accepts for its --from-step (what `pettingflow rerun` checks before starting anything)."""
+    import typer
+
+    from pettingflow.cli import app
+    from pettingflow.configs.loader import load_config
+    from pettingflow.runs.run import rerun_config, start_or_resume
+
+    page = ROOT / "docs" / "guides" / "rerun-and-compare.md"
+    command = typer.main.get_command(app)
+    options = {o for p in command.commands["rerun"].params for o in getattr(p, "opts", [])}
+    config = load_config("code-env", [f"run.storage_root={tmp_path}"])
+    ref, _ = start_or_resume(config, "code-env", [f"run.storage_root={tmp_path}"], "run-g", {})
+    lines = command_block(page, "rerun")
+    assert len(lines) >= 3
+    for words in lines:
+        assert words[:3] == ["pettingflow", "rerun", "<run_id>"], words
+        rest, overrides, from_step = words[3:], [], "filtered"
+        while rest:
+            word = rest.pop(0)
+            if word.startswith("-"):
+                assert word in options, (word, sorted(options))
+                if word == "--from-step":
+                    from_step = rest.pop(0)
+                elif word in ("-k", "--iteration"):
+                    int(rest.pop(0))
+            else:
+                overrides.append(word)
+        rerun_config(ref, overrides, from_step)  # raises if the guide shows a refused combination
+    for words in command_block(page, "compare"):
+        if words[0] == "pettingflow":
+            assert words[1] in command.commands and words[2] in command.commands[words[1]].commands, words
