@@ -189,6 +189,58 @@ def trajectories_table(
     return table
 
 
+def episode_text(
+    layout: RunLayout, iteration: int, episode: int, step: str = "rollouts", prompts: bool = True
+) -> list[str]:
+    """One episode (``rollout_idx``) turn by turn, in full: who acted, reward and success, model/env tokens,
+    the UID and the weights that sampled it, the prompt (``prompts``) and the whole response; the advantage
+    where the step holds one (``advantages``); tree rollouts show every candidate, the continued one marked.
+
+    Why: a table row cut at 160 characters cannot show what an agent saw and answered, which is what one
+    looks for when a reward is surprising.
+    """
+    data = read_step_trajectories(layout.step(iteration, step))
+    rows = [r for r in data.to_pylist() if r["rollout_idx"] == episode]
+    if not rows:
+        episodes = sorted(set(data.column("rollout_idx").to_pylist())) if data.num_rows else []
+        shown = f"{episodes[:20]}{' ...' if len(episodes) > 20 else ''}"
+        raise FileNotFoundError(
+            f"no episode {episode} in {layout.run_id} iter-{iteration} {step}: its episodes (rollout_idx) are {shown}"
+        )
+    rows.sort(key=lambda r: (r["turn_idx"], r.get("branch_idx", 0)))
+    first = rows[0]
+    lines = [
+        f"episode {episode} of {layout.run_id} iter-{iteration} ({step}): env {first['env_name']}, group "
+        f"{first['group_id']} sample {first['sample_idx']}, {len(rows)} rows, "
+        + ("solved" if first["done"] else "ended at max_turns" if first["truncated"] else "not finished"),
+    ]
+    info = json.loads(first["info_json"] or "{}")
+    episode_info = {k: v for k, v in info.items() if k != "turn"}
+    if episode_info:
+        lines.append(f"episode info: {json.dumps(episode_info, sort_keys=True)}")
+    for row in rows:
+        mask = row["response_mask"]
+        head = (
+            f"--- turn {row['turn_idx']} · {row['agent_name']} (policy {row['policy_name']}"
+            + (f", adapter {row['lora_name']}" if row["lora_name"] else "")
+            + f", weights v{row.get('policy_version', 0)}) · reward {row['reward']:.3f} · "
+            + ("success" if row["success"] else "no success")
+            + f" · tokens {sum(mask)} model / {len(mask) - sum(mask)} env · uid {row['uid'][:8]}"
+        )
+        if "advantage" in row:
+            head += f" · advantage {row['advantage']:+.3f}"
+        if row.get("branch_idx", 0) or not row.get("continued", True):
+            head += f" · candidate {row.get('branch_idx', 0)}" + (" (continued)" if row.get("continued") else "")
+        lines.append(head)
+        turn = json.loads(row["info_json"] or "{}").get("turn")
+        if turn:
+            lines.append(f"turn info: {json.dumps(turn, sort_keys=True)}")
+        if prompts:
+            lines += ["[prompt]", row["prompt_text"]]
+        lines += ["[response]", row["response_text"]]
+    return lines
+
+
 def summary_lines(layout: RunLayout, ui: str | None = None, flow_run_id: str | None = None) -> list[str]:
     """What ``make run`` prints at the end: where things are and how to re-run an iteration."""
     iters = layout.iterations()

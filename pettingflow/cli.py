@@ -398,6 +398,28 @@ def trajectories_show(
         fail(str(exc))
 
 
+@traj_app.command("episode")
+def trajectories_episode(
+    run_id: Annotated[str, typer.Argument(help="A run id.")],
+    episode: Annotated[int, typer.Option("--episode", "-e", help="The episode's rollout_idx (see `show`).")] = 0,
+    iteration: Annotated[int, typer.Option("--iteration", "-k", help="Iteration.")] = 0,
+    step: Annotated[
+        str, typer.Option("--step", help="rollouts, filtered, advantages (with each row's advantage), validation.")
+    ] = "rollouts",
+    prompts: Annotated[bool, typer.Option("--prompts/--no-prompts", help="Print each turn's prompt.")] = True,
+    root: RootOpt = "",
+) -> None:
+    """One episode turn by turn, in full: agent, reward, tokens, prompt and response of every turn."""
+    from pettingflow.analysis.inspect import episode_text
+    from pettingflow.storage import RunLayout, StepNotCommittedError
+
+    try:
+        lines = episode_text(RunLayout(_root_for(run_id, root), run_id), iteration, episode, step, prompts)
+    except (StepNotCommittedError, FileNotFoundError) as exc:
+        fail(str(exc))
+    typer.echo("\n".join(lines))
+
+
 # ------------------------------------------------------------------------------------------ rerun
 @app.command("rerun")
 def rerun(

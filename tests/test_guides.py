@@ -120,7 +120,7 @@ def command_block(page: Path, name: str) -> list[list[str]]:
 
     match = re.search(rf"<!-- commands: {name} -->\n```bash\n(.*?)```", page.read_text(), re.S)
     assert match, f"{page.name} has no '{name}' command block"
-    return [shlex.split(line) for line in match[1].strip().splitlines()]
+    return [shlex.split(line, comments=True) for line in match[1].strip().splitlines()]
 
 
 def test_rerun_guide_commands_are_accepted(tmp_path: Path) -> None:
@@ -156,3 +156,34 @@ def test_rerun_guide_commands_are_accepted(tmp_path: Path) -> None:
     for words in command_block(page, "compare"):
         if words[0] == "pettingflow":
             assert words[1] in command.commands and words[2] in command.commands[words[1]].commands, words
+
+
+def test_inspect_guide_runs(tmp_path: Path) -> None:
+    """docs/guides/inspect.md: the commands it shows exist with the options it uses, and its pandas script runs on
+    a stored rollouts step and prints the episode's turns."""
+    import typer
+    from factories import trajectory_row
+
+    from pettingflow.cli import app
+    from pettingflow.storage import RunLayout, write_trajectories
+
+    page = ROOT / "docs" / "guides" / "inspect.md"
+    command = typer.main.get_command(app)
+    for words in command_block(page, "inspect"):
+        sub = command.commands[words[1]]
+        sub = sub.commands[words[2]] if hasattr(sub, "commands") else sub
+        options = {o for p in sub.params for o in [*getattr(p, "opts", []), *getattr(p, "secondary_opts", [])]}
+        assert all(w in options for w in words if w.startswith("-")), (words, sorted(options))
+
+    layout = RunLayout(str(tmp_path), "run-i")
+    rows = [
+        trajectory_row(env_idx=1, rollout_idx=5, sample_idx=1, turn_idx=t, agent_name=a, prompt_text=f"p{t}")
+        for t, a in enumerate(["coder", "tester"])
+    ]
+    write_trajectories(layout.step(2, "rollouts").begin(), rows)
+    write_guide_files(page, tmp_path)
+    script = tmp_path / "one_episode.py"
+    script.write_text(script.read_text().replace("outputs/runs/<run_id>", f"{tmp_path}/runs/run-i"))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "turn 0 coder: reward 1.00, 3 model tokens" in done.stdout and "turn 1 tester" in done.stdout

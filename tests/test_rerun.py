@@ -198,3 +198,62 @@ def test_a_rerun_is_its_own_tensorboard_run_beside_the_original(tmp_path) -> Non
 
     assert scalars(tensorboard_dir(layout)) == [(0, 0.5), (1, 0.25)]
     assert scalars(tensorboard_dir(layout) / "iter-1-attempt-1") == [(1, 0.125)]
+
+
+def test_trajectories_episode_prints_one_episode_turn_by_turn_in_full(tmp_path) -> None:
+    """`pettingflow trajectories episode RUN -k K -e N`: every turn of episode N in order, with the whole prompt and
+    response (no cut), reward, tokens and episode info; from the advantages step each row's advantage; an unknown
+    episode fails naming the ones there are."""
+    import json as json_module
+
+    import pyarrow as pa
+    from factories import trajectory_row
+    from typer.testing import CliRunner
+
+    from pettingflow.cli import app
+    from pettingflow.storage import trajectories_to_table, write_trajectories
+
+    layout = RunLayout(str(tmp_path), "run-ep")
+    long_answer = "def f(x):\n" + "    x += 1\n" * 40 + "    return x"
+    info = json_module.dumps({"team_reward": 1.0, "turn": {"tests_passed": 3}})
+    rows = [
+        trajectory_row(
+            rollout_idx=1,
+            sample_idx=1,
+            turn_idx=1,
+            agent_idx=1,
+            agent_name="tester",
+            reward=0.5,
+            prompt_text="tests for f?",
+            response_text="assert f(1) == 2",
+            info_json=info,
+        ),
+        trajectory_row(
+            rollout_idx=1, sample_idx=1, turn_idx=0, prompt_text="write f", response_text=long_answer, info_json=info
+        ),
+        trajectory_row(rollout_idx=0, prompt_text="other episode", response_text="nope"),
+    ]
+    write_trajectories(layout.step(0, "rollouts").begin(), rows)
+    batch = layout.step(0, "advantages").begin()
+    table = trajectories_to_table(rows).append_column("advantage", pa.array([0.25, -0.75, 0.0], pa.float32()))
+    batch.write_table("batch-shared.parquet", table)
+    batch.commit()
+
+    runner = CliRunner()
+    shown = runner.invoke(app, ["trajectories", "episode", "run-ep", "-k", "0", "-e", "1", "--root", str(tmp_path)])
+    assert shown.exit_code == 0, shown.output
+    out = shown.output
+    assert out.index("turn 0 · code_generator") < out.index("turn 1 · tester")  # in turn order
+    assert long_answer in out and "write f" in out and "other episode" not in out
+    assert 'episode info: {"team_reward": 1.0}' in out and 'turn info: {"tests_passed": 3}' in out
+    assert "reward 0.500" in out and "tokens 3 model / 1 env" in out
+    quiet = runner.invoke(
+        app, ["trajectories", "episode", "run-ep", "-e", "1", "--no-prompts", "--root", str(tmp_path)]
+    )
+    assert "write f" not in quiet.output and long_answer in quiet.output
+    advantages = runner.invoke(
+        app, ["trajectories", "episode", "run-ep", "-e", "1", "--step", "advantages", "--root", str(tmp_path)]
+    )
+    assert "advantage -0.750" in advantages.output and "advantage +0.250" in advantages.output
+    missing = runner.invoke(app, ["trajectories", "episode", "run-ep", "-e", "7", "--root", str(tmp_path)])
+    assert missing.exit_code == 2 and "no episode 7" in missing.output and "[0, 1]" in missing.output
