@@ -371,3 +371,15 @@ def test_zero3_master_partitions_alias_fp32_weights_only_where_deepspeed_means_t
     assert share_fp32_master(SimpleNamespace()) == 0  # not a ZeRO-3 optimizer
     with pytest.raises(RuntimeError, match="differs"):
         share_fp32_master(SimpleNamespace(fp16_partitioned_groups_flat=[w32], fp32_partitioned_groups_flat=[w32 + 1]))
+
+
+def test_zero0_allreduce_buckets_are_sized_to_the_model_only_where_deepspeed_flattens_everything():
+    from types import SimpleNamespace
+
+    from pettingflow.training.worker import allreduce_bucket_elements
+
+    config = SimpleNamespace(hidden_size=1024)
+    assert allreduce_bucket_elements(0, 2, config) == 1024 * 1024
+    assert allreduce_bucket_elements(0, 1, config) is None  # one rank: nothing to reduce
+    assert allreduce_bucket_elements(2, 2, config) is None  # ZeRO buckets come from the DeepSpeed config
+    assert allreduce_bucket_elements(0, 2, SimpleNamespace()) is None
