@@ -199,10 +199,12 @@ def episode_text(
     Why: a table row cut at 160 characters cannot show what an agent saw and answered, which is what one
     looks for when a reward is surprising.
     """
+    import pyarrow.compute as pc
+
     data = read_step_trajectories(layout.step(iteration, step))
-    rows = [r for r in data.to_pylist() if r["rollout_idx"] == episode]
+    rows = data.filter(pc.equal(data.column("rollout_idx"), episode)).to_pylist()
     if not rows:
-        episodes = sorted(set(data.column("rollout_idx").to_pylist())) if data.num_rows else []
+        episodes = sorted(set(data.column("rollout_idx").to_pylist()))
         shown = f"{episodes[:20]}{' ...' if len(episodes) > 20 else ''}"
         raise FileNotFoundError(
             f"no episode {episode} in {layout.run_id} iter-{iteration} {step}: its episodes (rollout_idx) are {shown}"

@@ -13,6 +13,8 @@ from pettingflow.configs.loader import ConfigError, available_configs, dump_conf
 from pettingflow.inference.cli import models_app
 
 if TYPE_CHECKING:
+    from pettingflow.configs.settings import ExperimentConfig
+    from pettingflow.runs.preflight import PreflightReport
     from pettingflow.storage import RunLayout
 
 app = typer.Typer(
@@ -83,6 +85,16 @@ def config_list() -> None:
 
 
 # ------------------------------------------------------------------------------------------ rollout
+def _preflight(name: str, cfg: ExperimentConfig, check_models: bool = True) -> PreflightReport:
+    """``runs.preflight`` of a loaded config, or a one-line error naming the config (exit 2)."""
+    from pettingflow.runs.preflight import PreflightError, preflight
+
+    try:
+        return preflight(cfg, check_models=check_models)
+    except PreflightError as exc:
+        fail(f"{name}: {exc}")
+
+
 @app.command("check")
 def check(
     config: Annotated[str, typer.Argument(help="Config name or YAML path.")],
@@ -94,14 +106,8 @@ def check(
 ) -> None:
     """Check a config before a run: class paths resolve, the task file loads, every task's env has a team, the
     models exist. Starts nothing; exits 2 with what is wrong and where."""
-    from pettingflow.runs.preflight import PreflightError, preflight
-
     extra = ["env.dataset.source=file", f"env.dataset.path={tasks}"] if tasks else []
-    cfg = _config(config, [*(overrides or []), *extra])
-    try:
-        report = preflight(cfg, check_models=models)
-    except PreflightError as exc:
-        fail(f"{config}: {exc}")
+    report = _preflight(config, _config(config, [*(overrides or []), *extra]), check_models=models)
     for line in report.lines():
         typer.echo(line)
     typer.secho(f"{config}: ok", fg=typer.colors.GREEN)
@@ -116,13 +122,7 @@ def train(
     """Train in the foreground: the flow `prefect deployment run train/...` runs, here, with its log in this
     terminal (against PREFECT_API_URL if set, so the UI shows it; else a temporary local Prefect server).
     Checks the config first (`pettingflow check`)."""
-    from pettingflow.runs.preflight import PreflightError, preflight
-
-    cfg = _config(config, overrides)
-    try:
-        preflight(cfg)
-    except PreflightError as exc:
-        fail(f"{config}: {exc}")
+    _preflight(config, _config(config, overrides))
     if os.environ.get("PREFECT_API_URL") is None:
         typer.secho("PREFECT_API_URL is not set: running with a temporary local Prefect server", err=True)
     from pettingflow.flows.train import train as train_flow

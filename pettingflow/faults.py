@@ -41,7 +41,12 @@ WORKER_MARK = "prefect worker start"  # the command line of a Prefect worker (``
 
 def armed(point: str) -> bool:
     """Whether the environment asks for a crash at ``point`` (cheap: one environment lookup when unset)."""
-    wanted = os.environ.get(ENV_POINTS)
+    return _named(ENV_POINTS, point)
+
+
+def _named(variable: str, point: str) -> bool:
+    """Whether the comma-separated points in ``$variable`` include ``point``."""
+    wanted = os.environ.get(variable)
     return bool(wanted) and point in (p.strip() for p in wanted.split(","))
 
 
@@ -69,8 +74,7 @@ def hold(point: str, timeout_s: float = 900.0) -> None:
     of the next iteration are collected ahead) must not depend on which of them the machine's load makes
     finish first; holding one of them open makes the window certain. A no-op unless the variable is set.
     """
-    wanted = os.environ.get(ENV_HOLD)
-    if not wanted or point not in (p.strip() for p in wanted.split(",")):
+    if not _named(ENV_HOLD, point):
         return
     release = fired_dir() / f"{_file_name(point)}.release"
     deadline = time.monotonic() + timeout_s

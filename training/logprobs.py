@@ -174,6 +174,15 @@ def chunked_head(
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     head = causal_lm(forward).get_output_embeddings()
+
+    def compute(h: torch.Tensor, t: torch.Tensor, metric: list[torch.Tensor]) -> Any:
+        logits = head(h).float()
+        if entropy_grad:
+            return token_logprobs(logits, t), entropy_from_logits(logits)
+        if not metric:  # the first pass; a checkpoint's recompute in the backward needs the log-probs only
+            metric.append(entropy_metric(logits))
+        return token_logprobs(logits, t)
+
     logps: list[torch.Tensor] = []
     entropies: list[torch.Tensor] = []
     chunks = -(-hidden.shape[0] // chunk_tokens)
@@ -181,28 +190,14 @@ def chunked_head(
         chunks = agree(chunks)
     for lo in range(0, chunks * chunk_tokens, chunk_tokens):
         h, t = hidden[lo : lo + chunk_tokens], targets[lo : lo + chunk_tokens]
-        if not torch.is_grad_enabled() or not h.requires_grad:
-            logits = head(h).float()
-            logps.append(token_logprobs(logits, t))
-            entropies.append(entropy_from_logits(logits) if entropy_grad else entropy_metric(logits))
-            continue
         metric: list[torch.Tensor] = []
-
-        def chunk(h: torch.Tensor, t: torch.Tensor, metric: list[torch.Tensor] = metric) -> Any:
-            logits = head(h).float()
-            if entropy_grad:
-                return token_logprobs(logits, t), entropy_from_logits(logits)
-            if not metric:  # the first pass; the backward's recompute needs the log-probs only
-                metric.append(entropy_metric(logits))
-            return token_logprobs(logits, t)
-
-        out = checkpoint(chunk, h, t, use_reentrant=False)
-        if entropy_grad:
-            logps.append(out[0])
-            entropies.append(out[1])
+        if torch.is_grad_enabled() and h.requires_grad:
+            out = checkpoint(compute, h, t, metric, use_reentrant=False)
         else:
-            logps.append(out)
-            entropies.append(metric[0])
+            out = compute(h, t, metric)
+        logp, entropy = out if entropy_grad else (out, metric[0])
+        logps.append(logp)
+        entropies.append(entropy)
     if not logps:
         empty = hidden.new_zeros(0, dtype=torch.float32)
         return empty, empty
