@@ -34,11 +34,13 @@ format: venv
 # that is a failure here, never a silent pass.
 test: venv lint
 	@command -v bwrap >/dev/null || scripts/bootstrap.sh
+	@scripts/test_deps.sh
 	$(BIN)/python -m pytest --durations=30 $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 # The quick local loop: no end-to-end tests with real servers.
 test-fast: venv
+	@scripts/test_deps.sh
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
 
 run: venv

@@ -197,6 +197,7 @@ class CodeGeneratorAgent(Agent):
             "local_reward": reward,
             "ground_truth_passed": evaluation.ground_truth.passed,
             "ground_truth_cases": evaluation.ground_truth.total,
+            "sandbox": evaluation.ground_truth.digest(),
         }
         return reward, code_success(evaluation.ground_truth)
 
@@ -259,5 +260,6 @@ class UnitTestGeneratorAgent(Agent):
             "validity": result.validity,
             "caught": result.caught,
             "bonus_applies": result.bonus_applies,
+            "sandbox": evaluation.on_golden.digest(),
         }
         return result.reward, result.success

@@ -420,6 +420,34 @@ def trajectories_episode(
     typer.echo("\n".join(lines))
 
 
+@traj_app.command("view")
+def trajectories_view(
+    run_id: Annotated[str, typer.Argument(help="A run id.")],
+    iteration: Annotated[
+        int | None, typer.Option("--iteration", "-k", help="Open at this iteration (default: the newest).")
+    ] = None,
+    port: Annotated[int, typer.Option("--port", help="Port on loopback.")] = 8765,
+    host: Annotated[str, typer.Option("--host", help="Loopback address to serve on (no login: loopback only).")] = (
+        "127.0.0.1"
+    ),
+    root: RootOpt = "",
+) -> None:
+    """Serve a page of the run's episodes turn by turn on loopback: prompts, responses with tokens shaded by mask
+    and advantage, rewards, tree candidates, sandbox output; filters; two attempts of an iteration side by side."""
+    from pettingflow.analysis.viewer_app import is_loopback, serve
+    from pettingflow.storage import RunLayout
+
+    layout = RunLayout(_root_for(run_id, root), run_id)
+    iterations = layout.iterations()
+    if not iterations:
+        fail(f"run {run_id} has no iterations under {layout.run_uri} (is the id right? `pettingflow runs list`)")
+    if not is_loopback(host):
+        fail(f"--host {host}: the viewer has no login and serves on loopback only; tunnel to it with ssh -L")
+    k = iterations[-1] if iteration is None else iteration
+    typer.echo(f"trajectory viewer of {run_id}: http://{host}:{port}/iteration/{k}  (Ctrl-C stops it)")
+    serve(layout, host, port)
+
+
 # ------------------------------------------------------------------------------------------ rerun
 @app.command("rerun")
 def rerun(

@@ -9,6 +9,7 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
+from pettingflow.analysis.viewer import viewer_markdown
 from pettingflow.runs.run import RunRef, load_run_config
 from pettingflow.steps import report
 from pettingflow.tasks.steps import context
@@ -51,7 +52,9 @@ def report_iteration(
     link_lines = "\n".join(f"- **{name}**: `{uri}`" for name, uri in sorted(links.items()))
     create_markdown_artifact(
         key=f"{key}-links",
-        markdown=f"# Files of {run.run_id} {ctx.label}\n\n{link_lines}\n\nReport: `{result['uri']}`\n",
+        markdown=f"# Files of {run.run_id} {ctx.label}\n\n{link_lines}\n\nReport: `{result['uri']}`\n\n"
+        + viewer_markdown(run.run_id, iteration, attempt)
+        + "\n",
         description="where the Parquet and checkpoints are",
     )
     if ctx.layout.fs.protocol in ("file", "local") or "file" in ctx.layout.fs.protocol:

@@ -511,7 +511,10 @@ def test_local_turn_rewards_team_reward_and_forks() -> None:
     coder.update_from_env(0, env)
     coder.update_from_model(0, env, f"```python\n{BUGGY_CODE}\n```")
     run(coder.step(env))
+    sandbox = coder.turn_info.pop("sandbox")  # each ground-truth case and what the sandbox said of it
     assert coder.turn_info == {"role": "code", "local_reward": 1 / 3, "ground_truth_passed": 1, "ground_truth_cases": 3}
+    assert [c["passed"] for c in sandbox] == [False, True, False]
+    assert all(bool(c["error"]) != c["passed"] for c in sandbox)  # an error exactly where a case failed
     assert env.episode_info()["team_reward"] == pytest.approx(1 / 3)  # graded by the latest code
     # a fork takes the tester's turn; the episode itself does not see it
     fork, fork_tester = env.fork(), tester.fork()
@@ -520,6 +523,8 @@ def test_local_turn_rewards_team_reward_and_forks() -> None:
     fork_tester.update_from_model(1, fork, "```python\nassert add(2, 3) == 5\nassert add(1, 1) == 3\n```")
     run(fork_tester.step(fork))
     # 2 asserts, 1 valid on the canonical solution (V = 1/2), it catches the buggy code: 0.5 * 0.5 + 0.5 = 0.75
+    golden = fork_tester.turn_info.pop("sandbox")  # the asserts on the canonical solution
+    assert [c["passed"] for c in golden] == [True, False] and golden[1]["case"] == "assert add(1, 1) == 3"
     assert fork_tester.turn_info == {
         "role": "test",
         "local_reward": 0.75,

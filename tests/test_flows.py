@@ -202,6 +202,32 @@ def test_train_two_iterations_then_resume_then_rerun(tmp_path, prefect_env, tiny
     # no servers in a re-run: the update ran in its own process, from the base weights like the original
     rerun_metrics = layout.step(0, "update-shared", attempt=1).manifest().metadata["metrics"]
     assert rerun_metrics["optimizer_state"] == "new" and "learner_loaded" in rerun_metrics
+    check_viewer_on_real_run(layout, rows, tmp_path)
+
+
+def check_viewer_on_real_run(layout: RunLayout, rows, tmp_path: Path) -> None:
+    """The trajectory viewer on this run: the policy's own tokenizer splits each response into as many tokens
+    as it has ids, the sandbox's verdicts are shown, and the two attempts differ where the std filter dropped
+    rows; then the episode page in headless Chromium (where one is installed; CI has it)."""
+    from browser import chromium_or_skip, dom, serving
+    from fastapi.testclient import TestClient
+
+    from pettingflow.analysis.viewer_app import create_app
+
+    app = create_app(layout)  # the real decoder: the tokenizer of the run's model folder
+    client = TestClient(app)
+    episode = rows.filter(pc.equal(rows.column("rollout_idx"), 0)).to_pylist()
+    page = client.get("/episode/0/0").text
+    assert page.count('class="tok model"') == sum(len(r["response_ids"]) for r in episode)
+    assert "sandbox output" in page and ("passed" in page or "failed" in page)
+    compare = client.get("/compare/0", params={"a": 0, "b": 1}).text
+    assert "algorithm.filter_method=std" in compare and "dropped" in compare
+    links = client.get("/iteration/0").text
+    assert links.count('class="episode-row"') == len(set(rows.column("rollout_idx").to_pylist()))
+    browser = chromium_or_skip()
+    with serving(app) as url:
+        shown = dom(browser, f"{url}/episode/0/0", tmp_path / "chromium-profile")
+    assert shown.count('class="tok model"') == sum(len(r["response_ids"]) for r in episode)
 
 
 def test_resumed_run_with_other_config_is_refused(tmp_path, prefect_env, tiny_model, scripted) -> None:

@@ -50,6 +50,23 @@ class SuiteResult:
     def flags(self) -> list[bool]:
         return [c.passed for c in self.cases]
 
+    def digest(self, max_cases: int = 8, max_chars: int = 240) -> list[dict[str, Any]]:
+        """What the sandbox said, small enough for a row's ``info_json``: the setup error, then each case (the
+        first ``max_cases``), passed or failed with its error, texts cut to ``max_chars``.
+
+        Why: the trajectory viewer shows it beside the turn, which is where a surprising reward is explained."""
+
+        def cut(text: str | None) -> str | None:
+            return text if text is None or len(text) <= max_chars else text[: max_chars - 1] + "…"
+
+        out: list[dict[str, Any]] = []
+        if self.setup_error:
+            out.append({"case": "(loading the solution)", "passed": False, "error": cut(self.setup_error)})
+        out += [{"case": cut(c.source), "passed": c.passed, "error": cut(c.error)} for c in self.cases[:max_cases]]
+        if len(self.cases) > max_cases:
+            out.append({"case": f"... {len(self.cases) - max_cases} more cases", "passed": None, "error": None})
+        return out
+
 
 def complete_summary(result: ExecResult, marker: str, n_jobs: int) -> list[Any] | None:
     """The summary list when the output holds one for exactly ``n_jobs`` jobs, else None (never raises)."""
