@@ -198,3 +198,21 @@ def test_the_pages_in_headless_chromium(layout, tmp_path) -> None:
         assert page.count('class="tok env"') == 4 and 'class="branches"' in page
         shot = screenshot(browser, f"{url}/episode/0/0", tmp_path / "episode.png", tmp_path / "profile")
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 10_000
+
+
+def test_the_command_and_the_report_link(layout, tmp_path) -> None:
+    from typer.testing import CliRunner
+
+    from pettingflow.analysis.viewer import viewer_markdown
+    from pettingflow.cli import app
+
+    runner = CliRunner()
+    root = ["--root", str(tmp_path)]
+    refused = runner.invoke(app, ["trajectories", "view", "run-view", "--host", "0.0.0.0", *root])
+    assert refused.exit_code == 2 and "loopback only" in refused.output
+    missing = runner.invoke(app, ["trajectories", "view", "no-such-run", *root])
+    assert missing.exit_code == 2 and "has no iterations" in missing.output
+    text = viewer_markdown("run-view", 3, attempt=1)
+    assert (
+        "pettingflow trajectories view run-view -k 3" in text and "http://127.0.0.1:8765/iteration/3?attempt=1" in text
+    )
