@@ -160,7 +160,8 @@ class SandboxSettings(_Strict):
     max_output_bytes: int = Field(
         65536,
         ge=1024,
-        description="stdout and stderr kept per program; the rest is read and dropped (marked truncated).",
+        description="stdout and stderr kept per program: a longer stream keeps its head and tail around a marked gap "
+        "(the middle is read and dropped; the result is marked truncated).",
     )
     max_concurrency: int = Field(
         2, ge=1, description="Programs run at once per sandbox pool (or per Ray sandbox actor)."

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import shutil
 import socket
 import stat
@@ -89,6 +90,30 @@ def test_exec_result_status_names_the_outcome():
     assert result(1, "memory").status == "memory"  # MemoryError under RLIMIT_AS
     assert not result(0).truncated
     assert ExecResult(0, False, "", "", False, True, 0.1).truncated
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 1000, 10**6])
+def test_a_capped_stream_keeps_its_head_and_tail_within_the_cap(chunk):
+    """Whatever the chunking: a stream that fits is kept whole; one over the cap keeps its first and last bytes
+    around a marked gap that says how much was cut, and never more than the cap."""
+    from pettingflow.envs.sandbox.base import _Capture
+
+    def feed(data: bytes) -> _Capture:
+        cap = _Capture(1024, 10**9)
+        for i in range(0, len(data), chunk):
+            cap.add(data[i : i + chunk])
+        return cap
+
+    fits = bytes(range(256)) * 4  # exactly the cap
+    assert feed(fits).kept() == fits and not feed(fits).overflow
+    stream = b"".join(b"%06d\n" % i for i in range(5000)) + b"VERDICT: 3 passed\n"
+    cap = feed(stream)
+    kept = cap.kept()
+    assert cap.overflow and len(kept) <= 1024
+    head, gap, tail = re.match(rb"(.*?)(\n\[\.\.\. \d+ bytes cut[^\]]*\]\n)(.*)", kept, re.S).groups()
+    assert stream.startswith(head) and stream.endswith(tail) and tail.endswith(b"VERDICT: 3 passed\n")
+    assert int(re.search(rb"(\d+) bytes cut", gap).group(1)) == len(stream) - len(head) - len(tail)
+    assert len(head) >= 400 and len(tail) >= 400
 
 
 @needs_bwrap
@@ -413,16 +438,18 @@ def test_output_flood_is_truncated_and_stopped(stream):
     sb = make_sandbox(_settings(max_output_bytes=4096, timeout_s=10))
     result = sb.run(f"import sys\nwhile True:\n    sys.{stream}.write('x' * 1000)\n")
     text = getattr(result, stream)
-    assert getattr(result, f"{stream}_truncated") and result.truncated and len(text.encode()) == 4096
+    assert getattr(result, f"{stream}_truncated") and result.truncated and 4000 < len(text.encode()) <= 4096
+    assert text.startswith("xxx") and "bytes cut" in text and text.endswith("xxx")  # head, the marked gap, tail
     assert result.killed_reason == "output" and result.exit_code is None and not result.timed_out
     assert result.status == "output"
     assert result.duration_s < 5
 
 
 @needs_bwrap
-def test_long_output_keeps_its_head_and_the_program_runs_on(sandbox):
-    """One line over the cap (64 KiB here) is cut, not fatal: the head and stderr are kept, the rest is
-    drained and dropped, and the program finishes with its own exit status."""
+def test_long_output_keeps_its_head_and_tail_and_the_program_runs_on(sandbox):
+    """One line over the cap (64 KiB here) is cut, not fatal: the head, the tail (the verdict printed last) and
+    stderr are kept, the middle is drained and dropped with a marked gap, and the program finishes with its
+    own exit status."""
     cap = sandbox.settings.max_output_bytes
     code = (
         "import sys\nprint('head', flush=True)\nsys.stderr.write('note on stderr\\n')\n"
@@ -431,8 +458,12 @@ def test_long_output_keeps_its_head_and_the_program_runs_on(sandbox):
     result = sandbox.run(code)
     assert result.exit_code == 3 and result.killed_reason is None and result.status == "failed"
     assert result.stdout_truncated and result.truncated and not result.stderr_truncated
-    assert result.stdout.startswith("head\nxxx") and len(result.stdout.encode()) == cap
-    assert "tail" not in result.stdout
+    assert result.stdout.startswith("head\nxxx") and len(result.stdout.encode()) <= cap
+    assert result.stdout.endswith("xxx\ntail\n")
+    cut = int(re.search(r"\[\.\.\. (\d+) bytes cut", result.stdout).group(1))
+    assert cut + len(result.stdout.encode()) - len(re.search(r"\n\[\.\.\..*\.\.\.\]\n", result.stdout).group(0)) == (
+        len("head\n") + 4 * cap + 1 + len("tail\n")
+    )  # what was cut and what was kept add up to what the program printed
     assert result.stderr == "note on stderr\n"
     ok = sandbox.run(f"print('y' * {2 * cap})")
     assert ok.passed and ok.truncated  # a truncated run is still judged on its exit status

@@ -1,11 +1,11 @@
 """What every sandbox backend shares: the result type, the errors, the protocol and the supervisor.
 
 The supervisor (:func:`supervise`) is the one place where the host talks to a sandboxed process tree:
-it reads stdout/stderr incrementally (keeping at most ``max_output_bytes`` of each, draining and
-discarding the rest, so a flood never reaches host memory), enforces the wall-clock deadline, runs the
-backend's watchdog (whole-run memory, scratch inodes), and calls the backend's ``kill_tree`` when a
-limit is exceeded. It never interprets what
-the program printed as an instruction: a sandboxed program can at worst make its own result fail,
+it reads stdout/stderr incrementally (keeping at most ``max_output_bytes`` of each: its head and its tail
+with a marked gap between, draining and discarding the middle, so a flood never reaches host memory),
+enforces the wall-clock deadline, runs the backend's watchdog (whole-run memory, scratch inodes), and calls
+the backend's ``kill_tree`` when a limit is exceeded. It never interprets what the program printed as an
+instruction: a sandboxed program can at worst make its own result fail,
 never make the host raise, hang or skip a limit.
 """
 
@@ -32,7 +32,7 @@ from pettingflow.processes import stop_process_group
 KILL_GRACE_S = 5.0
 #: Seconds spent reading what is left in the pipes after a kill (the writers are dead by then).
 DRAIN_GRACE_S = 1.0
-#: Output past ``max_output_bytes`` is read and thrown away (the result is marked truncated); only a
+#: Output past ``max_output_bytes`` is read and its middle thrown away (the result is marked truncated); only a
 #: stream that exceeds this many times the cap gets the tree killed (``killed_reason="output"``). 16 x
 #: the default 64 KiB is 1 MiB: a program printing a long line or a big table keeps running and is
 #: judged on its exit status, while an endless flood still stops long before its deadline.
@@ -187,16 +187,30 @@ def sealed_memfd(name: str, data: bytes) -> int:
 
 
 class _Capture:
-    """Bytes of one stream, kept up to ``limit``; ``overflow`` once more arrived than fits, ``flood``
-    once more than ``hard_limit`` arrived in all (the rest is counted, never kept)."""
+    """Bytes of one stream, at most ``limit`` of them: all of it when it fits; otherwise its head, a marked
+    gap and its tail, so a verdict printed last (a test harness's summary, a traceback) survives a long line of
+    junk before it. ``overflow`` once more arrived than fits, ``flood`` once more than ``hard_limit`` arrived
+    in all (the rest is counted, never kept)."""
+
+    #: bytes kept for the gap's marker line; the head and the tail share the rest of the cap equally
+    MARK_RESERVE = 96
 
     def __init__(self, limit: int, hard_limit: int):
         self.limit = limit
         self.hard_limit = hard_limit
-        self.chunks: list[bytes] = []
-        self.size = 0
+        room = max(limit - self.MARK_RESERVE, 0)
+        self.head_limit = room // 2 if room >= 2 else limit
+        self.head = bytearray()
+        # everything after the head, trimmed to what could still be shown: the whole rest while the stream
+        # fits in ``limit``, its last ``room - head_limit`` bytes once it does not
+        self.rest = bytearray()
+        self.rest_limit = limit - self.head_limit
+        self.tail_limit = room - self.head_limit if room >= 2 else 0
         self.seen = 0
-        self.overflow = False
+
+    @property
+    def overflow(self) -> bool:
+        return self.seen > self.limit
 
     @property
     def flood(self) -> bool:
@@ -204,17 +218,27 @@ class _Capture:
 
     def add(self, data: bytes) -> None:
         self.seen += len(data)
-        room = self.limit - self.size
-        if len(data) > room:
-            self.overflow = True
-            data = data[: max(room, 0)]
+        room = self.head_limit - len(self.head)
+        if room > 0:
+            self.head += data[:room]
+            data = data[room:]
         if data:
-            self.chunks.append(data)
-            self.size += len(data)
+            self.rest += data[-self.rest_limit :] if self.rest_limit else b""
+            if len(self.rest) > self.rest_limit:
+                del self.rest[: len(self.rest) - self.rest_limit]
+
+    def kept(self) -> bytes:
+        """What the result holds: never more than ``limit`` bytes."""
+        if not self.overflow:
+            return bytes(self.head + self.rest)
+        tail = self.rest[len(self.rest) - self.tail_limit :] if self.tail_limit else b""
+        cut = self.seen - len(self.head) - len(tail)
+        mark = f"\n[... {cut} bytes cut: the sandbox keeps the first and last bytes of each stream ...]\n".encode()
+        return bytes(self.head) + mark[: self.limit - len(self.head) - len(tail)] + bytes(tail)
 
     def text(self) -> str:
-        # errors="replace": truncation may split a UTF-8 sequence, and programs may print raw bytes.
-        return b"".join(self.chunks).decode("utf-8", errors="replace")
+        # errors="replace": a cut may split a UTF-8 sequence, and programs may print raw bytes.
+        return self.kept().decode("utf-8", errors="replace")
 
 
 def terminate_process_tree(proc: subprocess.Popen, kill_first: Callable[[], bool] | None = None) -> None:
