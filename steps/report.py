@@ -202,8 +202,8 @@ def log_metrics(
 
     A re-run (``attempt`` >= 1 of ``iteration``) is its own TensorBoard run, ``iter-<k>-attempt-<a>`` inside the
     run's log folder: the same metric tags at step k, so each chart shows the re-run's point beside the
-    original curve (TensorBoard names runs by their sub-folder). In MLflow it is its own run too, tagged with
-    the iteration and attempt.
+    original curve (TensorBoard names runs by their sub-folder). In MLflow every report of a training run goes to
+    one MLflow run (``steps/mlflow_sink.py``), a re-run's metrics under ``attempt-<a>/``.
     """
     from torch.utils.tensorboard import SummaryWriter
 
@@ -217,20 +217,10 @@ def log_metrics(
     finally:
         writer.close()
     if mlflow_uri:
-        try:
-            import mlflow
-        except ImportError as exc:
-            raise RuntimeError(
-                "run.mlflow_tracking_uri is set but mlflow is not installed: pip install -e '.[mlflow]'"
-            ) from exc
-        mlflow.set_tracking_uri(mlflow_uri)
-        mlflow.set_experiment("pettingflow")
-        name = layout.run_id + (f"-iter-{iteration}-attempt-{attempt}" if attempt else "")
-        tags = {"pettingflow.run_id": layout.run_id}
-        if attempt:
-            tags |= {"pettingflow.iteration": str(iteration), "pettingflow.attempt": str(attempt)}
-        with mlflow.start_run(run_name=name, tags=tags):
-            mlflow.log_metrics({k.replace("/", "."): v for k, v in metrics.items()}, step=iteration)
+        from pettingflow.steps.mlflow_sink import log_report
+
+        info = layout.read_run_info()
+        log_report(mlflow_uri, layout.run_id, layout.run_uri, info.get("config", {}), iteration, metrics, attempt)
 
 
 def iteration_warnings(outcomes: Mapping[str, Any]) -> list[str]:

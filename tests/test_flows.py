@@ -140,7 +140,15 @@ def test_train_two_iterations_then_resume_then_rerun(tmp_path, prefect_env, tiny
     assert any(k.startswith("update/shared/") for k in metrics)
     assert 0.0 <= metrics["orchestration/outside_step_tasks_share"] < 1.0
     assert metrics["duration/iteration_before_report_s"] >= metrics["duration/update-shared_s"]
-    assert (tmp_path / "runs" / run_id / "tensorboard").is_dir()
+    # TensorBoard's event file holds each iteration's report metrics at step k
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "runs" / run_id / "tensorboard"))
+    events.Reload()
+    reported = [layout.step(k, "report").read_json("metrics.json") for k in (0, 1)]
+    for tag in ("rollout/code_generator/reward_mean", "update/shared/loss"):
+        got = [(e.step, round(e.value, 5)) for e in events.Scalars(tag)]
+        assert got == [(k, round(reported[k][tag], 5)) for k in (0, 1)], tag
     # the run's summary (make run's last lines, the last artifact): held-out before -> after with an interval
     summary = (tmp_path / "runs" / run_id / "summary.md").read_text()
     assert "held-out success of code_generator (2 tasks, 2 episodes)" in summary and "95 % CI" in summary
