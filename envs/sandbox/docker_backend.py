@@ -192,8 +192,8 @@ def docker_run_argv(
         f"/tmp:{tmpfs}",
         "--tmpfs",
         f"/program:rw,nosuid,nodev,size={max(1, program_len // (1024 * 1024) + 1)}m,mode=1777",
-        "--workdir",
-        WORKDIR,
+        # no --workdir: on a real engine (docker.io 20.10) it leaves the tmpfs at WORKDIR owned by root, mode 755,
+        # so uid 65534 cannot write there; the bootstrap changes into it instead
         "--log-driver",
         "none",
         "--env",
