@@ -108,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = common.parse_args(parser, argv)
 
+    from pettingflow.training.checkpoint import PolicyWeights
     from pettingflow.training.launch import run_update, spec_from_config
 
     model = common.model_dir()
@@ -145,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
                     policy="shared",
                     batch_uri=str(batch),
                     out_dir=str(tmp / f"out-{r}"),
-                    init_model_dir=str(model),
+                    start=PolicyWeights(policy="shared", base_dir=str(model), model_dir=str(model)),
                 ).model_copy(update={"save_resume_state": False})
                 m = run_update(spec, timeout_s=3600)
                 res["worker"] = m

@@ -23,10 +23,12 @@ app = typer.Typer(
 config_app = typer.Typer(no_args_is_help=True, help="Inspect experiment configs.")
 runs_app = typer.Typer(no_args_is_help=True, help="Inspect stored runs.")
 traj_app = typer.Typer(no_args_is_help=True, help="Inspect stored trajectories.")
+hardware_app = typer.Typer(no_args_is_help=True, help="This machine's measured peaks (the roofline's ceiling).")
 app.add_typer(config_app, name="config")
 app.add_typer(models_app, name="models")
 app.add_typer(runs_app, name="runs")
 app.add_typer(traj_app, name="trajectories")
+app.add_typer(hardware_app, name="hardware")
 
 Overrides = Annotated[list[str] | None, typer.Argument(help="Config overrides like algorithm.filter_ratio=0.25.")]
 RootOpt = Annotated[
@@ -446,6 +448,38 @@ def trajectories_view(
     k = iterations[-1] if iteration is None else iteration
     typer.echo(f"trajectory viewer of {run_id}: http://{host}:{port}/iteration/{k}  (Ctrl-C stops it)")
     serve(layout, host, port)
+
+
+# ------------------------------------------------------------------------------------------ hardware
+@hardware_app.command("probe")
+def hardware_probe_cmd(
+    model: Annotated[
+        str, typer.Option("--model", help="Model whose matmul shapes to measure (a prepared name or a folder).")
+    ] = "smollm2-135m-instruct",
+    threads: Annotated[int, typer.Option("--threads", help="Torch threads (default: every allowed core).")] = 0,
+    force: Annotated[bool, typer.Option("--force", help="Measure again even if this machine has a probe.")] = False,
+) -> None:
+    """Measure matrix-multiply FLOP/s (bf16, fp32; a large shape and the model's own) and memory bandwidth, once
+    per machine; iteration reports then give each phase as a fraction of these peaks (roofline/* metrics). Run it
+    on an idle machine: anything else running lowers the peaks."""
+    import json
+
+    from pettingflow import hardware_probe
+    from pettingflow.inference.models import ModelError, resolve_model
+    from pettingflow.roofline import ModelShape
+
+    cached = hardware_probe.load(threads or None)
+    if cached and not force:
+        where = hardware_probe.cache_path(cached["threads"])
+        typer.echo(f"this machine was probed at {cached['measured_at']} ({where}); --force measures again")
+        typer.echo(json.dumps(cached, indent=2))
+        return
+    try:
+        shape = ModelShape.from_config(json.loads((resolve_model(model) / "config.json").read_text()))
+    except (ModelError, OSError, ValueError) as exc:
+        fail(f"cannot read the shapes of {model}: {exc}")
+    result = hardware_probe.probe(shape, threads or None, progress=typer.echo)
+    typer.echo(f"saved {hardware_probe.save(result)}")
 
 
 # ------------------------------------------------------------------------------------------ rerun

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import logging
 from collections.abc import Mapping
 from pathlib import Path
@@ -270,3 +271,56 @@ def write_report(
         "png": png,
         "warnings": list(warnings or []),
     }
+
+
+def cached_probe() -> dict[str, Any] | None:
+    """This machine's ``pettingflow hardware probe`` result, or None (never probes: that would compete with the run)."""
+    from pettingflow import hardware_probe
+
+    return hardware_probe.load()
+
+
+def roofline_metrics(config: Any, metrics: Mapping[str, float], probe: Mapping[str, Any] | None) -> dict[str, float]:
+    """The iteration's phases against this machine's measured peaks (``pettingflow/roofline.py``), from a cached
+    ``pettingflow hardware probe``; nothing without one (probing here would compete with the run).
+
+    ``roofline/update/<policy>/tflops`` and ``.../fraction_of_peak``: the training pass's matmul FLOP/s and its
+    share of what the probe's multiplies at this model's shapes reach; ``roofline/generation/fraction_of_bound``:
+    generated tokens/s over the decode bandwidth bound at the rollout's concurrency."""
+    if not probe:
+        return {}
+    from pettingflow.hardware import cpu_has_fast_bf16
+    from pettingflow.inference.models import resolve_model
+    from pettingflow.roofline import ModelShape, decode_bound, model_shape_peak, update_fraction
+
+    def dtype(name: str) -> str:
+        return name if name not in ("auto", None) else ("bf16" if cpu_has_fast_bf16() else "fp32")
+
+    out: dict[str, float] = {}
+    shapes = {}
+    for policy in config.policies:
+        try:
+            shapes[policy.name] = ModelShape.from_config(
+                json.loads((resolve_model(policy.model) / "config.json").read_text())
+            )
+        except (OSError, ValueError) as exc:
+            log.info("no roofline for policy %s: %s", policy.name, exc)
+    train = {"bfloat16": "bf16", "float32": "fp32"}.get(dtype(config.training.dtype), dtype(config.training.dtype))
+    for name, shape in shapes.items():
+        tokens_per_s = metrics.get(f"update/{name}/tokens_per_s")
+        if not tokens_per_s:
+            continue
+        peak = model_shape_peak(shape, probe["matmul_flops"][train])
+        head = metrics.get(f"update/{name}/model_tokens_per_s")
+        achieved, fraction = update_fraction(shape, tokens_per_s, peak, head, config.training.gradient_checkpointing)
+        out[f"roofline/update/{name}/tflops"] = round(achieved / 1e12, 4)
+        out[f"roofline/update/{name}/fraction_of_peak"] = round(fraction, 4)
+    generated = metrics.get("rollout/tokens_per_s")
+    if generated and shapes:
+        shape = next(iter(shapes.values()))
+        serve = {"bfloat16": "bf16", "float32": "fp32"}.get(dtype(config.inference.dtype), "bf16")
+        streams = int(min(config.rollout.max_concurrent_requests, metrics.get("rollout/episodes") or 1))
+        bound = decode_bound(shape, serve, float(probe["bandwidth"]), streams)
+        out["roofline/generation/bound_tokens_per_s"] = round(bound, 1)
+        out["roofline/generation/fraction_of_bound"] = round(generated / bound, 4)
+    return out

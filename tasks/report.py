@@ -34,6 +34,7 @@ def report_iteration(
     ctx = context(run, iteration, attempt, from_step)
     config = load_run_config(run, iteration, attempt)
     metrics = report.iteration_metrics(outcomes, durations, iteration_s)
+    metrics |= report.roofline_metrics(config, metrics, report.cached_probe())
     links = {name: o["uri"] for name, o in outcomes.items() if isinstance(o, dict) and "uri" in o}
     result = report.write_report(ctx, metrics, links, report.iteration_warnings(outcomes))
     metrics = result["metrics"]
