@@ -307,7 +307,8 @@ def roofline_metrics(config: Any, metrics: Mapping[str, float], probe: Mapping[s
             log.info("no roofline for policy %s: %s", policy.name, exc)
     train = {"bfloat16": "bf16", "float32": "fp32"}.get(dtype(config.training.dtype), dtype(config.training.dtype))
     for name, shape in shapes.items():
-        tokens_per_s = metrics.get(f"update/{name}/tokens_per_s")
+        # tokens the forward ran (a shared prompt once per group); older updates only report padded rows' tokens
+        tokens_per_s = metrics.get(f"update/{name}/computed_tokens_per_s") or metrics.get(f"update/{name}/tokens_per_s")
         if not tokens_per_s:
             continue
         peak = model_shape_peak(shape, probe["matmul_flops"][train])

@@ -68,7 +68,10 @@ def test_report_metrics_from_a_cached_probe(tmp_path) -> None:
         "rollout/episodes": 16.0,
     }
     out = roofline_metrics(config, metrics, probe)
-    flops = train_flops(shape, 400.0, 100.0)
+    flops = train_flops(shape, 400.0, 100.0)  # an update that reports no computed tokens: its padded rows' tokens
+    assert out["roofline/update/shared/tflops"] == round(flops / 1e12, 4)
+    out = roofline_metrics(config, {**metrics, "update/shared/computed_tokens_per_s": 300.0}, probe)
+    flops = train_flops(shape, 300.0, 100.0)  # a shared prompt computed once: the tokens the forward ran
     assert out["roofline/update/shared/tflops"] == round(flops / 1e12, 4)
     assert out["roofline/update/shared/fraction_of_peak"] == round(flops / 1e12, 4)
     bound = decode_bound(shape, "bf16", 20e9, 16)

@@ -624,6 +624,13 @@ def test_shared_prompts_give_the_padded_forward_results_on_fewer_tokens(tiny_mod
     table = trajectories_to_table(rows).append_column("advantage", pa.array(advantages, pa.float32()))
     mb = collate(samples_from_table(table, 64).samples)
     assert mb.prompt_groups == [[0, 1, 3], [2], [4, 6], [5]]
+    # what the roofline counts: group a's 5-token prompt computed once instead of 3 times, group c's 8 once of 2
+    assert mb.computed_tokens(share_prompts=True) == mb.tokens - 2 * 5 - 8
+    assert (
+        mb.computed_tokens(share_prompts=False)
+        == mb.tokens
+        == sum(len(r["prompt_ids"]) + len(r["response_ids"]) for r in rows)
+    )
 
     seen: list[int] = []
 

@@ -233,6 +233,14 @@ class MicroBatch:
     def tokens(self) -> int:
         return int(self.attention_mask.sum())
 
+    def computed_tokens(self, share_prompts: bool) -> int:
+        """Tokens the forward runs: ``tokens``, less the prompt repeats a shared-prompt forward computes once per
+        group (the roofline counts FLOPs done, not rows)."""
+        if not share_prompts or not self.prompt_lens:
+            return self.tokens
+        repeats = sum((len(g) - 1) * self.prompt_lens[g[0]] for g in self.prompt_groups if len(g) > 1)
+        return self.tokens - repeats
+
     def to(self, device: torch.device | str) -> MicroBatch:
         """A copy with every tensor on ``device`` (the DeepSpeed engine's device)."""
         moved = {

@@ -622,7 +622,7 @@ class UpdateWorker:
                         del grads  # else the list keeps this step's gradients alive into the next (4 B/param)
                     engine.step()
                     if not mb.is_padding:
-                        self._record(acc, m, epoch, window.adapter, mb)
+                        self._record(acc, m, epoch, window.adapter, mb, share)
                         if "sampler_abs_diff_sum" in m:
                             diff_sum += m["sampler_abs_diff_sum"]
                             diff_n += int(m["model_tokens"])
@@ -768,7 +768,9 @@ class UpdateWorker:
             group["active"] = adapter is None or adapter == active_adapter
             group["lr"] = self.spec.training.lr
 
-    def _record(self, acc: _Accumulator, m: dict[str, float], epoch: int, adapter: str | None, mb: Any) -> None:
+    def _record(
+        self, acc: _Accumulator, m: dict[str, float], epoch: int, adapter: str | None, mb: Any, share: bool
+    ) -> None:
         for key in (*LOSS_METRICS, "logprob_mean"):
             if key in m:
                 acc.add(key, m[key])
@@ -777,6 +779,7 @@ class UpdateWorker:
                     acc.add(f"agent/{adapter}/{key}", m[key])
         acc.add("model_tokens", m["model_tokens"], 0.0)
         acc.add("tokens", float(mb.tokens), 0.0)
+        acc.add("computed_tokens", float(mb.computed_tokens(share)), 0.0)
         acc.add("micro_batches", 1.0, 0.0)
 
     def _loss_metrics(self, acc: _Accumulator, steps: int) -> dict[str, Any]:
@@ -794,7 +797,7 @@ class UpdateWorker:
         epochs: dict[int, dict[str, float]] = defaultdict(dict)
         agents: dict[str, dict[str, float]] = defaultdict(dict)
         for key, (total, count) in reduced.items():
-            if key in ("model_tokens", "tokens", "micro_batches"):
+            if key in ("model_tokens", "tokens", "computed_tokens", "micro_batches"):
                 out[key] = int(total)
                 continue
             value = total / count if count else 0.0
@@ -816,6 +819,8 @@ class UpdateWorker:
         train_s = self.timings.get("train_s", 0.0)
         out["tokens_per_s"] = round(out.get("tokens", 0) / train_s, 1) if train_s else None
         out["model_tokens_per_s"] = round(out.get("model_tokens", 0) / train_s, 1) if train_s else None
+        # what the forward ran (a shared prompt once per group): the roofline's token count (steps/report.py)
+        out["computed_tokens_per_s"] = round(out.get("computed_tokens", 0) / train_s, 1) if train_s else None
         out["step_s"] = round(train_s / steps, 3) if steps else None
         out["resumed_from"] = self.resumed_from
         return out

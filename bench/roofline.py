@@ -1,0 +1,125 @@
+"""The update on W-shaped rows against this machine's measured peaks, both measured in one run.
+
+    .venv/bin/python bench/roofline.py                     # probe + 2 rounds, all cores; ~5 min on 2 cores
+    .venv/bin/python bench/roofline.py --threads 1 --rounds 3
+
+First ``pettingflow/hardware_probe.py`` measures matmul FLOP/s at SmolLM2's shapes (bf16) and memory bandwidth
+with ``--threads`` threads; then the DeepSpeed update worker trains a W-shaped batch (8 groups x 4 rows, prompts of
+~256 tokens shared per group, responses of 128, as W's code agent; random ids) with the same threads, and so
+does a bare torch loop (``bench/update.py``'s). For each: tokens/s of the training pass, its matmul FLOP/s
+(``pettingflow/roofline.py``: 6 N per token, attention scores not counted) and that as a fraction of the probe's
+model-shape peak. The fraction is the number to read; the worker/bare ratio says how much of the gap is
+PettingFlow's and how much is torch's on this CPU. Goal (issue of the roofline): the update at >= 0.5 of the peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import common
+
+
+def cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "unknown CPU"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (default: every allowed core)")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--groups", type=int, default=8)
+    parser.add_argument("--group-size", type=int, default=4)
+    parser.add_argument("--prompt-len", type=int, default=256)
+    parser.add_argument("--response-len", type=int, default=128)
+    parser.add_argument("--micro-batch-size", type=int, default=4)
+    args = common.parse_args(parser, argv)
+    threads = args.threads or len(os.sched_getaffinity(0))
+    os.environ["OMP_NUM_THREADS"] = str(threads)  # the worker's process inherits it
+
+    import torch
+    from update import bare_loop
+
+    from pettingflow import hardware_probe
+    from pettingflow.roofline import ModelShape, model_shape_peak, update_fraction
+    from pettingflow.training.checkpoint import PolicyWeights
+    from pettingflow.training.launch import run_update, spec_from_config
+
+    torch.set_num_threads(threads)
+    model = common.model_dir()
+    shape = ModelShape.from_config(json.loads((model / "config.json").read_text()))
+    probe = hardware_probe.probe(shape, threads, progress=lambda line: print("  probe: " + line, flush=True))
+    peak = model_shape_peak(shape, probe["matmul_flops"]["bf16"])
+    print(f"model-shape peak, bf16, {threads} thread(s): {peak / 1e12:.3f} TFLOP/s", flush=True)
+
+    rows_n = args.groups * args.group_size
+    seq = args.prompt_len + args.response_len
+    config = common.code_env_config(
+        model,
+        "training.dtype=bf16",
+        f"training.micro_batch_size={args.micro_batch_size}",
+        "training.gradient_accumulation_steps=1",
+        "training.epochs=1",
+        f"training.max_seq_len={seq}",
+        f"training.num_threads={threads}",
+        "algorithm.use_sampler_logprobs=true",
+        "algorithm.kl_coef=0.0",
+    )
+    vocab = shape.vocab
+    results: list[dict[str, float]] = []
+    with common.temp_dir("roofline") as tmp:
+        batch = tmp / "batch-shared.parquet"
+        common.write_random_batch(batch, rows_n, seq, args.prompt_len, vocab, group_size=args.group_size)
+        for r in range(args.rounds):
+            res: dict[str, float] = {}
+
+            def worker(r: int = r, res: dict[str, float] = res) -> None:
+                spec = spec_from_config(
+                    config,
+                    policy="shared",
+                    batch_uri=str(batch),
+                    out_dir=str(tmp / f"out-{r}"),
+                    start=PolicyWeights(policy="shared", base_dir=str(model), model_dir=str(model)),
+                ).model_copy(update={"save_resume_state": False})
+                m = run_update(spec, timeout_s=3600)
+                res["worker_tokens"] = float(m["computed_tokens"])  # a group's shared prompt once, then responses
+                res["worker_head_tokens"] = float(m["model_tokens"])
+                res["worker_s"] = float(m["timings"]["train_s"])
+
+            def bare(res: dict[str, float] = res) -> None:
+                res["bare_s"], trained = bare_loop(model, batch, config)
+                res["bare_tokens"] = float(rows_n * seq)  # no prompt sharing: every row's every position
+                res["bare_head_tokens"] = float(trained)
+
+            for arm in common.alternate(r, worker, bare):
+                arm()
+            results.append(res)
+            print(f"  round {r + 1}: {res}", flush=True)
+
+    table = []
+    fractions = {}
+    for arm in ("worker", "bare"):
+        tps = common.median([x[f"{arm}_tokens"] / x[f"{arm}_s"] for x in results])
+        head = common.median([x[f"{arm}_head_tokens"] / x[f"{arm}_s"] for x in results])
+        achieved, fraction = update_fraction(shape, tps, peak, head)
+        fractions[arm] = fraction
+        table.append((arm, round(tps, 1), round(achieved / 1e12, 3), round(fraction, 3)))
+    common.print_table(
+        ["arm", "tokens/s (training pass)", "matmul TFLOP/s", "fraction of model-shape peak"],
+        table,
+        title=f"medians over {args.rounds} alternating rounds; W-shaped batch {rows_n} rows x {seq} tokens",
+    )
+    print(f"memory bandwidth (copy): {probe['bandwidth'] / 1e9:.1f} GB/s; machine: {cpu_name()}, {threads} thread(s)")
+    print(f"update (worker) / model-shape peak: {fractions['worker']:.3f}   (goal >= 0.5)")
+    print(f"bare torch loop / model-shape peak: {fractions['bare']:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
