@@ -282,10 +282,12 @@ def write_random_batch(
     group_size: int = 1,
     sampler_logprob: float = -10.0,
     run_id: str = "bench",
+    shared_prompts: bool = False,
 ) -> int:
     """A batch Parquet for policy ``shared``: ``rows`` rows of random tokens (``prompt_len`` prompt, the rest a
-    fully trained response), groups of ``group_size`` rows, advantages +1/-1, one ``sampler_logprob`` per token.
-    Returns the number of trained (mask-1) tokens."""
+    fully trained response), groups of ``group_size`` rows, advantages +1/-1, one ``sampler_logprob`` per token;
+    with ``shared_prompts`` the rows of a group share one prompt, as a GRPO group's samples do. Returns the number
+    of trained (mask-1) tokens."""
     import random
 
     import pyarrow as pa
@@ -296,8 +298,12 @@ def write_random_batch(
     rng = random.Random(seed)
     resp = seq_len - prompt_len
     out = []
+    prompts: dict[int, list[int]] = {}
     for i in range(rows):
         group = i // group_size
+        prompt = [rng.randrange(3, vocab) for _ in range(prompt_len)]
+        if shared_prompts:
+            prompt = prompts.setdefault(group, prompt)
         out.append(
             {
                 "run_id": run_id,
@@ -312,7 +318,7 @@ def write_random_batch(
                 "agent_name": "code_generator",
                 "policy_name": "shared",
                 "lora_name": None,
-                "prompt_ids": [rng.randrange(3, vocab) for _ in range(prompt_len)],
+                "prompt_ids": prompt,
                 "response_ids": [rng.randrange(3, vocab) for _ in range(resp)],
                 "response_mask": [1] * resp,
                 "sampler_logprobs": [sampler_logprob] * resp,

@@ -75,7 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     results: list[dict[str, float]] = []
     with common.temp_dir("roofline") as tmp:
         batch = tmp / "batch-shared.parquet"
-        common.write_random_batch(batch, rows_n, seq, args.prompt_len, vocab, group_size=args.group_size)
+        common.write_random_batch(
+            batch, rows_n, seq, args.prompt_len, vocab, group_size=args.group_size, shared_prompts=True
+        )
         for r in range(args.rounds):
             res: dict[str, float] = {}
 
