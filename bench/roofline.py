@@ -44,12 +44,10 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["OMP_NUM_THREADS"] = str(threads)  # the worker's process inherits it
 
     import torch
-    from update import bare_loop
+    from update import bare_loop, worker_update
 
     from pettingflow import hardware_probe
     from pettingflow.roofline import ModelShape, model_shape_peak, update_fraction
-    from pettingflow.training.checkpoint import PolicyWeights
-    from pettingflow.training.launch import run_update, spec_from_config
 
     torch.set_num_threads(threads)
     model = common.model_dir()
@@ -82,14 +80,7 @@ def main(argv: list[str] | None = None) -> int:
             res: dict[str, float] = {}
 
             def worker(r: int = r, res: dict[str, float] = res) -> None:
-                spec = spec_from_config(
-                    config,
-                    policy="shared",
-                    batch_uri=str(batch),
-                    out_dir=str(tmp / f"out-{r}"),
-                    start=PolicyWeights(policy="shared", base_dir=str(model), model_dir=str(model)),
-                ).model_copy(update={"save_resume_state": False})
-                m = run_update(spec, timeout_s=3600)
+                m = worker_update(config, model, batch, tmp / f"out-{r}")
                 res["worker_tokens"] = float(m["computed_tokens"])  # a group's shared prompt once, then responses
                 res["worker_head_tokens"] = float(m["model_tokens"])
                 res["worker_s"] = float(m["timings"]["train_s"])

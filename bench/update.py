@@ -95,6 +95,17 @@ def bare_loop(
     return t.s, tokens
 
 
+def worker_update(config: Any, model: Path, batch: Path, out: Path) -> dict[str, Any]:
+    """One update of ``batch`` by the DeepSpeed worker in its own process, from the base weights, no resume state
+    saved; returns its metrics (``timings.train_s`` is the training pass alone)."""
+    from pettingflow.training.checkpoint import PolicyWeights
+    from pettingflow.training.launch import run_update, spec_from_config
+
+    start = PolicyWeights(policy="shared", base_dir=str(model), model_dir=str(model))
+    spec = spec_from_config(config, policy="shared", batch_uri=str(batch), out_dir=str(out), start=start)
+    return run_update(spec.model_copy(update={"save_resume_state": False}), timeout_s=3600)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=8)
@@ -107,9 +118,6 @@ def main(argv: list[str] | None = None) -> int:
         "--bare-bf16-adam", action="store_true", help="bare arm: AdamW on the bf16 params (no fp32 master weights)"
     )
     args = common.parse_args(parser, argv)
-
-    from pettingflow.training.checkpoint import PolicyWeights
-    from pettingflow.training.launch import run_update, spec_from_config
 
     model = common.model_dir()
     config = common.code_env_config(
@@ -141,15 +149,7 @@ def main(argv: list[str] | None = None) -> int:
             res: dict[str, Any] = {}
 
             def worker(r: int = r, res: dict[str, Any] = res) -> None:
-                spec = spec_from_config(
-                    config,
-                    policy="shared",
-                    batch_uri=str(batch),
-                    out_dir=str(tmp / f"out-{r}"),
-                    start=PolicyWeights(policy="shared", base_dir=str(model), model_dir=str(model)),
-                ).model_copy(update={"save_resume_state": False})
-                m = run_update(spec, timeout_s=3600)
-                res["worker"] = m
+                res["worker"] = worker_update(config, model, batch, tmp / f"out-{r}")
 
             def bare(res: dict[str, Any] = res) -> None:
                 res["bare_s"], res["bare_tokens"] = bare_loop(model, batch, config, fp32_master=not args.bare_bf16_adam)
