@@ -39,6 +39,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--response-len", type=int, default=128)
     parser.add_argument("--micro-batch-size", type=int, default=4)
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a third arm: the worker with these config overrides (repeatable), e.g. training.head_chunk_tokens=256",
+    )
     args = common.parse_args(parser, argv)
     threads = args.threads or len(os.sched_getaffinity(0))
     os.environ["OMP_NUM_THREADS"] = str(threads)  # the worker's process inherits it
@@ -58,8 +65,7 @@ def main(argv: list[str] | None = None) -> int:
 
     rows_n = args.groups * args.group_size
     seq = args.prompt_len + args.response_len
-    config = common.code_env_config(
-        model,
+    config_overrides = (
         "training.dtype=bf16",
         f"training.micro_batch_size={args.micro_batch_size}",
         "training.gradient_accumulation_steps=1",
@@ -69,7 +75,9 @@ def main(argv: list[str] | None = None) -> int:
         "algorithm.use_sampler_logprobs=true",
         "algorithm.kl_coef=0.0",
     )
+    config = common.code_env_config(model, *config_overrides)
     vocab = shape.vocab
+    variant = common.code_env_config(model, *config_overrides, *args.variant) if args.variant else None
     results: list[dict[str, float]] = []
     with common.temp_dir("roofline") as tmp:
         batch = tmp / "batch-shared.parquet"
@@ -79,25 +87,31 @@ def main(argv: list[str] | None = None) -> int:
         for r in range(args.rounds):
             res: dict[str, float] = {}
 
-            def worker(r: int = r, res: dict[str, float] = res) -> None:
-                m = worker_update(config, model, batch, tmp / f"out-{r}")
-                res["worker_tokens"] = float(m["computed_tokens"])  # a group's shared prompt once, then responses
-                res["worker_head_tokens"] = float(m["model_tokens"])
-                res["worker_s"] = float(m["timings"]["train_s"])
+            def worker(r: int = r, res: dict[str, float] = res, name: str = "worker", cfg=config) -> None:
+                m = worker_update(cfg, model, batch, tmp / f"out-{name}-{r}")
+                res[f"{name}_tokens"] = float(m["computed_tokens"])  # a group's shared prompt once, then responses
+                res[f"{name}_head_tokens"] = float(m["model_tokens"])
+                res[f"{name}_s"] = float(m["timings"]["train_s"])
+
+            def with_variant(r: int = r, res: dict[str, float] = res) -> None:
+                worker(r, res, "variant", variant)
 
             def bare(res: dict[str, float] = res) -> None:
                 res["bare_s"], trained = bare_loop(model, batch, config)
                 res["bare_tokens"] = float(rows_n * seq)  # no prompt sharing: every row's every position
                 res["bare_head_tokens"] = float(trained)
 
-            for arm in common.alternate(r, worker, bare):
+            arms = common.alternate(r, worker, bare)
+            if variant is not None:  # the variant between the two, first or last in turn
+                arms = [arms[0], with_variant, arms[1]] if r % 2 else [with_variant, *arms]
+            for arm in arms:
                 arm()
             results.append(res)
             print(f"  round {r + 1}: {res}", flush=True)
 
     table = []
     fractions = {}
-    for arm in ("worker", "bare"):
+    for arm in ("worker", "bare", *(["variant"] if variant is not None else [])):
         tps = common.median([x[f"{arm}_tokens"] / x[f"{arm}_s"] for x in results])
         head = common.median([x[f"{arm}_head_tokens"] / x[f"{arm}_s"] for x in results])
         achieved, fraction = update_fraction(shape, tps, peak, head)
@@ -111,6 +125,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"memory bandwidth (copy): {probe['bandwidth'] / 1e9:.1f} GB/s; machine: {cpu_name()}, {threads} thread(s)")
     print(f"update (worker) / model-shape peak: {fractions['worker']:.3f}   (goal >= 0.5)")
     print(f"bare torch loop / model-shape peak: {fractions['bare']:.3f}")
+    if variant is not None:
+        ratio = common.median([x["worker_s"] / x["variant_s"] for x in results])
+        print(
+            f"variant ({' '.join(args.variant)}) / model-shape peak: {fractions['variant']:.3f}; "
+            f"worker / variant training-pass time: median {ratio:.3f}"
+        )
     return 0
 
 

@@ -7,7 +7,7 @@ as honest as their peak. The result is cached per machine (CPU model, core count
 would compete with the run itself.
 
 Measured: FLOP/s of ``torch.matmul`` at a large square shape and at each multiply of the default model's forward
-(``roofline.ModelShape.matmul_shapes``), in bf16 and fp32, median of a few timed repeats after a warm-up; memory
+(``roofline.ModelShape.matmul_shapes``), in bf16 and fp32, the fastest of a few timed repeats after a warm-up; memory
 bandwidth as a large tensor copy (bytes read + written per second).
 """
 
@@ -17,7 +17,6 @@ import hashlib
 import json
 import os
 import platform
-import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -62,7 +61,8 @@ def _time(fn, repeats: int, device: str) -> float:
         fn()
         sync()
         samples.append(time.perf_counter() - t)
-    return statistics.median(samples)
+    # the fastest repeat: a peak is what the machine can do, and interference only ever slows a repeat down
+    return min(samples)
 
 
 def matmul_flops(m: int, k: int, n: int, dtype: Any, repeats: int = 5, device: str = "cpu") -> float:
