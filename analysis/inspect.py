@@ -189,6 +189,11 @@ def trajectories_table(
     return table
 
 
+def episode_outcome(row: dict[str, Any]) -> str:
+    """How an episode ended, from any of its rows: solved, ended at max_turns, or not finished."""
+    return "solved" if row["done"] else "ended at max_turns" if row["truncated"] else "not finished"
+
+
 def episode_text(
     layout: RunLayout, iteration: int, episode: int, step: str = "rollouts", prompts: bool = True
 ) -> list[str]:
@@ -213,8 +218,7 @@ def episode_text(
     first = rows[0]
     lines = [
         f"episode {episode} of {layout.run_id} iter-{iteration} ({step}): env {first['env_name']}, group "
-        f"{first['group_id']} sample {first['sample_idx']}, {len(rows)} rows, "
-        + ("solved" if first["done"] else "ended at max_turns" if first["truncated"] else "not finished"),
+        f"{first['group_id']} sample {first['sample_idx']}, {len(rows)} rows, " + episode_outcome(first),
     ]
     info = json.loads(first["info_json"] or "{}")
     episode_info = {k: v for k, v in info.items() if k != "turn"}

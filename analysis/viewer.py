@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from pettingflow.analysis.inspect import episode_outcome
 from pettingflow.steps.report import REPORT_STEP
 from pettingflow.storage import RunLayout, read_step_trajectories
 
@@ -165,9 +166,9 @@ def load_episodes(
     for idx in sorted(by_episode):
         rows = sorted(by_episode[idx], key=lambda r: (r["turn_idx"], r.get("branch_idx", 0)))
         first = rows[0]
-        info = json.loads(first["info_json"] or "{}")
+        infos = [json.loads(row["info_json"] or "{}") for row in rows]
         turns = []
-        for row in rows:
+        for row, info in zip(rows, infos, strict=True):
             key = _key(row)
             advantage = adv.get(key) if adv is not None else None
             pieces = decode(row["policy_name"], row["response_ids"]) if decode and episode is not None else None
@@ -191,18 +192,17 @@ def load_episodes(
                     tokens=tokens_of(row, pieces, advantage, scale),
                     model_tokens=sum(mask),
                     env_tokens=len(mask) - sum(mask),
-                    info=json.loads(row["info_json"] or "{}").get("turn") or {},
+                    info=info.get("turn") or {},
                 )
             )
-        outcome = "solved" if first["done"] else "ended at max_turns" if first["truncated"] else "not finished"
         episodes.append(
             Episode(
                 index=idx,
                 env=first["env_name"],
                 group=first["group_id"],
                 sample=int(first["sample_idx"]),
-                outcome=outcome,
-                info={k: v for k, v in info.items() if k != "turn"},
+                outcome=episode_outcome(first),
+                info={k: v for k, v in infos[0].items() if k != "turn"},
                 turns=turns,
             )
         )
@@ -281,13 +281,9 @@ def compare_attempts(layout: RunLayout, iteration: int, a: int, b: int) -> dict[
 
 
 def run_overview(layout: RunLayout) -> dict[str, Any]:
-    """The run's id, config name and each iteration with its attempts and which viewable steps it has."""
+    """What every page's header shows: the run's id, its config name and its iterations."""
     info = layout.read_run_info()
-    iterations = []
-    for k in layout.iterations():
-        steps = [s for s in VIEW_STEPS if layout.step(k, s).is_committed()]
-        iterations.append({"iteration": k, "attempts": layout.attempts(k), "steps": steps})
-    return {"run_id": layout.run_id, "config": info.get("config_name", ""), "iterations": iterations}
+    return {"run_id": layout.run_id, "config": info.get("config_name", ""), "iterations": layout.iterations()}
 
 
 def viewer_markdown(run_id: str, iteration: int, attempt: int = 0, port: int = DEFAULT_PORT) -> str:
