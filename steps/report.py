@@ -289,12 +289,10 @@ def roofline_metrics(config: Any, metrics: Mapping[str, float], probe: Mapping[s
     generated tokens/s over the decode bandwidth bound at the rollout's concurrency."""
     if not probe:
         return {}
-    from pettingflow.hardware import cpu_has_fast_bf16
     from pettingflow.inference.models import resolve_model
+    from pettingflow.inference.server import server_dtype
     from pettingflow.roofline import ModelShape, decode_bound, model_shape_peak, update_fraction
-
-    def dtype(name: str) -> str:
-        return name if name not in ("auto", None) else ("bf16" if cpu_has_fast_bf16() else "fp32")
+    from pettingflow.training.model import resolve_dtype
 
     out: dict[str, float] = {}
     shapes = {}
@@ -305,7 +303,7 @@ def roofline_metrics(config: Any, metrics: Mapping[str, float], probe: Mapping[s
             )
         except (OSError, ValueError) as exc:
             log.info("no roofline for policy %s: %s", policy.name, exc)
-    train = {"bfloat16": "bf16", "float32": "fp32"}.get(dtype(config.training.dtype), dtype(config.training.dtype))
+    train = resolve_dtype(config.training.dtype)  # bf16 | fp32, as the learner resolves it
     for name, shape in shapes.items():
         # tokens the forward ran (a shared prompt once per group); older updates only report padded rows' tokens
         tokens_per_s = metrics.get(f"update/{name}/computed_tokens_per_s") or metrics.get(f"update/{name}/tokens_per_s")
@@ -319,7 +317,7 @@ def roofline_metrics(config: Any, metrics: Mapping[str, float], probe: Mapping[s
     generated = metrics.get("rollout/tokens_per_s")
     if generated and shapes:
         shape = next(iter(shapes.values()))
-        serve = {"bfloat16": "bf16", "float32": "fp32"}.get(dtype(config.inference.dtype), "bf16")
+        serve = server_dtype(config.inference.dtype)  # bfloat16 | float32, as a managed server resolves it
         streams = int(min(config.rollout.max_concurrent_requests, metrics.get("rollout/episodes") or 1))
         bound = decode_bound(shape, serve, float(probe["bandwidth"]), streams)
         out["roofline/generation/bound_tokens_per_s"] = round(bound, 1)
