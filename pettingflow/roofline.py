@@ -52,40 +52,34 @@ class ModelShape:
             vocab=int(config["vocab_size"]),
         )
 
+    def multiplies(self) -> dict[str, tuple[int, int, int]]:
+        """Each kind of weight matrix a forward multiplies by: label -> (rows k, columns n, how many there are)."""
+        kv = self.kv_heads * (self.hidden // self.heads)
+        return {
+            "attention q/o": (self.hidden, self.hidden, 2 * self.layers),
+            "attention k/v": (self.hidden, kv, 2 * self.layers),
+            "mlp up/gate": (self.hidden, self.intermediate, 2 * self.layers),
+            "mlp down": (self.intermediate, self.hidden, self.layers),
+            "lm head": (self.hidden, self.vocab, 1),
+        }
+
+    def matmul_shapes(self, tokens: int) -> dict[str, tuple[int, int, int]]:
+        """(m, k, n) of the multiplies one forward of ``tokens`` tokens makes: what the probe measures."""
+        return {label: (tokens, k, n) for label, (k, n, _) in self.multiplies().items()}
+
+    def shape_weights(self) -> dict[str, int]:
+        """The weights of each kind: its share of one token's forward FLOPs (2 per weight)."""
+        return {label: k * n * count for label, (k, n, count) in self.multiplies().items()}
+
     @property
     def matmul_params(self) -> int:
         """Weights that take part in a matrix multiply per token: attention and gated-MLP projections, LM head."""
-        head_dim = self.hidden // self.heads
-        attention = 2 * self.hidden * self.hidden + 2 * self.hidden * self.kv_heads * head_dim
-        mlp = 3 * self.hidden * self.intermediate
-        return self.layers * (attention + mlp) + self.vocab * self.hidden
+        return sum(self.shape_weights().values())
 
     @property
     def weights(self) -> int:
         """Every weight a decode step reads (the tied embedding counted once, as the LM head)."""
         return self.matmul_params + self.layers * 2 * self.hidden + self.hidden  # + the norms
-
-    def matmul_shapes(self, tokens: int) -> dict[str, tuple[int, int, int]]:
-        """(m, k, n) of the multiplies one forward of ``tokens`` tokens makes: what the probe measures."""
-        head_dim = self.hidden // self.heads
-        return {
-            "attention q/o": (tokens, self.hidden, self.hidden),
-            "attention k/v": (tokens, self.hidden, self.kv_heads * head_dim),
-            "mlp up/gate": (tokens, self.hidden, self.intermediate),
-            "mlp down": (tokens, self.intermediate, self.hidden),
-            "lm head": (tokens, self.hidden, self.vocab),
-        }
-
-    def shape_weights(self) -> dict[str, int]:
-        """How many FLOPs of one token's forward each shape of ``matmul_shapes`` accounts for (its share)."""
-        head_dim = self.hidden // self.heads
-        return {
-            "attention q/o": self.layers * 2 * self.hidden * self.hidden,
-            "attention k/v": self.layers * 2 * self.hidden * self.kv_heads * head_dim,
-            "mlp up/gate": self.layers * 2 * self.hidden * self.intermediate,
-            "mlp down": self.layers * self.intermediate * self.hidden,
-            "lm head": self.vocab * self.hidden,
-        }
 
 
 def train_flops(
