@@ -87,6 +87,8 @@ from typing import Any
 
 import common
 
+from pettingflow.hardware import cpu_model
+
 GIB = 1024**3
 RESULTS = common.REPO / "docs" / "results" / "bench"
 PROMPT_LEN = 64
@@ -369,16 +371,6 @@ def key_line(text: str) -> str:
     return lines[-1][-300:] if lines else "no output"
 
 
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
-
-
 def run_case(case: Case, args: Any, model: Path, batch: Path, tmp: Path) -> dict[str, Any]:
     """One configuration in 2 fresh rank processes; returns its row (numbers or an error)."""
     from pydantic import ValidationError
@@ -600,7 +592,7 @@ def main(argv: list[str] | None = None) -> int:
             shape[dim] = getattr(args, dim)
     label = args.size if shape == SIZES[args.size] else "custom"
     cases = [Case(z, c == "on", o == "on") for z in args.zero for c in args.checkpointing for o in args.offload]
-    cpu = cpu_name()
+    cpu = cpu_model()
     started = time.perf_counter()
     rows: list[dict[str, Any]] = []
     with common.temp_dir("memory", keep=args.keep) as tmp:

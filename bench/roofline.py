@@ -18,16 +18,10 @@ import argparse
 import json
 import os
 import sys
-from pathlib import Path
 
 import common
 
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown CPU"
+from pettingflow.hardware import cpu_model
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -122,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         table,
         title=f"medians over {args.rounds} alternating rounds; W-shaped batch {rows_n} rows x {seq} tokens",
     )
-    print(f"memory bandwidth (copy): {probe['bandwidth'] / 1e9:.1f} GB/s; machine: {cpu_name()}, {threads} thread(s)")
+    print(f"memory bandwidth (copy): {probe['bandwidth'] / 1e9:.1f} GB/s; machine: {cpu_model()}, {threads} thread(s)")
     print(f"update (worker) / model-shape peak: {fractions['worker']:.3f}   (goal >= 0.5)")
     print(f"bare torch loop / model-shape peak: {fractions['bare']:.3f}")
     if variant is not None:

@@ -18,17 +18,27 @@ _NATIVE_BF16 = {"avx512_bf16", "amx_bf16"}
 
 
 @functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The CPU feature flags of the first processor (empty where /proc/cpuinfo does not exist)."""
+def _cpuinfo(*keys: str) -> str | None:
+    """The value of the first ``/proc/cpuinfo`` line named one of ``keys`` (the first processor's), or None."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return frozenset()
+        return None
     for line in text.splitlines():
         key, _, value = line.partition(":")
-        if key.strip() in ("flags", "Features"):
-            return frozenset(value.split())
-    return frozenset()
+        if key.strip() in keys:
+            return value.strip()
+    return None
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU feature flags of the first processor (empty where /proc/cpuinfo does not exist)."""
+    return frozenset((_cpuinfo("flags", "Features") or "").split())
+
+
+def cpu_model() -> str:
+    """The CPU's model name, as benchmarks and the hardware probe record the machine they measured."""
+    return _cpuinfo("model name") or "unknown CPU"
 
 
 def cpu_has_fast_bf16(flags: frozenset[str] | None = None) -> bool:

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pettingflow.hardware import cpu_model
 from pettingflow.paths import home
 from pettingflow.roofline import ModelShape
 
@@ -33,14 +34,9 @@ def machine_key(threads: int) -> str:
     """What a probe is valid for: the CPU model, the cores, torch's version and the threads it used."""
     import torch
 
-    cpu = platform.processor() or ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_model()
+    if cpu == "unknown CPU":
+        cpu = platform.processor() or ""
     text = f"{cpu}|{os.cpu_count()}|{torch.__version__}|{threads}|v{PROBE_VERSION}"
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
