@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import socket
 import subprocess
 import threading
 import time
@@ -19,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from pettingflow.processes import free_port
 
 BROWSERS = ("chromium", "chromium-browser", "google-chrome")
 QUIET = [
@@ -44,12 +45,6 @@ def chromium_or_skip() -> str:
     if os.environ.get("CI"):
         pytest.fail(f"{message}: .ci/run installs it, so CI must have it")
     pytest.skip(message)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from browser import free_port
 
 from pettingflow.configs.loader import load_config
+from pettingflow.processes import free_port
 from pettingflow.runs.run import start_or_resume
 from pettingflow.steps.mlflow_sink import RUN_TAG, flatten, metric_keys
 
