@@ -57,6 +57,12 @@ def alternate(round_idx: int, first: Any, second: Any) -> list[Any]:
     return [first, second] if round_idx % 2 == 0 else [second, first]
 
 
+def rotate(round_idx: int, *arms: Any) -> list[Any]:
+    """Three or more arms in an order that moves by one each round, so each leads as often as the others."""
+    k = round_idx % len(arms)
+    return [*arms[k:], *arms[:k]]
+
+
 def fmt(value: Any) -> str:
     if isinstance(value, float):
         if value != value:  # NaN

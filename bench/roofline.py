@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Callable
 
 import common
 
@@ -37,8 +38,9 @@ def main(argv: list[str] | None = None) -> int:
         "--variant",
         action="append",
         default=[],
-        metavar="KEY=VALUE",
-        help="a third arm: the worker with these config overrides (repeatable), e.g. training.head_chunk_tokens=256",
+        metavar="KEY=VALUE[,KEY=VALUE]",
+        help="one more arm: the worker with these config overrides, comma-separated; repeat for more arms, e.g. "
+        "--variant training.head_chunk_tokens=256 --variant training.micro_batch_size=8",
     )
     args = common.parse_args(parser, argv)
     threads = args.threads or len(os.sched_getaffinity(0))
@@ -71,7 +73,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     config = common.code_env_config(model, *config_overrides)
     vocab = shape.vocab
-    variant = common.code_env_config(model, *config_overrides, *args.variant) if args.variant else None
+    variants = {
+        f"variant{k + 1}": common.code_env_config(model, *config_overrides, *spec.split(","))
+        for k, spec in enumerate(args.variant)
+    }
     results: list[dict[str, float]] = []
     with common.temp_dir("roofline") as tmp:
         batch = tmp / "batch-shared.parquet"
@@ -87,25 +92,22 @@ def main(argv: list[str] | None = None) -> int:
                 res[f"{name}_head_tokens"] = float(m["model_tokens"])
                 res[f"{name}_s"] = float(m["timings"]["train_s"])
 
-            def with_variant(r: int = r, res: dict[str, float] = res) -> None:
-                worker(r, res, "variant", variant)
-
             def bare(res: dict[str, float] = res) -> None:
                 res["bare_s"], trained = bare_loop(model, batch, config)
                 res["bare_tokens"] = float(rows_n * seq)  # no prompt sharing: every row's every position
                 res["bare_head_tokens"] = float(trained)
 
-            arms = common.alternate(r, worker, bare)
-            if variant is not None:  # the variant between the two, first or last in turn
-                arms = [arms[0], with_variant, arms[1]] if r % 2 else [with_variant, *arms]
-            for arm in arms:
+            def variant_arm(name: str, r: int = r, res: dict[str, float] = res) -> Callable[[], None]:
+                return lambda: worker(r, res, name, variants[name])
+
+            for arm in common.rotate(r, worker, bare, *(variant_arm(name) for name in variants)):
                 arm()
             results.append(res)
             print(f"  round {r + 1}: {res}", flush=True)
 
     table = []
     fractions = {}
-    for arm in ("worker", "bare", *(["variant"] if variant is not None else [])):
+    for arm in ("worker", "bare", *variants):
         tps = common.median([x[f"{arm}_tokens"] / x[f"{arm}_s"] for x in results])
         head = common.median([x[f"{arm}_head_tokens"] / x[f"{arm}_s"] for x in results])
         achieved, fraction = update_fraction(shape, tps, peak, head)
@@ -119,11 +121,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"memory bandwidth (copy): {probe['bandwidth'] / 1e9:.1f} GB/s; machine: {cpu_model()}, {threads} thread(s)")
     print(f"update (worker) / model-shape peak: {fractions['worker']:.3f}   (goal >= 0.5)")
     print(f"bare torch loop / model-shape peak: {fractions['bare']:.3f}")
-    if variant is not None:
-        ratio = common.median([x["worker_s"] / x["variant_s"] for x in results])
+    for name, spec in zip(variants, args.variant, strict=True):
+        ratio = common.median([x[f"{name}_s"] / x["worker_s"] for x in results])
         print(
-            f"variant ({' '.join(args.variant)}) / model-shape peak: {fractions['variant']:.3f}; "
-            f"worker / variant training-pass time: median {ratio:.3f}"
+            f"{name} ({spec}) / model-shape peak: {fractions[name]:.3f}; "
+            f"{name} / worker training-pass time: median {ratio:.3f}"
         )
     return 0
 

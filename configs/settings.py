@@ -320,6 +320,14 @@ class TrainingSettings(_Strict):
         "AVX-512/AMX bf16 kernels), else fp32: on an AVX2-only CPU a bf16 backward pass was measured ~20x slower "
         "than fp32 (docs/training.md). The served weights are bf16 either way (vLLM casts on load).",
     )
+    master_weights: Literal["fp32", "bf16"] = Field(
+        "fp32",
+        description="With dtype bf16: the precision of the weights and gradients the optimizer updates. fp32: "
+        "DeepSpeed keeps fp32 master copies (4 B per parameter more, and updates smaller than a bf16 step of the "
+        "weight are kept); bf16: none (DeepSpeed's bf16_master_weights_and_grads, ZeRO 1-3 only), where an update "
+        "below half a bf16 unit of the weight (lr 2e-5 on weights of ~0.05) is lost. Measured in "
+        "docs/benchmarks.md (roofline); not a default for that reason.",
+    )
     micro_batch_size: int = Field(
         2, ge=1, description="Rows per forward/backward pass on one rank (a memory knob: it never changes the result)."
     )
@@ -355,6 +363,21 @@ class TrainingSettings(_Strict):
         "in the backward pass, instead of keeping vocabulary-wide logits for every token of a micro-batch (4 B x "
         "vocab per token in fp32: 0.2 GB per 1,000 tokens for SmolLM2). With gradient_checkpointing these logits are "
         "the largest activation left. Costs one more LM-head matmul per chunk; 0: all at once (docs/training.md).",
+    )
+    head_at_loss_positions: bool = Field(
+        True,
+        description="Run the LM head on the final hidden states of the positions the loss uses only (model tokens), "
+        "not on every position from the first response token on (env tokens of later turns, padding). Same "
+        "log-probs and gradients; a model whose forward scales or caps its logits in a way the head alone does not "
+        "reproduce is refused or caught at its first forward with an error that names this key. false: the "
+        "model's own logits (needs head_chunk_tokens=0).",
+    )
+    skip_zero_advantage_rows: bool = Field(
+        False,
+        description="Leave rows whose advantage is exactly 0 out of the forward and backward passes (their "
+        "gradient is 0 when algorithm.kl_coef and entropy_coef are 0, which this needs). The loss denominators "
+        "still count them and every mini-batch still makes its optimizer step, so the weights come out the same "
+        "(up to float rounding); the loss metrics then cover the trained rows only (docs/training.md).",
     )
     offload_optimizer: bool = Field(
         False,
@@ -425,6 +448,16 @@ class TrainingSettings(_Strict):
             raise ValueError("training.offload_optimizer needs ZeRO: set training.zero_stage to 1, 2 or 3")
         if self.offload_params and self.zero_stage != 3:
             raise ValueError("training.offload_params needs ZeRO-3: set training.zero_stage=3")
+        if self.master_weights == "bf16" and (self.zero_stage == 0 or self.dtype == "fp32"):
+            raise ValueError(
+                "training.master_weights=bf16 needs bf16 training under ZeRO 1-3 (DeepSpeed keeps bf16 master "
+                "weights only there): set training.dtype=bf16 and training.zero_stage=1, or master_weights=fp32"
+            )
+        if self.head_chunk_tokens and not self.head_at_loss_positions:
+            raise ValueError(
+                "training.head_chunk_tokens chunks the LM head at the loss positions: set "
+                "training.head_at_loss_positions=true, or head_chunk_tokens=0 for the model's own logits"
+            )
         return self
 
     @property
@@ -615,6 +648,14 @@ class ExperimentConfig(_Strict):
                     f"{self.inference.between_updates} takes the inference servers down during each update, but "
                     "async_rollouts generates the next iteration's rollouts during the update: use keep (or "
                     "rollout.async_rollouts=false)",
+                )
+            )
+        if self.training.skip_zero_advantage_rows and (self.algorithm.kl_coef > 0 or self.algorithm.entropy_coef > 0):
+            problems.append(
+                (
+                    "training.skip_zero_advantage_rows",
+                    "a row whose advantage is 0 still has a gradient through the KL penalty or the entropy bonus: "
+                    "set algorithm.kl_coef=0 and algorithm.entropy_coef=0, or leave this off",
                 )
             )
         if self.training.max_seq_len > self.inference.max_model_len:

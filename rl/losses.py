@@ -189,26 +189,6 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     return -(p * torch.where(p > 0, logp, torch.zeros_like(logp))).sum(dim=-1)
 
 
-@torch.no_grad()
-def entropy_metric(logits: torch.Tensor, rows_per_chunk: int = 64) -> torch.Tensor:
-    """``entropy_from_logits`` without gradient, for the entropy *metric* (``entropy_coef == 0``).
-
-    The metric runs on every update's ``[N, V]`` response logits (V = 49k for SmolLM2), where the autograd
-    version's six vocabulary-wide temporaries cost about 3x a softmax. Here each chunk of rows takes one
-    softmax and one ``entr`` (``-p log p``, 0 at ``p == 0``), so the temporaries stay cache-sized: 0.15 s
-    instead of 0.47 s of one CPU thread per W micro-batch (912 tokens), 2–3 % of its forward and backward.
-    """
-    _check_vocab_dim(logits)
-    if rows_per_chunk < 1:
-        raise ValueError(f"rows_per_chunk must be >= 1, got {rows_per_chunk}")
-    flat = logits.detach().reshape(-1, logits.shape[-1])
-    out = torch.empty(flat.shape[0], dtype=logits.dtype, device=logits.device)
-    for lo in range(0, flat.shape[0], rows_per_chunk):
-        chunk = flat[lo : lo + rows_per_chunk]
-        out[lo : lo + rows_per_chunk] = torch.special.entr(torch.softmax(chunk, dim=-1)).sum(dim=-1)
-    return out.reshape(logits.shape[:-1])
-
-
 def total_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,

@@ -81,6 +81,13 @@ def test_unknown_key_via_override() -> None:
         (["env.group_size=1", "algorithm.filter_method=dapo"], "algorithm.filter_method"),
         (["env.group_size=1", "algorithm.advantage_estimator=rloo"], "env.group_size"),
         (["training.max_seq_len=4096"], "training.max_seq_len"),
+        (["training.skip_zero_advantage_rows=true", "algorithm.kl_coef=0.01"], "training.skip_zero_advantage_rows"),
+        (
+            ["training.skip_zero_advantage_rows=true", "algorithm.entropy_coef=0.01"],
+            "training.skip_zero_advantage_rows",
+        ),
+        (["training.head_at_loss_positions=false", "training.head_chunk_tokens=256"], "training"),
+        (["training.master_weights=bf16"], "training"),  # the shipped config trains at ZeRO-0
     ],
 )
 def test_impossible_combinations(overrides: list[str], path: str) -> None:

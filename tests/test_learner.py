@@ -249,7 +249,8 @@ def test_world_size_changes_speed_never_the_updates(local_ray, tiny_model_dir, t
     fp32 rounding. A run that goes on at 2 ranks after 3 updates at 1 restores the 1-rank optimizer snapshot and
     makes the 1-rank 4th update (Adam's step count goes on: 8). 2 ranks with ZeRO-3, gradient checkpointing and
     the LM head in chunks of 3 tokens for 2 updates give the same weights and losses again; ZeRO-1, ZeRO-2 +
-    optimizer offload and ZeRO-3 + optimizer and parameter offload give the same first update; the HF checkpoint
+    optimizer offload (the LM head in chunks) and ZeRO-3 + optimizer and parameter offload (the head at once at the
+    loss positions; ZeRO-1: the model's own logits) give the same first update; the HF checkpoint
     written from the gathered ZeRO-3 shards loads in transformers and equals the learner's parameters."""
     data = uneven_batches(tmp_path, 4)
     start = load_file(str(tiny_model_dir / "model.safetensors"))
@@ -290,14 +291,14 @@ def test_world_size_changes_speed_never_the_updates(local_ray, tiny_model_dir, t
         assert update_distance(safetensors_of(m1), safetensors_of(m3), start) < 1e-4
     # the other ZeRO stages and offload at 2 ranks, one update each
     for name, extra in {
-        "z1": {"zero_stage": 1},
-        "z2-offload": {"zero_stage": 2, "offload_optimizer": True},
+        "z1": {"zero_stage": 1, "head_at_loss_positions": False},  # the model's own logits, not the head alone
+        # the head in chunks, a filler micro-batch (0 tokens: one empty chunk) and DeepSpeed's backward hooks
+        "z2-offload": {"zero_stage": 2, "offload_optimizer": True, "head_chunk_tokens": 3},
         "z3-offload": {"zero_stage": 3, "offload_optimizer": True, "offload_params": True},
     }.items():
         (m,), _ = run_chain(tmp_path, name, data[:1], tiny_model_dir, 2, fp32 | extra)
-        assert m["optimizer_steps"] == one[0]["optimizer_steps"] and m["loss"] == pytest.approx(
-            one[0]["loss"], abs=1e-6
-        )
+        assert m["optimizer_steps"] == one[0]["optimizer_steps"], name
+        assert m["loss"] == pytest.approx(one[0]["loss"], abs=1e-6), name
         assert update_distance(safetensors_of(one[0]), safetensors_of(m), start) < 1e-4, name
     model = load_model(Path(three[-1]["outputs"]["model"]))
     saved = {n: p.detach() for n, p in model.named_parameters()}
@@ -329,7 +330,10 @@ def test_deepspeed_config_derives_accumulation_from_the_mini_batch_and_the_world
     assert one["train_batch_size"] == four["train_batch_size"] == 8
     assert deepspeed_config(t, 3, "fp32")["gradient_accumulation_steps"] == 2  # ceil(ceil(8 / 3) / 2)
     assert one["zero_optimization"] == {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True}
-    assert one["bf16"] == {"enabled": True} and "zero_force_ds_cpu_optimizer" not in one
+    assert one["bf16"] == {"enabled": True, "bf16_master_weights_and_grads": False}
+    assert "zero_force_ds_cpu_optimizer" not in one
+    bf16_master = deepspeed_config(t.model_copy(update={"master_weights": "bf16"}), 1, "bf16")["bf16"]
+    assert bf16_master == {"enabled": True, "bf16_master_weights_and_grads": True}
     # buckets sized by the model (transformers' "auto"), not DeepSpeed's 5e8 elements that ZeRO-3 keeps allocated
     sized = deepspeed_config(t, 2, "fp32", hidden_size=64)["zero_optimization"]
     assert sized["reduce_bucket_size"] == 4096 and sized["stage3_param_persistence_threshold"] == 640

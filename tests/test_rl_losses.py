@@ -12,7 +12,6 @@ from hypothesis import strategies as st
 
 from pettingflow.rl import (
     entropy_from_logits,
-    entropy_metric,
     kl_penalty,
     loss_denominator,
     masked_aggregate,
@@ -209,21 +208,6 @@ def test_entropy_from_logits() -> None:
     assert torch.isfinite(peaked.grad).all()
     with pytest.raises(ValueError, match="non-empty last"):
         entropy_from_logits(torch.zeros(2, 0))
-
-
-@pytest.mark.parametrize("rows_per_chunk", [1, 3, 64])
-def test_entropy_metric_equals_entropy_from_logits_in_chunks(rows_per_chunk: int) -> None:
-    logits = torch.randn(4, 5, 11, generator=torch.Generator().manual_seed(2), dtype=F64) * 4
-    logits[0, 0, :5] = -INF  # zero-probability entries contribute 0, not NaN
-    logits[1, 2, 1:] = -INF  # a one-hot row: entropy exactly 0
-    expected = entropy_from_logits(logits)
-    got = entropy_metric(logits.requires_grad_(), rows_per_chunk=rows_per_chunk)
-    torch.testing.assert_close(got, expected.detach(), rtol=1e-12, atol=1e-12)
-    assert got[1, 2].item() == 0.0 and not got.requires_grad
-    with pytest.raises(ValueError, match="non-empty last"):
-        entropy_metric(torch.zeros(2, 0))
-    with pytest.raises(ValueError, match="rows_per_chunk"):
-        entropy_metric(logits, rows_per_chunk=0)
 
 
 # ---------------------------------------------------------------- total loss and exact masking (T3)

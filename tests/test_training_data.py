@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import numpy as np
 import pyarrow as pa
@@ -220,6 +221,21 @@ def test_plan_windows_world_size_changes_who_computes_never_which_rows_step():
     ]
     # a short last mini-batch: 2 rows over 3 ranks, 2 slots each (ceil(4 / 3) rows of a full one); rank 2 has none
     assert _plan(plan_windows(samples[:2], 1, 4, world_size=3)) == [[[[0], None], [[1], None], [None, None]]]
+
+
+def test_plan_windows_skips_zero_advantage_rows_but_keeps_their_denominators_and_steps():
+    samples = [replace(s, advantage=a) for s, a in zip(_samples(["a"] * 7), [1, 0, 0, -1, 0, 0, 0], strict=True)]
+    for world in (1, 2):
+        kept = plan_windows(samples, 1, 4, world_size=world)
+        skipped = plan_windows(samples, 1, 4, world_size=world, skip_zero_advantage=True)
+        assert [w.denominator for w in skipped] == [w.denominator for w in kept] == [8.0, 6.0]
+        assert len(skipped) == 2 and [w.skipped for w in skipped] == [2, 3] and [w.rows for w in skipped] == [2, 0]
+        assert [w.first.row for w in skipped] == [0, 4]  # what filler slots are cut from, trained or not
+        assert all(len(rank) == len(kept[0].slots[0]) for w in skipped for rank in w.slots)
+    assert _plan(plan_windows(samples, 1, 4, skip_zero_advantage=True)) == [
+        [[[0], [3], None, None]],
+        [[None, None, None, None]],  # every row skipped: the window still steps, on fillers
+    ]
 
 
 def test_plan_windows_by_adapter_never_mixes_agents_and_deals_ranks():

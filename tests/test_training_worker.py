@@ -129,9 +129,11 @@ def mean_logprob(model, samples) -> float:
 
 
 # ------------------------------------------------------------------------------------------------ masking and the loss
-def test_masked_positions_do_not_change_loss_or_gradients(tiny_model_dir):
+@pytest.mark.parametrize("head", [None, 0])
+def test_masked_positions_do_not_change_loss_or_gradients(tiny_model_dir, head):
     """Garbage at env-token/prompt/padding positions (advantages, old and ref log-probs) changes
-    neither the loss nor any parameter gradient, bit for bit; the logits' gradient there is exactly 0."""
+    neither the loss nor any parameter gradient, bit for bit. With the model's own logits (head None) their
+    gradient there is exactly 0; with the head at the loss positions (0, the default) it runs at no other."""
     model = load_model(tiny_model_dir)
     table = trajectories_to_table(make_rows(3)).append_column("advantage", pa.array([1.0, -0.5, 2.0], pa.float32()))
     mb = collate(samples_from_table(table, 64).samples)
@@ -150,15 +152,20 @@ def test_masked_positions_do_not_change_loss_or_gradients(tiny_model_dir):
 
     def loss_and_grads(batch):
         model.zero_grad()
-        loss, _ = micro_batch_loss(model, batch, algo)
+        loss, _ = micro_batch_loss(model, batch, algo, head_chunk_tokens=head)
         loss.backward()
         return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
     loss1, grads1 = loss_and_grads(mb)
-    logits_grad = captured["logits"].grad[:, :-1]  # the last position predicts past the end and is dropped
     masked = mb.loss_mask == 0
-    assert torch.count_nonzero(logits_grad[masked]) == 0
-    assert all(torch.count_nonzero(logits_grad[b, i]) > 0 for b, i in (~masked).nonzero().tolist())
+    if head is None:
+        logits_grad = captured["logits"].grad[:, :-1]  # the last position predicts past the end and is dropped
+        assert torch.count_nonzero(logits_grad[masked]) == 0
+        assert all(torch.count_nonzero(logits_grad[b, i]) > 0 for b, i in (~masked).nonzero().tolist())
+    else:  # the last head call: one row per loss position, each with a gradient
+        logits_grad = captured["logits"].grad
+        assert logits_grad.shape[0] == int((~masked).sum()) < masked.numel()
+        assert all(torch.count_nonzero(row) > 0 for row in logits_grad)
 
     off = masked.float()
     garbage = replace(
@@ -268,6 +275,37 @@ def test_full_update_learns_and_writes_a_transformers_checkpoint(tiny_model_dir,
     pos, neg = samples_of(batch, +1), samples_of(batch, -1)
     assert mean_logprob(after, pos) > mean_logprob(before, pos) + 0.05
     assert mean_logprob(after, neg) < mean_logprob(before, neg) - 0.05
+
+
+def test_skipping_zero_advantage_rows_changes_no_weight(tiny_model_dir, tmp_path, in_process):
+    """training.skip_zero_advantage_rows: the rows whose advantage is exactly 0 are not computed, the loss
+    denominators still count them and a mini-batch of nothing but such rows still steps (Adam's moments and
+    weight decay move the weights there too), so the weights equal those of training on every row; with a KL
+    term the switch is refused."""
+    from safetensors.torch import load_file
+
+    advantages = [1.0, 0.0, 0.0, -1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.5, -0.5, 0.0]  # window 2: all zero
+    batch = write_batch(tmp_path / "batch.parquet", make_rows(12, seed=3), advantages)
+    training = {"micro_batch_size": 2, "mini_batch_size": 4, "weight_decay": 0.1}
+    metrics, weights = {}, {}
+    for skip in (False, True):
+        out = tmp_path / f"skip-{skip}"
+        spec = spec_for(batch, out, tiny_model_dir, training={**training, "skip_zero_advantage_rows": skip})
+        metrics[skip] = in_process(spec)
+        weights[skip] = load_file(str(out / "model" / "model.safetensors"))
+    assert metrics[True]["rows_skipped_zero_advantage"] == 8 and metrics[False]["rows_skipped_zero_advantage"] == 0
+    assert metrics[True]["optimizer_steps"] == metrics[False]["optimizer_steps"] == 3
+    assert metrics[True]["model_tokens"] < metrics[False]["model_tokens"]
+    start = load_file(str(tiny_model_dir / "model.safetensors"))
+    assert any(not torch.equal(weights[True][k], start[k]) for k in start)
+    for name in weights[False]:
+        # other micro-batches, so other float rounding: Adam's normalisation lifts it to ~3e-6 on updates of ~1e-2
+        torch.testing.assert_close(weights[True][name], weights[False][name], rtol=1e-4, atol=2e-5, msg=name)
+
+    spec = spec_for(batch, tmp_path / "kl", tiny_model_dir, training={"skip_zero_advantage_rows": True})
+    spec.algorithm.kl_coef = 0.1
+    with pytest.raises(ValueError, match=r"skip_zero_advantage_rows needs algorithm\.kl_coef=0"):
+        in_process(spec)
 
 
 # ------------------------------------------------------------------------------------------------ L2: LoRA adapters
@@ -633,13 +671,12 @@ def test_shared_prompts_give_the_padded_forward_results_on_fewer_tokens(tiny_mod
     )
 
     seen: list[int] = []
-
-    def forward(**kw):
-        seen.append(int(kw["input_ids"].numel()))
-        return model(**kw)
-
     padded = micro_batch_logprobs(model, mb, share_prompts=False)
-    shared = micro_batch_logprobs(forward, mb, share_prompts=True)
+    hook = model.get_decoder().register_forward_pre_hook(
+        lambda _m, _args, kw: seen.append(int(kw["input_ids"].numel())), with_kwargs=True
+    )
+    shared = micro_batch_logprobs(model, mb, share_prompts=True)
+    hook.remove()
     torch.testing.assert_close(shared, padded, rtol=0, atol=1e-5)
     assert sum(seen) < mb.input_ids.numel()  # prompts computed once per group, no padding to the longest row
 
@@ -666,9 +703,10 @@ def test_shared_prompts_give_the_padded_forward_results_on_fewer_tokens(tiny_mod
 
 @pytest.mark.parametrize("entropy_coef", [0.0, 0.01])
 def test_chunked_head_gives_the_unchunked_logprobs_loss_and_gradients(tiny_model_dir, entropy_coef):
-    """training.head_chunk_tokens: the LM head, log-softmax and entropy computed a few tokens at a time (and
-    recomputed in the backward pass) give the log-probs, loss, metrics and every gradient of the one-shot
-    computation, with shared prompts or padded rows, under gradient checkpointing too; 0 tokens is refused."""
+    """The LM head at the loss positions only, at once (head_chunk_tokens 0) or a few tokens at a time and
+    recomputed in the backward pass (> 0), gives the log-probs, loss, metrics and every gradient of the model's
+    own logits over the window (None), with shared prompts or padded rows, under gradient checkpointing too;
+    chunks of 0 tokens are refused."""
     from pettingflow.training.logprobs import chunked_head, response_hidden
 
     model = load_model(tiny_model_dir)
@@ -676,9 +714,9 @@ def test_chunked_head_gives_the_unchunked_logprobs_loss_and_gradients(tiny_model
         "advantage", pa.array([1.0, -0.5, 0.3, 2.0, -1.0, 0.7, 0.1], pa.float32())
     )
     mb = collate(samples_from_table(table, 64).samples)
-    whole = micro_batch_logprobs(model, mb, share_prompts=False)
+    whole = micro_batch_logprobs(model, mb, share_prompts=False, head_chunk_tokens=None)  # the model's own logits
     for share in (False, True):
-        for chunk in (1, 5, 10_000):
+        for chunk in (0, 1, 5, 10_000):
             torch.testing.assert_close(micro_batch_logprobs(model, mb, share, chunk), whole, rtol=0, atol=1e-5)
     mb.old_logprobs = whole - 0.05 * mb.loss_mask
     algo = AlgorithmSettings(entropy_coef=entropy_coef, clip_ratio_low=0.02, clip_ratio_high=0.03)
@@ -689,9 +727,9 @@ def test_chunked_head_gives_the_unchunked_logprobs_loss_and_gradients(tiny_model
         loss.backward()
         return loss.detach(), metrics, {n: p.grad.clone() for n, p in model.named_parameters()}
 
-    loss0, metrics0, grads0 = loss_and_grads(False, 0)
+    loss0, metrics0, grads0 = loss_and_grads(False, None)
     assert any(torch.count_nonzero(g) for g in grads0.values())
-    for share, chunk in [(False, 3), (True, 3), (False, 10_000), ("checkpointed", 4)]:
+    for share, chunk in [(False, 0), (True, 0), (False, 3), (True, 3), (False, 10_000), ("checkpointed", 4)]:
         if share == "checkpointed":  # checkpointed layers and chunked head together (padded rows, as the worker)
             model.gradient_checkpointing_enable()
             model.train()

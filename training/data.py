@@ -342,6 +342,8 @@ class Window:
     adapter: str | None
     slots: list[list[list[Sample] | None]]
     denominator: float = 1.0
+    first: Sample | None = None  # the window's first row, trained or not: what its filler slots are cut from
+    skipped: int = 0  # rows left out for an advantage of exactly 0 (``plan_windows``' ``skip_zero_advantage``)
 
     @property
     def n_real(self) -> int:
@@ -387,6 +389,7 @@ def plan_windows(
     world_size: int = 1,
     by_adapter: bool = False,
     loss_agg_mode: str = "token-mean",
+    skip_zero_advantage: bool = False,
 ) -> list[Window]:
     """Split samples into optimizer-step windows, deterministically (every rank computes the same plan).
 
@@ -398,6 +401,11 @@ def plan_windows(
     micro-batches of ``micro_batch_size`` rows; every rank gets the same number of slots (``micro_steps``,
     the most any rank can need), ranks left short get filler slots (``None``) — a rank may have none of a
     window's rows at all.
+
+    ``skip_zero_advantage``: rows whose advantage is exactly 0 stay in their window's loss denominator but out
+    of its slots. With no KL or entropy term their gradient is 0, so the step's gradient is unchanged; the
+    window keeps its optimizer step even when every row is skipped (all fillers: Adam's moments and weight
+    decay still move the weights, as they would have), so the weights come out as without skipping.
     """
     if micro_batch_size < 1 or mini_batch_size < 1 or world_size < 1:
         raise ValueError("micro_batch_size, mini_batch_size and world_size must be >= 1")
@@ -409,14 +417,23 @@ def plan_windows(
     for key, rows in groups.items():
         for w in range(0, len(rows), mini_batch_size):
             chunk = rows[w : w + mini_batch_size]
+            trained = [s for s in chunk if s.advantage != 0.0] if skip_zero_advantage else chunk
             slots: list[list[list[Sample] | None]] = []
-            for lo, hi in split_evenly(len(chunk), world_size):
-                share = chunk[lo:hi]
+            for lo, hi in split_evenly(len(trained), world_size):
+                share = trained[lo:hi]
                 mbs: list[list[Sample] | None] = [
                     share[i : i + micro_batch_size] for i in range(0, len(share), micro_batch_size)
                 ]
                 slots.append(mbs + [None] * (micro_steps - len(mbs)))
             # every trainable row has >= 1 model token (samples_from_columns drops the others)
             denominator = loss_denominator([s.model_tokens for s in chunk], loss_agg_mode)
-            windows.append(Window(adapter=key, slots=slots, denominator=denominator))
+            windows.append(
+                Window(
+                    adapter=key,
+                    slots=slots,
+                    denominator=denominator,
+                    first=chunk[0],
+                    skipped=len(chunk) - len(trained),
+                )
+            )
     return windows

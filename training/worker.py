@@ -224,7 +224,10 @@ def deepspeed_config(t: Any, world_size: int, dtype: str, hidden_size: int | Non
         "train_batch_size": t.micro_batch_size * micro_steps * world_size,
         "gradient_clipping": t.max_grad_norm,
         "zero_optimization": zero,
-        "bf16": {"enabled": dtype == "bf16"},
+        "bf16": {
+            "enabled": dtype == "bf16",
+            "bf16_master_weights_and_grads": dtype == "bf16" and t.master_weights == "bf16",
+        },
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
@@ -451,16 +454,19 @@ class UpdateWorker:
             self.world_size,
             by_adapter=spec.uses_lora,
             loss_agg_mode=spec.algorithm.loss_agg_mode,
+            skip_zero_advantage=self._skip_zero_advantage(),
         )
         for window in self.windows:
             mine = window.slots[self.rank]
-            real = next(s for s in window.slots[0] if s is not None)
             self.my_slots.append(
                 [
-                    (collate(s, adapter=window.adapter) if s is not None else filler(real, window.adapter)).to(device)
+                    (
+                        collate(s, adapter=window.adapter) if s is not None else filler([window.first], window.adapter)
+                    ).to(device)
                     for s in mine
                 ]
             )
+        self.metrics["rows_skipped_zero_advantage"] = sum(w.skipped for w in self.windows)
         mine = sum(len(s) for w in self.windows for s in w.slots[self.rank] if s is not None)
         log.info(
             "rank %d/%d: %d of %d rows, %d optimizer steps of <= %d rows, %d micro-steps each",
@@ -472,6 +478,16 @@ class UpdateWorker:
             spec.training.rows_per_step,
             spec.training.micro_steps(self.world_size),
         )
+
+    def _skip_zero_advantage(self) -> bool:
+        """``training.skip_zero_advantage_rows``, checked again here: an update spec can be written by hand."""
+        spec = self.spec
+        if spec.training.skip_zero_advantage_rows and (spec.algorithm.kl_coef > 0 or spec.algorithm.entropy_coef > 0):
+            raise ValueError(
+                "training.skip_zero_advantage_rows needs algorithm.kl_coef=0 and algorithm.entropy_coef=0: a row "
+                "whose advantage is 0 still has a gradient through the KL penalty or the entropy bonus"
+            )
+        return spec.training.skip_zero_advantage_rows
 
     def deepspeed_config(self) -> dict[str, Any]:
         hidden = getattr(self._model_config, "hidden_size", None)
@@ -559,7 +575,7 @@ class UpdateWorker:
         # of LM-head chunks on every rank
         sharded = spec.training.zero_stage == 3 and self.world_size > 1
         share = spec.training.share_prompts and not sharded
-        chunk = spec.training.head_chunk_tokens
+        chunk = spec.training.head_chunk_tokens if spec.training.head_at_loss_positions else None
         agree = max_over_ranks if sharded else None
         diff_sum, diff_n = 0.0, 0
         forwards_skipped = 0
