@@ -91,7 +91,9 @@ class PolicySettings(_Strict):
     name: str = Field(min_length=1, description="The name agents use in agents[].policy.")
     model: str = Field(
         "smollm2-135m-instruct",
-        description="A prepared model name under $PETTINGFLOW_HOME/models, or a path to a local HF folder.",
+        description="A prepared model name under $PETTINGFLOW_HOME/models, a path to a local HF folder, or a "
+        "Hugging Face id (owner/name) in the local hub cache (HF_HOME; downloaded only with "
+        "PETTINGFLOW_ALLOW_DOWNLOADS=1): docs/inference.md, 'Default model'.",
     )
     lora: LoraSettings = Field(default_factory=LoraSettings)
 
@@ -322,11 +324,12 @@ class TrainingSettings(_Strict):
     )
     master_weights: Literal["fp32", "bf16"] = Field(
         "fp32",
-        description="With dtype bf16: the precision of the weights and gradients the optimizer updates. fp32: "
-        "DeepSpeed keeps fp32 master copies (4 B per parameter more, and updates smaller than a bf16 step of the "
-        "weight are kept); bf16: none (DeepSpeed's bf16_master_weights_and_grads, ZeRO 1-3 only), where an update "
-        "below half a bf16 unit of the weight (lr 2e-5 on weights of ~0.05) is lost. Measured in "
-        "docs/benchmarks.md (roofline); not a default for that reason.",
+        description="With dtype bf16: the precision of the weights the optimizer updates. fp32: DeepSpeed's mixed "
+        "precision keeps fp32 master copies and steps them (updates far below a bf16 unit of a weight add up); "
+        "bf16: no master copies, torch's fused AdamW steps the bf16 weights and keeps bf16 moments (ZeRO-0 only; "
+        "DeepSpeed's own bf16 master weights need its JIT-built CPU Adam with offload). Saves 12 B per parameter, "
+        "but an update below half a bf16 unit of its weight (lr 2e-5 on weights of ~0.05) is lost: a lever "
+        "measured in docs/benchmarks.md (roofline), not a default.",
     )
     micro_batch_size: int = Field(
         2, ge=1, description="Rows per forward/backward pass on one rank (a memory knob: it never changes the result)."
@@ -448,10 +451,10 @@ class TrainingSettings(_Strict):
             raise ValueError("training.offload_optimizer needs ZeRO: set training.zero_stage to 1, 2 or 3")
         if self.offload_params and self.zero_stage != 3:
             raise ValueError("training.offload_params needs ZeRO-3: set training.zero_stage=3")
-        if self.master_weights == "bf16" and (self.zero_stage == 0 or self.dtype == "fp32"):
+        if self.master_weights == "bf16" and (self.zero_stage != 0 or self.dtype == "fp32"):
             raise ValueError(
-                "training.master_weights=bf16 needs bf16 training under ZeRO 1-3 (DeepSpeed keeps bf16 master "
-                "weights only there): set training.dtype=bf16 and training.zero_stage=1, or master_weights=fp32"
+                "training.master_weights=bf16 steps the bf16 weights with torch's AdamW, outside DeepSpeed's mixed "
+                "precision: set training.dtype=bf16 and training.zero_stage=0, or master_weights=fp32"
             )
         if self.head_chunk_tokens and not self.head_at_loss_positions:
             raise ValueError(

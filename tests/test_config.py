@@ -87,7 +87,7 @@ def test_unknown_key_via_override() -> None:
             "training.skip_zero_advantage_rows",
         ),
         (["training.head_at_loss_positions=false", "training.head_chunk_tokens=256"], "training"),
-        (["training.master_weights=bf16"], "training"),  # the shipped config trains at ZeRO-0
+        (["training.master_weights=bf16", "training.zero_stage=2"], "training"),
     ],
 )
 def test_impossible_combinations(overrides: list[str], path: str) -> None:

@@ -330,10 +330,9 @@ def test_deepspeed_config_derives_accumulation_from_the_mini_batch_and_the_world
     assert one["train_batch_size"] == four["train_batch_size"] == 8
     assert deepspeed_config(t, 3, "fp32")["gradient_accumulation_steps"] == 2  # ceil(ceil(8 / 3) / 2)
     assert one["zero_optimization"] == {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True}
-    assert one["bf16"] == {"enabled": True, "bf16_master_weights_and_grads": False}
-    assert "zero_force_ds_cpu_optimizer" not in one
-    bf16_master = deepspeed_config(t.model_copy(update={"master_weights": "bf16"}), 1, "bf16")["bf16"]
-    assert bf16_master == {"enabled": True, "bf16_master_weights_and_grads": True}
+    assert one["bf16"] == {"enabled": True} and "zero_force_ds_cpu_optimizer" not in one
+    bf16_weights = t.model_copy(update={"master_weights": "bf16", "zero_stage": 0})
+    assert deepspeed_config(bf16_weights, 1, "bf16")["bf16"] == {"enabled": False}  # torch's AdamW on bf16 weights
     # buckets sized by the model (transformers' "auto"), not DeepSpeed's 5e8 elements that ZeRO-3 keeps allocated
     sized = deepspeed_config(t, 2, "fp32", hidden_size=64)["zero_optimization"]
     assert sized["reduce_bucket_size"] == 4096 and sized["stage3_param_persistence_threshold"] == 640

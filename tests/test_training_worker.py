@@ -277,6 +277,22 @@ def test_full_update_learns_and_writes_a_transformers_checkpoint(tiny_model_dir,
     assert mean_logprob(after, neg) < mean_logprob(before, neg) - 0.05
 
 
+def test_bf16_weights_without_master_copies_step_in_bf16(tiny_model_dir, tmp_path, in_process):
+    """training.master_weights=bf16: DeepSpeed's mixed precision is off, torch's AdamW steps the bf16 weights
+    themselves (the lever the roofline measures): the update runs, reports its gradient norm, moves the weights."""
+    from safetensors.torch import load_file
+
+    batch = write_batch(tmp_path / "batch.parquet", make_rows(4, seed=5), [1.0, -1.0, 0.5, -0.5])
+    training = {"dtype": "bf16", "zero_stage": 0, "master_weights": "bf16", "lr": 1e-2}
+    m = in_process(spec_for(batch, tmp_path / "out", tiny_model_dir, training=training))
+    assert m["dtype"] == "bf16" and m["optimizer_steps"] == 2
+    assert math.isfinite(m["grad_norm"]) and m["grad_norm"] > 0
+    after = load_file(str(tmp_path / "out" / "model" / "model.safetensors"))
+    start = load_file(str(tiny_model_dir / "model.safetensors"))
+    assert all(t.dtype == torch.bfloat16 for t in after.values())
+    assert any(not torch.equal(after[k].float(), start[k].bfloat16().float()) for k in start)
+
+
 def test_skipping_zero_advantage_rows_changes_no_weight(tiny_model_dir, tmp_path, in_process):
     """training.skip_zero_advantage_rows: the rows whose advantage is exactly 0 are not computed, the loss
     denominators still count them and a mini-batch of nothing but such rows still steps (Adam's moments and

@@ -224,10 +224,8 @@ def deepspeed_config(t: Any, world_size: int, dtype: str, hidden_size: int | Non
         "train_batch_size": t.micro_batch_size * micro_steps * world_size,
         "gradient_clipping": t.max_grad_norm,
         "zero_optimization": zero,
-        "bf16": {
-            "enabled": dtype == "bf16",
-            "bf16_master_weights_and_grads": dtype == "bf16" and t.master_weights == "bf16",
-        },
+        # master_weights=bf16: no mixed precision, the client AdamW steps the bf16 weights themselves
+        "bf16": {"enabled": dtype == "bf16" and t.master_weights == "fp32"},
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
@@ -631,8 +629,8 @@ class UpdateWorker:
                         agree=agree,
                     )
                     engine.backward(loss * scale)
-                    if i == len(slots) - 1 and spec.training.zero_stage == 0 and self.dtype == "fp32":
-                        # DeepSpeed does not report the norm for plain fp32 without ZeRO; grads are reduced here
+                    if i == len(slots) - 1 and spec.training.zero_stage == 0 and not self.engine.bfloat16_enabled():
+                        # DeepSpeed reports no norm without ZeRO or mixed precision; grads are reduced here
                         grads = [p.grad for p in self.trainable if p.grad is not None]
                         manual_norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
                         del grads  # else the list keeps this step's gradients alive into the next (4 B/param)
