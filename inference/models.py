@@ -21,6 +21,7 @@ import fcntl
 import json
 import logging
 import os
+import re
 import shutil
 import time
 from collections.abc import Iterator
@@ -136,10 +137,19 @@ def prepare_model(name: str = DEFAULT_MODEL, home: Path | str | None = None, for
     return dest
 
 
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
+"""A Hugging Face model id, ``owner/name``: one slash, neither part starting with a dot."""
+
+ALLOW_DOWNLOADS_ENV = "PETTINGFLOW_ALLOW_DOWNLOADS"
+"""Set to 1 to let a Hugging Face id be downloaded when it is not in the local cache (off: never any network)."""
+
+
 def resolve_model(name_or_path: str | os.PathLike[str], home: Path | str | None = None) -> Path:
-    """The HF folder for a prepared model name or a local HF folder path.
+    """The HF folder for a prepared model name, a local HF folder path or a Hugging Face id.
 
     - an existing directory is accepted if it holds ``config.json`` (any local HF model folder);
+    - ``owner/name`` that is not a folder here is a Hugging Face id, taken from the local hub cache
+      (``resolve_hub_model``);
     - a prepared name returns ``<models dir>/<name>``;
     - a known but unprepared name raises ``ModelNotPreparedError`` telling the user to run
       ``pettingflow models prepare``;
@@ -153,6 +163,8 @@ def resolve_model(name_or_path: str | os.PathLike[str], home: Path | str | None 
         if not (candidate / "config.json").is_file():
             raise ModelError(f"{candidate} is a directory but not a Hugging Face model folder (no config.json)")
         return candidate.resolve()
+    if HUB_ID.match(text):
+        return resolve_hub_model(text)
     looks_like_path = os.sep in text or text.startswith((".", "~")) or candidate.is_absolute()
     if looks_like_path:
         raise ModelError(f"model folder {candidate} does not exist")
@@ -170,6 +182,34 @@ def resolve_model(name_or_path: str | os.PathLike[str], home: Path | str | None 
         f"known names: {sorted(KNOWN_MODELS)} (prepare with `pettingflow models prepare`), or pass a path "
         "to a local Hugging Face folder"
     )
+
+
+def resolve_hub_model(repo_id: str) -> Path:
+    """The snapshot folder of Hugging Face model ``repo_id`` (its ``main`` revision) in the local hub cache.
+
+    The cache is huggingface_hub's (``HF_HOME``, ``HF_HUB_CACHE``), so a model fetched once with ``hf download``
+    is found by the learner, the tokenizer and the vLLM server alike, all of which then load the same folder.
+    Nothing is downloaded unless ``PETTINGFLOW_ALLOW_DOWNLOADS=1``: a run never reaches the network by surprise,
+    and an id missing from the cache fails at preflight with one line that says how to fetch it.
+    """
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    allow = os.environ.get(ALLOW_DOWNLOADS_ENV, "") == "1"
+    try:
+        folder = Path(snapshot_download(repo_id, local_files_only=not allow))
+    except LocalEntryNotFoundError as exc:
+        how = "the download failed" if allow else "downloads are off"
+        raise ModelError(
+            f"model {repo_id!r} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and {how}: fetch it with "
+            f"`hf download {repo_id}` (HF_HOME / HF_HUB_CACHE pick the cache), or set {ALLOW_DOWNLOADS_ENV}=1 "
+            "to let the run download it"
+        ) from exc
+    except (HfHubHTTPError, OSError) as exc:
+        raise ModelError(f"model {repo_id!r} could not be fetched from the Hugging Face hub: {exc}") from exc
+    if not (folder / "config.json").is_file():
+        raise ModelError(f"model {repo_id!r} in the Hugging Face cache ({folder}) has no config.json")
+    return folder
 
 
 def verify_model_dir(path: Path) -> None:

@@ -39,7 +39,7 @@ import httpx
 
 from pettingflow import deathsig
 from pettingflow.allocator import preload_env
-from pettingflow.inference.models import resolve_model
+from pettingflow.inference.models import HUB_ID, resolve_model
 from pettingflow.paths import home
 from pettingflow.processes import free_port, stop_process_group
 
@@ -115,8 +115,9 @@ def servable_lora_rank(rank: int) -> int:
 class VLLMServer:
     """One vLLM OpenAI-compatible server process, managed from Python.
 
-    ``model`` is a prepared model name or a local HF folder (see ``resolve_model``); it is served as
-    ``served_model_name`` (default: the name as given, or the folder name for a path). ``url`` is the
+    ``model`` is a prepared model name, a local HF folder or a Hugging Face id in the local cache (see
+    ``resolve_model``); it is served as ``served_model_name`` (default: the name or id as given, or the folder
+    name for a path). ``url`` is the
     server root (``http://127.0.0.1:<port>``); the OpenAI routes are under ``<url>/v1``.
 
     LoRA: ``enable_lora`` adds ``--enable-lora --max-lora-rank --max-loras`` and allows runtime adapter
@@ -169,10 +170,10 @@ class VLLMServer:
         given = os.fspath(model)
         if served_model_name:
             self.served_model_name = served_model_name
-        elif os.sep in given or Path(given).expanduser().is_dir():
+        elif Path(given).expanduser().is_dir() or (os.sep in given and not HUB_ID.match(given)):
             self.served_model_name = self.model_path.name  # a folder path: serve it under its folder name
         else:
-            self.served_model_name = given  # a prepared model name
+            self.served_model_name = given  # a prepared model name or a Hugging Face id
         self.host = host
         self._requested_port = port
         self.port: int | None = port

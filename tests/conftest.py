@@ -106,9 +106,39 @@ def default_tokenizer(default_model_dir: Path):
     return AutoTokenizer.from_pretrained(default_model_dir, local_files_only=True)
 
 
+HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+"""The default model's Hugging Face id, served from a hub-layout cache the session builds (``hub_cache``)."""
+
+
 @pytest.fixture(scope="session")
-def vllm_server(default_model_dir: Path, pettingflow_home: Path, tmp_path_factory: pytest.TempPathFactory):
-    """One real vLLM server for the session: default model, LoRA enabled, full-weight reload enabled."""
+def hub_cache(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A Hugging Face hub cache (``models--owner--name/refs/main`` + ``snapshots/<commit>/``, files linked to
+    the converted default model) holding ``HUB_ID``, made huggingface_hub's cache for the session: what
+    ``hf download`` would have left, without the network."""
+    from huggingface_hub import constants
+
+    cache = tmp_path_factory.mktemp("hf-hub-cache")
+    repo = cache / ("models--" + HUB_ID.replace("/", "--"))
+    commit = "0" * 40
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    for f in default_model_dir.iterdir():
+        if f.is_file():
+            (snapshot / f.name).symlink_to(f)
+    before = constants.HF_HUB_CACHE
+    constants.HF_HUB_CACHE = str(cache)
+    try:
+        yield snapshot
+    finally:
+        constants.HF_HUB_CACHE = before
+
+
+@pytest.fixture(scope="session")
+def vllm_server(hub_cache: Path, pettingflow_home: Path, tmp_path_factory: pytest.TempPathFactory):
+    """One real vLLM server for the session: the default model by its Hugging Face id (from the session's hub
+    cache, offline), LoRA enabled, full-weight reload enabled."""
     from pettingflow.inference.server import ExternalServer, VLLMServer
 
     url = os.environ.get("PETTINGFLOW_TEST_VLLM_URL")
@@ -117,7 +147,7 @@ def vllm_server(default_model_dir: Path, pettingflow_home: Path, tmp_path_factor
         return
     logs = tmp_path_factory.mktemp("vllm-logs")
     server = VLLMServer(
-        default_model_dir,
+        HUB_ID,
         served_model_name=DEFAULT_MODEL,
         max_model_len=2048,
         kv_cache_gib=VLLM_KV_CACHE_GIB,

@@ -77,6 +77,76 @@ def test_bad_names_and_paths_are_explained(tmp_path: Path) -> None:
         prepare_model("no-such-model", home=tmp_path)
 
 
+def fake_hub(cache: Path, repo_id: str, files: dict[str, str]) -> Path:
+    """``repo_id`` in hub-cache layout under ``cache``: ``refs/main`` names a snapshot holding ``files``."""
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    snapshot = repo / "snapshots" / ("a" * 40)
+    snapshot.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("a" * 40)
+    for name, text in files.items():
+        (snapshot / name).write_text(text)
+    return snapshot
+
+
+def test_hub_ids_resolve_from_the_local_cache_and_never_download_unless_allowed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.delenv("PETTINGFLOW_ALLOW_DOWNLOADS", raising=False)
+    snapshot = fake_hub(tmp_path / "hub", "Org/Tiny-1.5B", {"config.json": "{}"})
+    assert resolve_model("Org/Tiny-1.5B") == snapshot
+    fake_hub(tmp_path / "hub", "Org/NoConfig", {"README.md": "x"})
+    with pytest.raises(ModelError, match=r"has no config\.json"):
+        resolve_model("Org/NoConfig")
+    with pytest.raises(ModelError, match=r"'Org/Missing' is not in the Hugging Face cache .* downloads are off") as e:
+        resolve_model("Org/Missing")
+    assert "hf download Org/Missing" in str(e.value) and "\n" not in str(e.value)
+
+    calls = []
+
+    def download(repo_id: str, local_files_only: bool) -> str:
+        calls.append((repo_id, local_files_only))
+        return str(snapshot)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", download)
+    monkeypatch.setenv("PETTINGFLOW_ALLOW_DOWNLOADS", "1")
+    assert resolve_model("Org/Other") == snapshot and calls == [("Org/Other", False)]
+    # a folder of that shape here wins over the id; ./ and nested paths are never ids
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "Org" / "Local").mkdir(parents=True)
+    (tmp_path / "Org" / "Local" / "config.json").write_text("{}")
+    assert resolve_model("Org/Local") == (tmp_path / "Org" / "Local").resolve() and len(calls) == 1
+    with pytest.raises(ModelError, match="does not exist"):
+        resolve_model("./Org/Missing")
+
+
+@pytest.mark.slow
+def test_a_hub_id_serves_tokenizes_and_trains_from_the_cache(hub_cache: Path, vllm_server, tmp_path: Path) -> None:
+    """The session's vLLM server was started from the default model's Hugging Face id (``conftest.hub_cache``);
+    the same id gives the tokenizer and the learner's base folder, offline; an id missing from the cache stops
+    the run at preflight with one line."""
+    from conftest import HUB_ID
+
+    from pettingflow.configs import load_config
+    from pettingflow.runs.preflight import PreflightError, preflight
+    from pettingflow.runs.weights import base_model_dir
+    from pettingflow.steps.rollouts import load_tokenizer
+
+    assert vllm_server.model_path == hub_cache and vllm_server.served_model_name == DEFAULT_MODEL
+    config = load_config("code-env", [f"policies.0.model={HUB_ID}"])
+    assert base_model_dir(config, config.policies[0].name) == str(hub_cache)
+    assert load_tokenizer(str(hub_cache)).apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+    assert preflight(config).models == {config.policies[0].name: str(hub_cache)}
+    missing = load_config("code-env", ["policies.0.model=HuggingFaceTB/No-Such-Model"])
+    with pytest.raises(PreflightError, match="not in the Hugging Face cache") as info:
+        preflight(missing)
+    assert "\n" not in str(info.value) and "hf download HuggingFaceTB/No-Such-Model" in str(info.value)
+
+
 def test_cli_list_and_unknown_name(tmp_path: Path) -> None:
     runner = CliRunner()
     result = runner.invoke(models_app, ["list"], env={"PETTINGFLOW_HOME": str(tmp_path)})
