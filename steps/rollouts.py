@@ -13,7 +13,7 @@ import logging
 import random
 import time
 from collections.abc import Callable, Collection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pettingflow.agents import build_agent
 from pettingflow.configs.settings import ExperimentConfig, Specialization
@@ -28,6 +28,9 @@ from pettingflow.runs.weights import start_version
 from pettingflow.steps.outcome import StepOutcome, already_done
 from pettingflow.storage import Step, TrajectoryShards, read_step_trajectories, write_trajectories
 from pettingflow.storage.fs import is_local
+
+if TYPE_CHECKING:
+    from pettingflow.runs.runtime import RunServices
 
 log = logging.getLogger(__name__)
 
@@ -294,7 +297,7 @@ def collect_step(
 def rollouts_step(
     ctx: IterationContext,
     config: ExperimentConfig,
-    runtime: Any,
+    runtime: RunServices,
     *,
     ahead: bool = False,
     warn: Callable[[str], Any] = log.warning,
@@ -308,17 +311,17 @@ def rollouts_step(
     """
     step = ctx.step("rollouts")
     if not ahead and step.is_committed():  # the start versions (commit markers, S3 reads) only when there is a verdict
-        starts = {p: start_version(ctx.layout, p, ctx.iteration) for p in runtime.servers}
+        starts = {p: start_version(ctx.layout, p, ctx.iteration) for p in runtime.policies}
         if reason := stale_rollouts(ctx, config, starts):
             warn(f"{reason}: collecting them again (the old ones moved to {set_aside(step)})")
     if not step.is_committed():
         runtime.serve_start_of(ctx.layout, ctx.iteration - 1 if ahead else ctx.iteration)
     return collect_step(
-        ctx, config, runtime.endpoints(), env_cache=runtime.env_cache, policy_versions=dict(runtime.served_versions)
+        ctx, config, runtime.endpoints(), env_cache=runtime.env_cache, policy_versions=runtime.served_versions()
     )
 
 
-def baseline_step(ctx: IterationContext, config: ExperimentConfig, runtime: Any) -> StepOutcome:
+def baseline_step(ctx: IterationContext, config: ExperimentConfig, runtime: RunServices) -> StepOutcome:
     """``validation_step`` on the weights ``ctx.iteration`` starts from (the base model at iteration 0), before
     any update (``validation.at_start``): the first point of the run's validation curve, committed as
     ``baseline``."""
@@ -330,7 +333,7 @@ def baseline_step(ctx: IterationContext, config: ExperimentConfig, runtime: Any)
         runtime.endpoints(),
         env_cache=runtime.env_cache,
         step_name=BASELINE_STEP,
-        policy_versions=dict(runtime.served_versions),
+        policy_versions=runtime.served_versions(),
     )
 
 

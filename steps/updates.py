@@ -17,7 +17,7 @@ import tempfile
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pettingflow.configs.settings import ExperimentConfig
 from pettingflow.faults import armed, crash_soon, hold, maybe_crash
@@ -37,10 +37,15 @@ from pettingflow.storage.steps import FileEntry, Step
 from pettingflow.training.launch import METRICS_FILE, rebase_outputs, run_update, spec_from_config
 from pettingflow.training.learner import UPLOADED_KEY
 
+if TYPE_CHECKING:
+    from pettingflow.runs.runtime import RunServices
+
 log = logging.getLogger(__name__)
 
 
-def update_step(ctx: IterationContext, config: ExperimentConfig, policy: str, runtime: Any = None) -> StepOutcome:
+def update_step(
+    ctx: IterationContext, config: ExperimentConfig, policy: str, runtime: RunServices | None = None
+) -> StepOutcome:
     """Train ``policy`` on its batch of this iteration; commit checkpoint + metrics."""
     name = update_step_name(policy)
     step = ctx.step(name)
@@ -147,7 +152,7 @@ def optimizer_step_name(policy: str) -> str:
 
 
 def snapshot_in_background(
-    ctx: IterationContext, policy: str, learner: Any, runtime: Any, version: str, timeout_s: float | None
+    ctx: IterationContext, policy: str, learner: Any, runtime: RunServices, version: str, timeout_s: float | None
 ) -> None:
     """Write the optimizer snapshot of the update just committed (``version``) in the learner, and commit it as
     ``optimizer-<policy>`` once every rank is done, from a thread of the runtime: the flow goes on to sync,
@@ -267,7 +272,7 @@ def weights_after(ctx: IterationContext, config: ExperimentConfig, policy: str) 
     return weights_before(ctx.layout, config, policy, ctx.iteration)
 
 
-def sync_step(ctx: IterationContext, config: ExperimentConfig, runtime: Any) -> dict[str, Any]:
+def sync_step(ctx: IterationContext, config: ExperimentConfig, runtime: RunServices) -> dict[str, Any]:
     """Make every server serve the weights of this iteration; the next rollout uses them.
 
     Not skipped on re-runs: a restarted server serves the base model again, and syncing is cheap and
@@ -275,7 +280,7 @@ def sync_step(ctx: IterationContext, config: ExperimentConfig, runtime: Any) -> 
     are down after the update: this starts them from the new weights (no reload on top).
     """
     results = {}
-    for policy in runtime.servers:
+    for policy in runtime.policies:
         results[policy] = runtime.serve(weights_after(ctx, config, policy))
     step = ctx.step("sync")
     maybe_crash("sync:mid")  # kill matrix: servers synced, the step not committed

@@ -111,7 +111,7 @@ def validate(run: RunRef, iteration: int, attempt: int, from_step: str, runtime:
     ctx = context(run, iteration, attempt, from_step)
     config = load_run_config(run, iteration, attempt)
     outcome = rollouts.validation_step(
-        ctx, config, runtime.endpoints(), env_cache=runtime.env_cache, policy_versions=dict(runtime.served_versions)
+        ctx, config, runtime.endpoints(), env_cache=runtime.env_cache, policy_versions=runtime.served_versions()
     )
     return finished(outcome)
 

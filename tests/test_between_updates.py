@@ -15,8 +15,10 @@ from factories import random_llama
 from test_flows import prefect_env  # noqa: F401 (module fixture)
 
 from pettingflow.configs.loader import ConfigError, load_config
-from pettingflow.runs import runtime as runtime_module
-from pettingflow.runs.runtime import Runtime, lora_name
+from pettingflow.runs import policy_service as service_module
+from pettingflow.runs import runtime
+from pettingflow.runs.policy_service import lora_name
+from pettingflow.runs.runtime import Runtime
 from pettingflow.training.checkpoint import PolicyWeights
 
 
@@ -58,12 +60,10 @@ def make_runtime(monkeypatch: pytest.MonkeyPatch, mode: str, *extra: str) -> tup
     config = load_config("code-env", [f"inference.between_updates={mode}", *extra])
     runtime = Runtime(config, f"between-{mode}")
     server = FakeServer("/models/base")
-    runtime.servers = {"shared": server}
-    runtime.served_names = {"shared": "shared"}
-    runtime.base_dirs = {"shared": "/models/base"}
-    runtime.served_model = {"shared": "/models/base"}
-    runtime.served_versions = {"shared": 0}
-    runtime.served_adapters = {"shared": {}}
+    service = runtime.services["shared"]
+    service.server, service.served_name, service.base_dir = server, "shared", "/models/base"
+    service.served_model, service.served_version, service.served_adapters = "/models/base", 0, {}
+    service.state = Path("/nonexistent-state")
 
     def reload(srv: Any, path: str, model: str) -> Any:
         srv.calls.append(("reload", path))
@@ -73,10 +73,9 @@ def make_runtime(monkeypatch: pytest.MonkeyPatch, mode: str, *extra: str) -> tup
         srv.calls.append(("load_adapter", name, path))
         return SimpleNamespace(digest="a")
 
-    monkeypatch.setattr(runtime_module, "sync_full_weights", reload)
-    monkeypatch.setattr(runtime_module, "load_lora_adapter", load_adapter)
-    monkeypatch.setattr(runtime_module, "fingerprint", lambda srv, model: SimpleNamespace(digest="f"))
-    monkeypatch.setattr(runtime_module, "state_dir", lambda: Path("/nonexistent-state"))
+    monkeypatch.setattr(service_module, "sync_full_weights", reload)
+    monkeypatch.setattr(service_module, "load_lora_adapter", load_adapter)
+    monkeypatch.setattr(service_module, "fingerprint", lambda srv, model: SimpleNamespace(digest="f"))
     return runtime, server
 
 
@@ -94,14 +93,14 @@ def new_weights(version: int = 1, **adapters: str) -> PolicyWeights:
 def test_restart_stops_for_the_update_and_starts_from_the_new_weights(monkeypatch) -> None:
     runtime, server = make_runtime(monkeypatch, "restart")
     with runtime.servers_released() as released:
-        assert released and server.calls == ["stop"] and runtime.stopped == {"shared"}
+        assert released and server.calls == ["stop"] and runtime.stopped() == ["shared"]
     assert server.calls == ["stop"]  # down until the sync: it starts from the weights the update wrote
     weights = new_weights(1)
     done = runtime.serve(weights)
     assert server.calls == ["stop", ("start", weights.model_dir)]  # no reload on top of the fresh start
     assert [s["via"] for s in done["synced"]] == ["restart"]
-    assert runtime.served_model["shared"] == weights.model_dir and runtime.served_versions["shared"] == 1
-    assert not runtime.stopped
+    assert runtime.services["shared"].served_model == weights.model_dir and runtime.served_versions()["shared"] == 1
+    assert not runtime.stopped()
     runtime.serve(weights)  # the next sync of the same weights does nothing
     assert server.calls == ["stop", ("start", weights.model_dir)]
 
@@ -111,7 +110,7 @@ def test_restart_brings_the_old_weights_back_when_the_update_fails(monkeypatch) 
     with pytest.raises(RuntimeError, match="update failed"), runtime.servers_released():
         raise RuntimeError("update failed")
     assert server.calls == ["stop", ("start", "/models/base")]
-    assert not runtime.stopped and runtime.served_versions["shared"] == 0
+    assert not runtime.stopped() and runtime.served_versions()["shared"] == 0
 
 
 def test_restart_without_a_sync_serves_the_previous_weights_before_any_request(monkeypatch) -> None:
@@ -124,7 +123,7 @@ def test_restart_without_a_sync_serves_the_previous_weights_before_any_request(m
 
 def test_restart_with_lora_loads_the_adapters_into_the_fresh_server(monkeypatch) -> None:
     runtime, server = make_runtime(monkeypatch, "restart", "specialization=lora")
-    runtime.served_adapters["shared"] = {"coder": "/run/iter-0/update-shared/adapters/coder"}
+    runtime.services["shared"].served_adapters = {"coder": "/run/iter-0/update-shared/adapters/coder"}
     with pytest.raises(RuntimeError), runtime.servers_released():
         raise RuntimeError("update failed")
     old = ("load_adapter", lora_name("coder"), "/run/iter-0/update-shared/adapters/coder")
@@ -134,7 +133,7 @@ def test_restart_with_lora_loads_the_adapters_into_the_fresh_server(monkeypatch)
     runtime.serve(new_weights(2, coder="/run/iter-1/update-shared/adapters/coder"))
     new = ("load_adapter", lora_name("coder"), "/run/iter-1/update-shared/adapters/coder")
     assert server.calls[3:] == ["stop", ("start", "/models/base"), new]
-    assert runtime.served_versions["shared"] == 2
+    assert runtime.served_versions()["shared"] == 2
 
 
 def test_sleep_sleeps_then_wakes_up_and_the_sync_reloads(monkeypatch) -> None:
@@ -144,7 +143,7 @@ def test_sleep_sleeps_then_wakes_up_and_the_sync_reloads(monkeypatch) -> None:
     weights = new_weights(1)
     runtime.serve(weights)
     assert server.calls == [("sleep", 1), "wake_up", ("reload", weights.model_dir)]
-    assert runtime.served_versions["shared"] == 1
+    assert runtime.served_versions()["shared"] == 1
 
 
 def test_sleep_wakes_up_when_the_update_fails(monkeypatch) -> None:
@@ -185,9 +184,9 @@ def test_the_learn_flows_shared_server_attaches_only_to_the_url_it_is_given(tmp_
 
     (tmp_path / "config.json").write_text("{}")
     inference = load_config("code-env", ["inference.url=http://127.0.0.1:9"]).inference
-    own = runtime_module.shared_server(tmp_path, inference, False, None, "t")
+    own = runtime.shared_server(tmp_path, inference, False, None, "t")
     assert isinstance(own, VLLMServer) and own.dev_mode and own.log_path.name == "vllm-t.log"
-    attached = runtime_module.shared_server(tmp_path, inference, False, "http://127.0.0.1:8", "t")
+    attached = runtime.shared_server(tmp_path, inference, False, "http://127.0.0.1:8", "t")
     assert isinstance(attached, ExternalServer) and attached.url == "http://127.0.0.1:8"
 
 

@@ -135,12 +135,14 @@ class _FakeLearner:
 
 
 class _Runtime:
-    """``Runtime.track_snapshot``/``wait_snapshots`` without servers: the thread runs for real."""
+    """``Runtime.track_snapshot``/``wait_snapshots`` over a ``PolicyService`` without a server or a learner: the
+    snapshot thread runs for real."""
 
     def __init__(self) -> None:
+        from pettingflow.runs.policy_service import PolicyService
         from pettingflow.runs.runtime import Runtime
 
-        self.snapshots: dict = {}
+        self.services = {"shared": PolicyService("shared", None, "snapshot-test", Path("/nonexistent-state"))}
         self.track_snapshot = Runtime.track_snapshot.__get__(self)
         self.wait_snapshots = Runtime.wait_snapshots.__get__(self)
 
