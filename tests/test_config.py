@@ -88,6 +88,8 @@ def test_unknown_key_via_override() -> None:
         ),
         (["training.head_at_loss_positions=false", "training.head_chunk_tokens=256"], "training"),
         (["training.master_weights=bf16", "training.zero_stage=2"], "training"),
+        (["inference.url=http://a:1", "inference.urls=[http://b:1]"], "inference.urls"),
+        (["inference.urls=[http://a:1,http://b:1]", "inference.replicas=2"], "inference.replicas"),
     ],
 )
 def test_impossible_combinations(overrides: list[str], path: str) -> None:

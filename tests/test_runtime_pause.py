@@ -34,7 +34,7 @@ def test_servers_are_stopped_during_the_update_and_serve_after_it(vllm_server) -
         pytest.skip("the session server is attached by URL: its processes are not ours to pause")
     before = complete(vllm_server.url)
     runtime = Runtime(load_config("code-env", ["inference.between_updates=pause"]), "pause-test")
-    runtime.services["shared"].server = vllm_server
+    runtime.services["shared"].servers = [vllm_server]
     procs = tree(vllm_server.pid)
     assert len(procs) >= 2  # API server and engine core
     with runtime.servers_released() as paused:
@@ -47,7 +47,7 @@ def test_servers_are_stopped_during_the_update_and_serve_after_it(vllm_server) -
     assert vllm_server.health() and complete(vllm_server.url) == before  # greedy: same answer after the pause
 
     keep = Runtime(load_config("code-env", ["inference.between_updates=keep"]), "keep-test")
-    keep.services["shared"].server = vllm_server
+    keep.services["shared"].servers = [vllm_server]
     with keep.servers_released() as paused:
         assert not paused and all(p.status() != psutil.STATUS_STOPPED for p in procs)
 
@@ -58,7 +58,7 @@ def test_servers_are_continued_when_the_update_fails(vllm_server) -> None:
     if not getattr(vllm_server, "pid", None):
         pytest.skip("the session server is attached by URL")
     runtime = Runtime(load_config("code-env", ["inference.between_updates=pause"]), "pause-fail")
-    runtime.services["shared"].server = vllm_server
+    runtime.services["shared"].servers = [vllm_server]
     with pytest.raises(RuntimeError, match="update failed"), runtime.servers_released():
         raise RuntimeError("update failed")
     assert all(p.status() != psutil.STATUS_STOPPED for p in tree(vllm_server.pid))
