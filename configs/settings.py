@@ -15,6 +15,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from pettingflow.network import is_loopback
+
 
 def micro_steps_per_rank(rows_per_step: int, micro_batch_size: int, world_size: int) -> int:
     """Forward/backward passes per optimizer step on each rank: the largest share of a mini-batch any rank gets
@@ -491,6 +493,24 @@ class InferenceSettings(_Strict):
         "any: requests are spread over them (the fewest in flight; an episode stays on one), every one is synced. "
         "One policy only (not L3).",
     )
+    host: str = Field(
+        "127.0.0.1",
+        description="Where managed servers listen. Beyond loopback (e.g. 0.0.0.0 for replicas reached from other "
+        "hosts) each gets a per-run API key (vLLM's --api-key, never written to the run's files) and starts "
+        "without dev mode, whose weight-reload routes the key does not guard: new weights then reach it as LoRA "
+        "adapters (specialization: lora) or by a restart (between_updates: restart), and the config refuses the "
+        "rest (docs/inference.md, 'Keys').",
+    )
+    api_key: Literal["auto", "always"] = Field(
+        "auto",
+        description="auto: managed servers get an API key exactly when host is not loopback; always: on loopback "
+        "too (dev mode stays on there).",
+    )
+    api_key_env: str | None = Field(
+        None,
+        description="Attached servers (url/urls): the environment variable holding their API key, sent with every "
+        "request.",
+    )
     replicas: int = Field(
         1,
         ge=1,
@@ -677,6 +697,22 @@ class ExperimentConfig(_Strict):
                     "attached replica in inference.urls and leave replicas at 1",
                 )
             )
+        if not is_loopback(inf.host) and not (inf.url or inf.urls):
+            lora = self.specialization is Specialization.lora
+            if (
+                inf.between_updates == "sleep"
+                or inf.weight_sync != "disk"
+                or not (lora or inf.between_updates == "restart")
+            ):
+                problems.append(
+                    (
+                        "inference.host",
+                        f"{inf.host} is reachable beyond this machine, and vLLM's API key does not guard its dev-mode "
+                        "routes (full-weight reload, broadcast, sleep): use specialization: lora (adapters load "
+                        "through the guarded /v1 routes) or inference.between_updates: restart with weight_sync: "
+                        "disk, or keep host on loopback",
+                    )
+                )
         if inf.urls is not None and not inf.urls:
             problems.append(("inference.urls", "is empty: give at least one URL, or leave it unset"))
         if self.training.skip_zero_advantage_rows and (self.algorithm.kl_coef > 0 or self.algorithm.entropy_coef > 0):

@@ -33,6 +33,8 @@ from typing import Any
 import httpx
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential_jitter
 
+from pettingflow.inference import auth
+
 log = logging.getLogger(__name__)
 
 
@@ -125,7 +127,8 @@ class InferenceClient:
         self.max_retries = max_retries
         self.backoff_initial_s = backoff_initial_s
         self.backoff_max_s = backoff_max_s
-        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        # no key given: the one registered for this server, if any (inference/auth.py)
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else auth.headers(self.base_url)
         self._http: httpx.AsyncClient | None = None
         self._sem: asyncio.Semaphore | None = None
         self._loop: asyncio.AbstractEventLoop | None = None

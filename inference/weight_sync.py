@@ -33,6 +33,7 @@ from typing import Any
 
 import httpx
 
+from pettingflow.inference import auth
 from pettingflow.inference.client import normalize_base_url, server_message
 
 log = logging.getLogger(__name__)
@@ -162,7 +163,7 @@ def sync_full_weights(
     started = time.perf_counter()
     body = {"method": "reload_weights", "kwargs": {"weights_path": str(path)}}
     try:
-        resp = httpx.post(f"{base}/collective_rpc", json=body, timeout=timeout_s)
+        resp = httpx.post(f"{base}/collective_rpc", json=body, headers=auth.headers(base), timeout=timeout_s)
     except httpx.HTTPError as exc:
         raise WeightSyncError(f"reload_weights on {base} failed: {type(exc).__name__}: {exc}") from exc
     if resp.status_code == 404:
@@ -203,7 +204,7 @@ def load_lora_adapter(
     adapter = check_adapter_dir(path) if check_local else Path(path)
     body = {"lora_name": name, "lora_path": str(adapter), "load_inplace": True}
     try:
-        resp = httpx.post(f"{base}/v1/load_lora_adapter", json=body, timeout=timeout_s)
+        resp = httpx.post(f"{base}/v1/load_lora_adapter", json=body, headers=auth.headers(base), timeout=timeout_s)
     except httpx.HTTPError as exc:
         raise WeightSyncError(f"loading LoRA {name!r} on {base} failed: {type(exc).__name__}: {exc}") from exc
     if resp.status_code == 404 and "lora" not in resp.text.lower():
@@ -223,7 +224,9 @@ def load_lora_adapter(
 def unload_lora_adapter(server_url: Any, name: str, *, timeout_s: float = 60.0) -> None:
     """Remove the adapter ``name`` from the server."""
     base = _url(server_url)
-    resp = httpx.post(f"{base}/v1/unload_lora_adapter", json={"lora_name": name}, timeout=timeout_s)
+    resp = httpx.post(
+        f"{base}/v1/unload_lora_adapter", json={"lora_name": name}, headers=auth.headers(base), timeout=timeout_s
+    )
     if resp.status_code != 200:
         raise WeightSyncError(f"unloading LoRA {name!r} on {base}: HTTP {resp.status_code}: {server_message(resp)}")
 
@@ -237,7 +240,7 @@ def _health(base: str) -> bool:
 
 def _post(url: str, body: Any, timeout_s: float) -> httpx.Response:
     try:
-        resp = httpx.post(url, json=body, timeout=timeout_s)
+        resp = httpx.post(url, json=body, headers=auth.headers(url), timeout=timeout_s)
     except httpx.HTTPError as exc:
         raise WeightSyncError(f"POST {url} failed: {type(exc).__name__}: {exc}") from exc
     if resp.status_code != 200:
@@ -247,7 +250,7 @@ def _post(url: str, body: Any, timeout_s: float) -> httpx.Response:
 
 def _get(url: str, timeout_s: float) -> httpx.Response:
     try:
-        resp = httpx.get(url, timeout=timeout_s)
+        resp = httpx.get(url, headers=auth.headers(url), timeout=timeout_s)
     except httpx.HTTPError as exc:
         raise WeightSyncError(f"GET {url} failed: {type(exc).__name__}: {exc}") from exc
     if resp.status_code != 200:

@@ -19,6 +19,7 @@ class PolicyEndpoint:
     model_dir: str
     adapters: dict[str, str] = field(default_factory=dict)  # agent name -> served LoRA name (L2)
     replica_urls: tuple[str, ...] = ()  # every replica's, when there are several (``urls``)
+    api_key: str | None = field(default=None, repr=False)  # the servers' (inference/auth.py); never logged
 
     @property
     def urls(self) -> tuple[str, ...]:

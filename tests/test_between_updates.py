@@ -182,7 +182,7 @@ def replicated_runtime(monkeypatch: pytest.MonkeyPatch, mode: str, *extra: str):
     second = FakeServer("/models/base")
     second.url = "http://127.0.0.1:10"
     service = runtime.services["shared"]
-    service.servers = [first, second]
+    service.servers, service.replica_count = [first, second], 2
     for server in service.servers:
         server.probe = (1, 2, 3)
 
@@ -345,13 +345,14 @@ def test_auto_pauses_a_managed_cpu_server_and_keeps_every_other(monkeypatch) -> 
 @pytest.mark.slow
 def test_two_replicas_survive_a_kill_mid_rollout_and_serve_the_new_weights(
     tmp_path,
-    prefect_env,
-    small_llama,  # noqa: F811
+    prefect_env,  # noqa: F811
+    small_llama,
 ) -> None:
     """``inference.replicas: 2``: one iteration while replica 1 is killed (SIGKILL, its whole process group) after
     it answered its first request. The rollouts step still commits every episode (the dead replica's requests
     move to replica 0), the sync starts replica 1 again from the weights it served and then syncs both, and
-    both answer the greedy probe alike with the new weights."""
+    both answer the greedy probe alike with the new weights. With ``inference.api_key: always`` every request of
+    the run carries the run's key, and requests without it (generation, adapter loading) are refused: 401."""
     import re
     import signal
     import threading
@@ -361,12 +362,19 @@ def test_two_replicas_survive_a_kill_mid_rollout_and_serve_the_new_weights(
 
     logs = prefect_env / "logs"
     killed: dict[str, int] = {}
+    unkeyed: dict[str, int] = {}  # route -> status of a request without the key
 
     def kill_replica_1_after_its_first_answer() -> None:
+        import httpx
+
         deadline = time.monotonic() + 900
         while time.monotonic() < deadline and not killed:
             for log in logs.glob("vllm-*-shared-1.log"):
-                if "POST /v1/completions" in log.read_text(errors="replace"):
+                text = log.read_text(errors="replace")
+                if "POST /v1/completions" in text:
+                    url = "http://127.0.0.1:" + re.search(r"--port (\d+)", text).group(1)
+                    for route, body in (("completions", {"model": "shared", "prompt": [1]}), ("load_lora_adapter", {})):
+                        unkeyed[route] = httpx.post(f"{url}/v1/{route}", json=body, timeout=30).status_code
                     pid = int((prefect_env / "pids" / "vllm-shared-1.pid").read_text())
                     os.killpg(pid, signal.SIGKILL)
                     killed["pid"] = pid
@@ -385,6 +393,7 @@ def test_two_replicas_survive_a_kill_mid_rollout_and_serve_the_new_weights(
         "algorithm.filter_method=none",
         "validation.frequency=0",
         "inference.replicas=2",
+        "inference.api_key=always",
         "inference.kv_cache_gib=1",
         "inference.between_updates=keep",
         "agents.0.sampling.max_tokens=32",
@@ -394,6 +403,7 @@ def test_two_replicas_survive_a_kill_mid_rollout_and_serve_the_new_weights(
     killer.join(timeout=5)
     assert state.is_completed(), state
     assert killed, "replica 1 never answered a request: nothing was killed"
+    assert unkeyed == {"completions": 401, "load_lora_adapter": 401}
     layout = RunLayout(str(tmp_path), state.result()["run_id"])
     rows = read_step_trajectories(layout.step(0, "rollouts"))
     assert sorted(set(zip(rows.column("env_idx").to_pylist(), rows.column("sample_idx").to_pylist(), strict=True))) == [
@@ -408,3 +418,4 @@ def test_two_replicas_survive_a_kill_mid_rollout_and_serve_the_new_weights(
     assert synced[0]["probe"] == synced[1]["probe"]  # both serve the new weights
     log = next(logs.glob("vllm-*-shared-1.log")).read_text()
     assert len(re.findall(r"starting: ", log)) == 2  # replica 1 started at the run's start and after the kill
+    assert log.count("--api-key <api key>") == 2  # the key itself is never written

@@ -52,6 +52,7 @@ p = argparse.ArgumentParser()
 p.add_argument("--port", type=int)
 p.add_argument("--host")
 p.add_argument("--served-model-name")
+p.add_argument("--api-key")
 args, _ = p.parse_known_args()
 mode = os.environ.get("FAKE_MODE", "ok")
 child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])  # like vLLM's engine core
@@ -76,6 +77,9 @@ class H(BaseHTTPRequestHandler):
     def log_message(self, *a):
         pass
     def do_GET(self):
+        keyed = self.headers.get("Authorization") == f"Bearer {args.api_key}"
+        if args.api_key and self.path.startswith("/v1") and not keyed:
+            self.send_response(401); self.end_headers(); return
         if self.path == "/health":
             body = b""
         elif self.path == "/v1/models":
@@ -128,6 +132,25 @@ def fake_vllm(tmp_path: Path):
 
 def _dump(server: VLLMServer) -> dict[str, Any]:
     return json.loads(Path(server.extra_env["FAKE_DUMP"]).read_text())
+
+
+def test_a_server_with_an_api_key_is_reached_with_it_and_never_shows_it(fake_vllm) -> None:
+    """``api_key``: vLLM gets ``--api-key``; PettingFlow's own requests carry it (the readiness check, model
+    listing), a request without it is refused, and the server's log shows a placeholder instead of the key."""
+    import httpx
+
+    from pettingflow.inference import auth
+
+    key = auth.new_key()
+    server = fake_vllm(api_key=key)
+    assert server.command()[-2:] == ["--api-key", key]
+    with server:  # ready only if /v1/models answered, i.e. with the key
+        assert httpx.get(f"{server.url}/v1/models", timeout=5).status_code == 401
+        assert list_models(server) == ["tiny"]
+        assert auth.headers(server.url + "/v1/") == {"Authorization": f"Bearer {key}"}
+    log = server.log_path.read_text()
+    assert key not in log and "--api-key <api key>" in log
+    auth.register(server.url, None)
 
 
 def test_start_health_command_env_and_group_stop(fake_vllm) -> None:

@@ -1,0 +1,55 @@
+"""Keys of servers beyond loopback (``inference/auth.py``, ``pettingflow/network.py``) and the config's refusal of
+dev mode there."""
+
+from __future__ import annotations
+
+import pytest
+
+from pettingflow.configs import ConfigError, load_config
+from pettingflow.inference import auth
+from pettingflow.inference.client import InferenceClient
+from pettingflow.network import is_loopback
+
+
+def test_loopback_addresses() -> None:
+    for host in ("127.0.0.1", "127.0.0.2", "::1", "localhost", ""):
+        assert is_loopback(host), host
+    for host in ("0.0.0.0", "::", "10.1.2.3", "192.0.2.7"):  # (no name lookups: they would leave the machine)
+        assert not is_loopback(host), host
+
+
+def test_a_registered_key_goes_with_every_request_to_that_server_only() -> None:
+    key = auth.new_key()
+    assert len(key) >= 40 and key != auth.new_key()
+    auth.register("http://10.0.0.5:8000/v1", key)
+    try:
+        assert auth.headers("http://10.0.0.5:8000") == {"Authorization": f"Bearer {key}"}
+        assert auth.headers("http://10.0.0.5:8000/v1/completions") == auth.headers("http://10.0.0.5:8000/")
+        assert auth.headers("http://10.0.0.5:8001") == {}
+        assert InferenceClient("http://10.0.0.5:8000/v1")._headers == {"Authorization": f"Bearer {key}"}
+        assert InferenceClient("http://10.0.0.5:8000", api_key="other")._headers["Authorization"] == "Bearer other"
+    finally:
+        auth.register("http://10.0.0.5:8000", None)
+    assert auth.headers("http://10.0.0.5:8000") == {}
+
+
+@pytest.mark.parametrize(
+    ("overrides", "allowed"),
+    [
+        (["inference.host=0.0.0.0"], False),  # full weights reloaded through dev mode: its routes have no key
+        (["inference.host=0.0.0.0", "inference.between_updates=sleep"], False),
+        (["inference.host=0.0.0.0", "inference.between_updates=restart", "inference.weight_sync=gloo"], False),
+        (["inference.host=0.0.0.0", "inference.between_updates=restart"], True),  # a restart loads the new folder
+        (["inference.host=0.0.0.0", "specialization=lora", "policies.0.lora.rank=8"], True),  # adapters via /v1
+        (["inference.host=127.0.0.1"], True),
+        (["inference.host=0.0.0.0", "inference.url=http://10.0.0.5:8000"], True),  # attached: not started here
+    ],
+)
+def test_dev_mode_is_refused_beyond_loopback(overrides: list[str], allowed: bool) -> None:
+    if allowed:
+        load_config("code-env", overrides)
+        return
+    with pytest.raises(ConfigError) as info:
+        load_config("code-env", overrides)
+    (path, why), *_ = info.value.problems
+    assert path == "inference.host" and "dev-mode routes" in why and "\n" not in why
