@@ -575,6 +575,25 @@ class InferenceSettings(_Strict):
     )
 
 
+class ResourceSettings(_Strict):
+    """Which devices the learner ranks and the inference replicas may use (``runs/device_plan.py``)."""
+
+    learning_devices: list[int] | None = Field(
+        None, description="GPU ids (cores on a CPU) of the learner ranks, one per rank; None: every device."
+    )
+    inference_devices: list[int] | None = Field(
+        None,
+        description="GPU ids (cores on a CPU) of the inference replicas, split evenly between them (a replica with "
+        "several GPUs runs tensor-parallel over them); None: every device.",
+    )
+    both_fit: bool = Field(
+        False,
+        description="GPUs shared by learning and inference hold both at once (memory for the servers and the "
+        "learner together); without it shared GPUs need inference.between_updates sleep or restart, and async "
+        "rollouts need disjoint sets.",
+    )
+
+
 class ValidationSettings(_Strict):
     """Held-out evaluation cadence."""
 
@@ -620,6 +639,7 @@ class ExperimentConfig(_Strict):
     training: TrainingSettings = Field(default_factory=TrainingSettings)
     inference: InferenceSettings = Field(default_factory=InferenceSettings)
     validation: ValidationSettings = Field(default_factory=ValidationSettings)
+    resources: ResourceSettings = Field(default_factory=ResourceSettings)
 
     @model_validator(mode="after")
     def _check_combinations(self) -> ExperimentConfig:

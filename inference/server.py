@@ -81,6 +81,18 @@ def detect_device() -> Literal["cpu", "cuda"]:
     return "cuda" if out.returncode == 0 and "GPU" in out.stdout else "cpu"
 
 
+def gpu_ids() -> list[int]:
+    """The ids ``nvidia-smi -L`` lists (``GPU 3: ...``), in order; empty without a GPU."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return []
+    try:
+        out = subprocess.run([exe, "-L"], capture_output=True, text=True, timeout=20, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [int(line.split()[1].rstrip(":")) for line in out.stdout.splitlines() if line.startswith("GPU ")]
+
+
 def check_health(url: str, timeout_s: float = 5.0) -> bool:
     """True if ``GET <url>/health`` answers 200."""
     try:
@@ -521,13 +533,19 @@ def attach(url: str, *, served_model_name: str | None = None, timeout_s: float =
 
 
 def server_from_settings(
-    settings: Any, model: str | os.PathLike[str], *, replica: int = 0, **kwargs: Any
+    settings: Any,
+    model: str | os.PathLike[str],
+    *,
+    replica: int = 0,
+    gpus: tuple[int, ...] = (),
+    **kwargs: Any,
 ) -> VLLMServer | ExternalServer:
     """A (not yet started) server for ``InferenceSettings``: attached when ``settings.url`` is set.
 
     ``replica``: which of the policy's managed replicas this is; with ``cpu_threads`` set, replica r is bound to
-    the r-th block of that many allowed cores (wrapping around when there are fewer). ``kwargs`` go to
-    ``VLLMServer`` (``enable_lora``, ``dev_mode``, ``log_path``, ...).
+    the r-th block of that many allowed cores (wrapping around when there are fewer). ``gpus``: the GPU ids the
+    device plan gives it (``runs/device_plan.py``): ``CUDA_VISIBLE_DEVICES``, tensor-parallel over them when
+    several. ``kwargs`` go to ``VLLMServer`` (``enable_lora``, ``dev_mode``, ``log_path``, ...).
     """
     if settings.url:
         return ExternalServer(settings.url, startup_timeout_s=settings.startup_timeout_s, api_key=kwargs.get("api_key"))
@@ -538,6 +556,10 @@ def server_from_settings(
         n = settings.cpu_threads
         cores = list(dict.fromkeys(allowed[(replica * n + k) % len(allowed)] for k in range(n)))
         kwargs["env"] = {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cores)), **(kwargs.get("env") or {})}
+    if gpus:
+        kwargs["env"] = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus)), **(kwargs.get("env") or {})}
+        if len(gpus) > 1:
+            kwargs["extra_args"] = [*kwargs.get("extra_args", ()), "--tensor-parallel-size", str(len(gpus))]
     # tcmalloc where installed (vLLM-cpu warns without it); the explicit env of the caller wins
     kwargs["env"] = {**preload_env(getattr(settings, "malloc", "auto")), **(kwargs.get("env") or {})}
     return VLLMServer(

@@ -72,9 +72,9 @@ class PolicyService:
         """The first replica (every replica serves the same weights under the same names)."""
         return self.servers[0]
 
-    def start_servers(self, inference: Any) -> None:
+    def start_servers(self, inference: Any, gpus: list[tuple[int, ...]] | None = None) -> None:
         """Start (or attach to) the policy's replicas, serving the base model. ``inference``: the run's settings,
-        ``cpu_threads`` resolved per replica."""
+        ``cpu_threads`` resolved per replica; ``gpus``: each replica's GPUs from the device plan (GPU machines)."""
         cfg = self.config
         policy = cfg.policy(self.name)
         base = resolve_model(policy.model)
@@ -99,6 +99,7 @@ class PolicyService:
                 settings,
                 base,
                 replica=r,
+                gpus=gpus[r] if gpus else (),
                 api_key=self.api_key,
                 served_model_name=self.name,
                 enable_lora=cfg.specialization is Specialization.lora,

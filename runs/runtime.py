@@ -47,6 +47,7 @@ from pettingflow.runs.between_updates import (
     choose_between_updates,
     choose_server_threads,
 )
+from pettingflow.runs.device_plan import DevicePlan, plan_devices
 from pettingflow.runs.endpoint import PolicyEndpoint
 from pettingflow.runs.policy_service import SLEEP_LEVEL, PolicyService
 from pettingflow.runs.weights import PolicyWeights, weights_before
@@ -110,6 +111,7 @@ class Runtime:
         )
         self.server_threads = ServerThreads(None, "no managed server")  # inference.cpu_threads in force, and why
         self.sandbox_pool: Any = None
+        self.device_plan: DevicePlan | None = None
         self.env_cache = EnvCache(self._make_factory)
         self._started = False
         self._owns_ray = False
@@ -142,8 +144,13 @@ class Runtime:
         (state_dir() / "pids").mkdir(parents=True, exist_ok=True)
         self.between_updates = self._choose_between_updates()
         inference = self._server_settings()
-        for service in self.services.values():
-            service.start_servers(inference)
+        self.device_plan = self._plan_devices()
+        for k, service in enumerate(self.services.values()):
+            gpus = None
+            if self.device_plan is not None:  # each policy's replicas take the next blocks of the plan
+                per = cfg.inference.replicas
+                gpus = list(self.device_plan.replicas[k * per : (k + 1) * per])
+            service.start_servers(inference, gpus=gpus)
         self._started = True
         if cfg.rollout.use_ray or self.start_learners:
             self._ensure_ray()
@@ -171,6 +178,29 @@ class Runtime:
     def managed(self) -> dict[str, PolicyService]:
         """The services whose server this run started (not attached): ours to pause, stop and restart."""
         return {name: s for name, s in self.services.items() if s.managed}
+
+    def _plan_devices(self) -> DevicePlan | None:
+        """Which GPUs each managed replica and learner rank gets (``runs/device_plan.py``), on a GPU machine;
+        None on a CPU (replicas bind their cores by index, ``server_from_settings``) or for attached servers.
+        ``DevicePlanError`` says in one line what the config asks that the machine cannot hold."""
+        cfg = self.config
+        if cfg.inference.url or cfg.inference.urls or self._device() != "cuda":
+            return None
+        from pettingflow.inference.server import gpu_ids
+
+        plan = plan_devices(
+            "cuda",
+            gpu_ids(),
+            replicas=cfg.inference.replicas * len(self.services),
+            ranks=cfg.training.num_processes * len(self.services),
+            learning=cfg.resources.learning_devices,
+            inference=cfg.resources.inference_devices,
+            between_updates=self.between_updates.mode,
+            async_rollouts=cfg.rollout.async_rollouts,
+            both_fit=cfg.resources.both_fit,
+        )
+        log.info("device plan: replicas on GPUs %s, learner ranks on %s", plan.replicas, plan.ranks)
+        return plan
 
     def _choose_between_updates(self) -> BetweenUpdates:
         """``inference.between_updates`` in force for this run (``auto``: from the servers, device and rollout
@@ -218,7 +248,9 @@ class Runtime:
             # logical CPUs: enough for every learner rank besides the sandbox actors (Ray only books them)
             ranks = self.config.training.num_processes * len(self.services)
             cpus = cfg.ray_num_cpus or max(os.cpu_count() or 1, ranks + 1)
-            init_ray(num_cpus=cpus, include_dashboard=False, log_to_driver=False)
+            learning = self.device_plan.ranks if self.device_plan is not None else None
+            with _visible_gpus(learning):  # a local Ray books the learning GPUs only, for the ranks' bundles
+                init_ray(num_cpus=cpus, include_dashboard=False, log_to_driver=False)
             # Ray's per-node agents outlive a SIGKILLed driver: a watcher kills this local Ray's processes with us
             deathsig.kill_with_this_process(deathsig.local_ray_processes())
         self._owns_ray = True
@@ -364,6 +396,23 @@ class Runtime:
         """Make the policy's server serve ``weights`` (``PolicyService.serve``, the single way weights reach a
         server)."""
         return self.services[weights.policy].serve(weights)
+
+
+@contextlib.contextmanager
+def _visible_gpus(gpus: tuple[int, ...] | None) -> Iterator[None]:
+    """``CUDA_VISIBLE_DEVICES`` set to ``gpus`` while the block runs (None: unchanged)."""
+    if gpus is None:
+        yield
+        return
+    before = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, dict.fromkeys(gpus)))
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = before
 
 
 def _wait_stopped(procs: list[psutil.Process], timeout_s: float = 5.0) -> None:
