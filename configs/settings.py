@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from pettingflow.network import is_loopback
+from pettingflow.configs.addresses import is_loopback
 
 
 def micro_steps_per_rank(rows_per_step: int, micro_batch_size: int, world_size: int) -> int:

@@ -9,37 +9,24 @@ that already holds its conversation in its prefix cache. So:
   client's own retries) marks that replica down; the request, and the episode with it, move to the live replica
   with the fewest requests in flight. With no replica left the error is raised.
 
-The engine names the episode with ``episode_scope`` (a context variable, so each episode's asyncio task carries
-its own and ``CompletionClient``'s methods keep their signature); a request outside any scope just goes to the
-least busy replica. Pure scheduling over clients: which servers exist, and restarting one that died, is the
-runtime's business (``runs/policy_service.py``).
+The engine names the episode with ``pettingflow.episode_context.episode_scope`` (a context variable, so each
+episode's asyncio task carries its own and ``CompletionClient``'s methods keep their signature); a request outside
+any scope just goes to the least busy replica. Pure scheduling over clients: which servers exist, and restarting
+one that died, is the runtime's business (``runs/policy_service.py``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Iterator, Sequence
-from contextvars import ContextVar
+from collections.abc import Sequence
 from typing import Any
 
+from pettingflow.episode_context import current_episode
 from pettingflow.inference.client import InferenceError
 
 log = logging.getLogger(__name__)
 
 GONE_STATUS = (502, 503, 504)  # a proxy or server that cannot serve at all, as opposed to a bad request
-
-current_episode: ContextVar[str | None] = ContextVar("pettingflow_episode", default=None)
-
-
-@contextlib.contextmanager
-def episode_scope(key: str) -> Iterator[None]:
-    """Requests made inside (in this task and the tasks it starts) belong to episode ``key``."""
-    token = current_episode.set(key)
-    try:
-        yield
-    finally:
-        current_episode.reset(token)
 
 
 class NoReplicaError(InferenceError):

@@ -38,7 +38,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from pettingflow.inference.replicas import episode_scope
+from pettingflow.episode_context import episode_scope
 from pettingflow.rollout.chat import env_tokens_between
 from pettingflow.rollout.records import EpisodeRecord, TurnRecord, agent_scores
 

@@ -23,12 +23,12 @@ from typing import Any
 
 import psutil
 
+from pettingflow.configs.addresses import is_loopback
 from pettingflow.configs.settings import ExperimentConfig, Specialization
 from pettingflow.inference import auth
 from pettingflow.inference.models import resolve_model
 from pettingflow.inference.server import server_from_settings
 from pettingflow.inference.weight_sync import base_model_name, fingerprint, load_lora_adapter, sync_full_weights
-from pettingflow.network import is_loopback
 from pettingflow.runs.endpoint import PolicyEndpoint
 from pettingflow.runs.weights import PolicyWeights
 

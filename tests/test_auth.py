@@ -1,4 +1,4 @@
-"""Keys of servers beyond loopback (``inference/auth.py``, ``pettingflow/network.py``) and the config's refusal of
+"""Keys of servers beyond loopback (``inference/auth.py``, ``configs/addresses.py``) and the config's refusal of
 dev mode there."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from pettingflow.configs import ConfigError, load_config
+from pettingflow.configs.addresses import is_loopback
 from pettingflow.inference import auth
 from pettingflow.inference.client import InferenceClient
-from pettingflow.network import is_loopback
 
 
 def test_loopback_addresses() -> None:

@@ -7,8 +7,9 @@ import asyncio
 
 import pytest
 
+from pettingflow.episode_context import episode_scope
 from pettingflow.inference.client import InferenceError
-from pettingflow.inference.replicas import NoReplicaError, ReplicaSet, episode_scope
+from pettingflow.inference.replicas import NoReplicaError, ReplicaSet
 
 
 class FakeReplica:
