@@ -46,6 +46,7 @@ class Completion:
     logprobs: list[float]
     finish_reason: str
     text: str
+    server: str = ""  # the server root that generated it (which replica: rows record it)
 
 
 class InferenceError(RuntimeError):
@@ -333,6 +334,7 @@ def _parse_completions(data: Any, *, n: int, url: str) -> list[Completion]:
                 logprobs=[float(x) for x in token_logprobs],
                 finish_reason=str(ch.get("finish_reason") or "unknown"),
                 text=str(ch.get("text") or ""),
+                server=normalize_base_url(url.removesuffix("/v1/completions")),
             )
         )
     return out

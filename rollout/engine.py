@@ -328,6 +328,7 @@ class ExecutionEngine:
                         branch_idx=k,
                         continued=k == chosen,
                         sampling_seed=None if seed is None else int(seed) + k,
+                        server=getattr(completion, "server", ""),
                     )
                 )
             record.turns.extend(turn_records)

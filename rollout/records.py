@@ -56,6 +56,8 @@ class TurnRecord:
     continued: bool = True
     # the sampling seed of this call (tree: the request's seed + branch_idx, as vLLM seeds choice k)
     sampling_seed: int | None = None
+    # the inference server (replica) that generated it; "" when the client does not say
+    server: str = ""
 
 
 @dataclass
@@ -133,6 +135,7 @@ def per_turn_rows(episodes: list[EpisodeRecord], run_id: str, iteration: int, gr
                 response_text=turn.response_text,
                 branch_idx=turn.branch_idx,
                 continued=turn.continued,
+                inference_server=turn.server or None,
                 info_json=json.dumps(
                     {
                         "finish_reason": turn.finish_reason,
@@ -191,9 +194,11 @@ def per_episode_rows(
                 response_text="\n<<turn>>\n".join(texts),
                 branch_idx=0,
                 continued=True,
+                inference_server=last.server or None,  # a failover mid-episode: the servers are in info_json
                 info_json=json.dumps(
                     {
                         "turns": [t.turn_idx for t in turns],
+                        **({"servers": [t.server for t in turns]} if len({t.server for t in turns}) > 1 else {}),
                         "finish_reasons": [t.finish_reason for t in turns],
                         "seed": ep.seed,
                         **ep.info,

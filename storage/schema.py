@@ -6,7 +6,8 @@ the new column a value for older files in ``ADDED_COLUMNS``: ``upgrade_table`` f
 file is read, so every stored run stays readable.
 
 Versions: 1 (the first), 2 (``policy_version``: which weights generated the row, for async rollouts), 3
-(``branch_idx`` and ``continued``: tree rollouts, ``rollout.mode: tree``).
+(``branch_idx`` and ``continued``: tree rollouts, ``rollout.mode: tree``), 4 (``inference_server``: which
+replica generated the row).
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-SCHEMA_VERSION = "3"
-READABLE_VERSIONS = ("1", "2", "3")
+SCHEMA_VERSION = "4"
+READABLE_VERSIONS = ("1", "2", "3", "4")
 META_SCHEMA_VERSION = b"pettingflow.schema_version"
 META_KIND = b"pettingflow.kind"
 
@@ -62,6 +63,8 @@ TRAJECTORY_FIELDS: list[pa.Field] = [
     # whether the episode continued from it. Independent rollouts: 0 and True (every row is on its episode's path).
     pa.field("branch_idx", pa.int32(), nullable=False),
     pa.field("continued", pa.bool_(), nullable=False),
+    # which inference server (replica) generated the row; null where unknown (older files, hand-made rows)
+    pa.field("inference_server", pa.string(), nullable=True),
 ]
 
 # what each column holds, for readers of the files (docs/reference/trajectories.md is generated from this)
@@ -98,6 +101,8 @@ COLUMN_DOCS: dict[str, str] = {
     "iteration k (async rollouts train on older rows).",
     "branch_idx": "Tree rollouts: which of the K candidates of its (task, turn, agent) the row is; 0 otherwise.",
     "continued": "Tree rollouts: whether the episode went on from this candidate; true otherwise.",
+    "inference_server": "The inference server (replica) root URL that generated the row (per_episode: its last "
+    "turn's; the others are in info_json when they differ); null where unknown.",
 }
 
 # column -> (schema version that added it, value in files written before): see upgrade_table
@@ -107,6 +112,8 @@ ADDED_COLUMNS: dict[str, tuple[str, Any]] = {
     # files before version 3 hold independent rollouts only: one row per call, each on its episode's path
     "branch_idx": ("3", 0),
     "continued": ("3", True),
+    # files before version 4 do not say which server generated a row
+    "inference_server": ("4", None),
 }
 
 TRAJECTORY_SCHEMA = pa.schema(

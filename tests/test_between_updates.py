@@ -409,6 +409,8 @@ def test_two_replicas_survive_a_kill_mid_rollout_and_serve_the_new_weights(
     assert sorted(set(zip(rows.column("env_idx").to_pylist(), rows.column("sample_idx").to_pylist(), strict=True))) == [
         (e, s) for e in range(4) for s in range(2)
     ]  # every episode of the step, none lost with the replica
+    servers = set(rows.column("inference_server").to_pylist())
+    assert len(servers) == 2 and all(s.startswith("http://127.0.0.1:") for s in servers)  # rows say which replica
     synced = layout.step(0, "sync").read_json("sync.json")["shared"]["synced"]
     model = str((layout.step(0, "update-shared").local_path / "model").resolve())
     assert [(s["replica"], s["via"], str(Path(s["path"]).resolve())) for s in synced] == [

@@ -92,6 +92,29 @@ def test_a_dead_replica_moves_its_requests_and_episodes_to_the_others() -> None:
         run(replicas.complete_one([5], model="m"))
 
 
+def test_completions_and_rows_say_which_server_generated_them() -> None:
+    from pettingflow.inference.client import _parse_completions
+    from pettingflow.rollout.records import EpisodeRecord, TurnRecord, per_turn_rows
+
+    data = {
+        "choices": [
+            {
+                "index": 0,
+                "text": "x",
+                "finish_reason": "stop",
+                "token_ids": [5],
+                "logprobs": {"token_logprobs": [-0.5], "tokens": ["x"]},
+            }
+        ]
+    }
+    (completion,) = _parse_completions(data, n=1, url="http://10.0.0.7:8000/v1/completions")
+    assert completion.server == "http://10.0.0.7:8000"
+    turn = TurnRecord(0, 0, "a", "p", None, [1], [5], [-0.5], "q", "x", "stop", server=completion.server)
+    episode = EpisodeRecord(env_name="e", env_idx=0, group_id="g0", sample_idx=0, rollout_idx=0, seed=1, turns=[turn])
+    (row,) = per_turn_rows([episode], "run", 0, group_size=1)
+    assert row["inference_server"] == "http://10.0.0.7:8000"
+
+
 def test_a_bad_request_is_raised_not_taken_for_a_dead_replica() -> None:
     a, b = FakeReplica("a"), FakeReplica("b")
     replicas = ReplicaSet([a, b])

@@ -277,7 +277,7 @@ def _write_foreign_version(step, table: pa.Table, version: str) -> None:
 def test_version_1_files_are_read_with_policy_version_filled_in(layout: RunLayout) -> None:
     """Files written before ``policy_version`` existed stay readable: it is their iteration (sync rollouts)."""
     new = trajectories_to_table(trajectory_rows(3, iteration=4))
-    old = new.drop_columns(["policy_version", "branch_idx", "continued"]).append_column(
+    old = new.drop_columns(["policy_version", "branch_idx", "continued", "inference_server"]).append_column(
         "advantage", pa.array([0.5, -1.0, 0.0], pa.float32())
     )
     step = layout.step(4, "advantages")
@@ -285,8 +285,9 @@ def test_version_1_files_are_read_with_policy_version_filled_in(layout: RunLayou
     table = read_step_trajectories(step)
     assert table.column("policy_version").to_pylist() == [4, 4, 4]
     # where a current batch has them: the trajectory columns in schema order, then the advantage
-    assert table.column_names[-4:] == ["policy_version", "branch_idx", "continued", "advantage"]
+    assert table.column_names[-5:] == ["policy_version", "branch_idx", "continued", "inference_server", "advantage"]
     assert table.column("branch_idx").to_pylist() == [0, 0, 0] and table.column("continued").to_pylist() == [True] * 3
+    assert table.column("inference_server").to_pylist() == [None] * 3  # older files do not say
     assert read_step_trajectories(step, columns=["uid", "policy_version"]).num_columns == 2
     # rows read from an old file are written back in the current schema
     rewritten = write_trajectories(layout.step(4, "copy"), table.drop_columns(["advantage"]))
@@ -297,7 +298,7 @@ def test_version_2_files_are_read_as_independent_rollouts(layout: RunLayout) -> 
     """Files written before tree rollouts: every row is branch 0 of its call and on its episode's path."""
     new = trajectories_to_table(trajectory_rows(4, iteration=1, policy_version=1))
     step = layout.step(1, "rollouts")
-    _write_foreign_version(step, new.drop_columns(["branch_idx", "continued"]), "2")
+    _write_foreign_version(step, new.drop_columns(["branch_idx", "continued", "inference_server"]), "2")
     table = read_step_trajectories(step)
     assert table.column("branch_idx").to_pylist() == [0] * 4
     assert table.column("continued").to_pylist() == [True] * 4
