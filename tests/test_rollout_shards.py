@@ -134,13 +134,17 @@ def test_stale_rollouts_are_set_aside_whole(
 
 
 class _RecordingRuntime:
-    """What ``rollouts_step`` uses of a ``Runtime``: which weights it was asked to serve, and when."""
+    """What ``rollouts_step`` uses of a ``Runtime`` (``RunServices``): which weights it was asked to serve, and
+    when."""
+
+    policies = ["shared"]
 
     def __init__(self, events: list[str]) -> None:
-        self.servers = {"shared": None}
-        self.served_versions = {"shared": 1}
         self.env_cache = None
         self.events = events
+
+    def served_versions(self) -> dict[str, int]:
+        return {"shared": 1}
 
     def serve_start_of(self, layout: RunLayout, iteration: int) -> dict:
         self.events.append(f"serve the start of iteration {iteration}")
