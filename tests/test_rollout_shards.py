@@ -137,9 +137,8 @@ class _RecordingRuntime:
     """What ``rollouts_step`` uses of a ``Runtime`` (``RunServices``): which weights it was asked to serve, and
     when."""
 
-    policies = ["shared"]
-
     def __init__(self, events: list[str]) -> None:
+        self.policies = ["shared"]
         self.env_cache = None
         self.events = events
 
