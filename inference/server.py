@@ -69,28 +69,27 @@ def server_dtype(dtype: str, device: str = "auto") -> str:
     return "bfloat16" if device == "cuda" or cpu_has_fast_bf16() else "float32"
 
 
-def detect_device() -> Literal["cpu", "cuda"]:
-    """``cuda`` when ``nvidia-smi -L`` lists a GPU, else ``cpu``."""
+def _nvidia_smi_list() -> str:
+    """What ``nvidia-smi -L`` prints when it runs and succeeds, else ``""`` (no driver, no GPU)."""
     exe = shutil.which("nvidia-smi")
     if exe is None:
-        return "cpu"
+        return ""
     try:
         out = subprocess.run([exe, "-L"], capture_output=True, text=True, timeout=20, check=False)
     except (OSError, subprocess.SubprocessError):
-        return "cpu"
-    return "cuda" if out.returncode == 0 and "GPU" in out.stdout else "cpu"
+        return ""
+    return out.stdout if out.returncode == 0 else ""
+
+
+def detect_device() -> Literal["cpu", "cuda"]:
+    """``cuda`` when ``nvidia-smi -L`` lists a GPU, else ``cpu``."""
+    return "cuda" if "GPU" in _nvidia_smi_list() else "cpu"
 
 
 def gpu_ids() -> list[int]:
     """The ids ``nvidia-smi -L`` lists (``GPU 3: ...``), in order; empty without a GPU."""
-    exe = shutil.which("nvidia-smi")
-    if exe is None:
-        return []
-    try:
-        out = subprocess.run([exe, "-L"], capture_output=True, text=True, timeout=20, check=False)
-    except (OSError, subprocess.SubprocessError):
-        return []
-    return [int(line.split()[1].rstrip(":")) for line in out.stdout.splitlines() if line.startswith("GPU ")]
+    listed = _nvidia_smi_list().splitlines()
+    return [int(line.split()[1].rstrip(":")) for line in listed if line.startswith("GPU ")]
 
 
 def check_health(url: str, timeout_s: float = 5.0) -> bool:
