@@ -83,6 +83,12 @@ class ReplicaSet:
         """A restarted replica takes new episodes again."""
         self.down.pop(replica, None)
 
+    def revive(self) -> None:
+        """Every replica takes new episodes again: a set kept for a later rollout call (a rollout worker keeps its
+        clients) finds the replicas the runtime restarted in between (``PolicyService.heal``) up."""
+        for replica in list(self.down):
+            self.mark_up(replica)
+
     async def _call(self, method: str, prompt_ids: Sequence[int], **kwargs: Any) -> Any:
         episode = current_episode.get()
         while True:
@@ -107,7 +113,7 @@ class ReplicaSet:
         return await self._call("complete_one", prompt_ids, model=model, **sampling)
 
     def stats(self) -> dict[str, Any]:
-        """Requests answered per replica and the replicas down, for the rollout step's metrics."""
+        """Requests answered per replica and the replicas down (not yet reported in the rollout step's metrics)."""
         return {
             "requests": dict(zip(self.names, self.requests, strict=True)),
             "down": {self.names[i]: why for i, why in self.down.items()},

@@ -128,6 +128,8 @@ async def run_episodes(
         key = "replicas:" + ",".join(urls)
         if key not in clients:
             clients[key] = ReplicaSet([clients[u] for u in urls], names=list(urls))
+        else:  # a set kept from an earlier call: the replicas it saw die were restarted since (heal)
+            clients[key].revive()
         return clients[key]
 
     bindings = _bindings(config, endpoints, client_for)

@@ -86,6 +86,9 @@ def test_a_dead_replica_moves_its_requests_and_episodes_to_the_others() -> None:
     assert a.calls == [("m", [1]), ("m", [2])] and b.calls[:2] == [("m", [2]), ("m", [3])]
     replicas.mark_up(0)
     assert replicas.replica_for("e3") == 0  # a restarted replica takes new episodes again
+    replicas.mark_down(0, "gone again")
+    replicas.revive()  # a later rollout call reusing the set: every replica up
+    assert not replicas.down and replicas.replica_for("e4") == 0
 
     b.fail = c.fail = a.fail = InferenceError("timed out", url="x", status_code=504)
     with pytest.raises(NoReplicaError, match="every replica is down"):
