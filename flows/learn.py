@@ -37,7 +37,7 @@ from pettingflow.flows.evaluate import evaluate
 from pettingflow.flows.train import train
 from pettingflow.inference.models import resolve_model
 from pettingflow.runs.retention import plan_prune, prune
-from pettingflow.runs.runtime import serve_base_weights, shared_server
+from pettingflow.runs.runtime import shared_service
 from pettingflow.storage import RunLayout
 
 DEFAULT_CONFIGS = ("code-env-learn-solo", "code-env-learn")
@@ -99,7 +99,8 @@ def learn(
     configs_by_name, first = dict(zip(names, loaded, strict=True)), loaded[0]
     stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
     out_uri = f"{first.run.storage_root.rstrip('/')}/learning/{stamp}"
-    server = shared_server(model, first.inference, first.specialization.value == "lora", url, f"learn-{stamp}")
+    shared = shared_service(model, first, url, f"learn-{stamp}")
+    server = shared.server
     arms: list[ArmResult] = []
     if not url:
         logger.info("starting one vLLM server for %s (1-2 minutes on CPU; log %s)", model, server.log_path)
@@ -110,7 +111,7 @@ def learn(
             started = time.perf_counter()
             run_overrides = [*attach, f"run.seed={seed}"] if seed is not None else attach
             label = name if seed is None else f"{name} (seed {seed})"
-            serve_base_weights(server, model)  # whatever an earlier config left on the server
+            shared.serve_base()  # whatever an earlier config left on the server
             logger.info("%s: evaluating the base model on the held-out split", label)
             before = {view: evaluate(name, [*run_overrides, *extra]) for view, extra in EVAL_VIEWS.items()}
             logger.info("%s: held-out before training: %s", label, _scores(before))

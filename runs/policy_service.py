@@ -141,15 +141,16 @@ class PolicyService:
             api_key=self.api_key,
         )
 
-    def serve(self, weights: PolicyWeights) -> dict[str, Any]:
+    def serve(self, weights: PolicyWeights, *, full: bool = False) -> dict[str, Any]:
         """Make every replica serve ``weights``; a no-op when they already do.
 
         The single way weights reach the servers (full reload, broadcast from the learner, LoRA adapters by name,
         or a restart from the new folder), so ``served_version`` always says what they hold. With several
-        replicas each is synced in turn and their greedy probes must agree (``check_replicas_agree``)."""
+        replicas each is synced in turn and their greedy probes must agree (``check_replicas_agree``).
+        ``full``: reload ``weights.model_dir`` as full weights even under LoRA (``serve_base``)."""
         self.heal()
         done: dict[str, Any] = {"policy": self.name, "source": weights.source, "synced": []}
-        lora = self.config.specialization is Specialization.lora
+        lora = self.config.specialization is Specialization.lora and not full
         probes: dict[int, Any] = {}
         if self.stopped:  # restart: a fresh server loads the new full weights itself, no reload after
             for r, started in enumerate(self._start_again(None if lora else weights.model_dir)):
@@ -186,6 +187,17 @@ class PolicyService:
         check_replicas_agree(self.name, [probes[r] for r in order], [self.servers[r].url for r in order])
         self.served_version = weights.version
         return done
+
+    def serve_base(self) -> dict[str, Any]:
+        """Serve the base model's full weights again, whatever the replicas hold now.
+
+        For a server that other runs attach to and sync behind this service's back (the ``learn`` flow's shared
+        one, ``runs.runtime.shared_service``): what it last served is unknown here, so the reload is forced, and
+        done as full weights also under LoRA, since a run of another specialization may have replaced them."""
+        self.served_model = ""
+        self.served_adapters = {}
+        base = PolicyWeights(policy=self.name, base_dir=self.base_dir, model_dir=self.base_dir)
+        return self.serve(base, full=True)
 
     def _at(self, replica: int) -> dict[str, Any]:
         """Which replica an entry of ``serve``'s report is about (nothing when there is one)."""

@@ -35,11 +35,10 @@ from typing import Any, Protocol
 import psutil
 
 from pettingflow import deathsig
-from pettingflow.configs.settings import ExperimentConfig
+from pettingflow.configs.settings import ExperimentConfig, Specialization
 from pettingflow.envs import EnvCache
 from pettingflow.envs.registry import EnvFactory, EnvSpec
 from pettingflow.inference.server import server_from_settings
-from pettingflow.inference.weight_sync import sync_full_weights
 from pettingflow.ray_cluster import init_ray
 from pettingflow.runs.between_updates import (
     BetweenUpdates,
@@ -430,23 +429,30 @@ def active_runtime(run_id: str) -> Runtime | None:
         return _ACTIVE.get(run_id)
 
 
-def shared_server(model: Path, inference: Any, lora: bool, url: str | None, tag: str) -> Any:
-    """One (not yet started) inference server shared by several runs (the ``learn`` flow's).
+#: The name of the ``learn`` flow's shared server's service (its pid and log files say it).
+SHARED_SERVICE = "shared-server"
+
+
+def shared_service(model: Path, config: ExperimentConfig, url: str | None, tag: str) -> PolicyService:
+    """One inference server shared by several runs (the ``learn`` flow's), as a ``PolicyService`` whose server is
+    not yet started (``with service.server:`` starts and stops it).
 
     Attached to ``url`` when given; else a dev-mode vLLM (weights reloadable in place), started with the same
     settings a run's own ``Runtime`` uses (``server_from_settings``: dtype, threads, allocator). Only ``url``
-    decides: an ``inference.url`` in the config does not make the shared server an attached one."""
-    settings = inference.model_copy(update={"url": url})
-    return server_from_settings(
+    decides: an ``inference.url`` in the config does not make the shared server an attached one. The runs it
+    serves attach to its URL with services of their own; between them ``PolicyService.serve_base`` puts the base
+    weights back, so weights reach this server by the same path as every other."""
+    settings = config.inference.model_copy(update={"url": url})
+    server = server_from_settings(
         settings,
         model,
         served_model_name=model.name,
-        enable_lora=lora,
+        enable_lora=config.specialization is Specialization.lora,
         dev_mode=True,
         log_path=state_dir() / "logs" / f"vllm-{tag}.log",
     )
-
-
-def serve_base_weights(server: Any, model: Path) -> None:
-    """Put the base model's weights back on a started ``shared_server`` (whatever an earlier run left there)."""
-    sync_full_weights(server, model, model=str(server.served_model_name))
+    service = PolicyService(SHARED_SERVICE, config, tag, state_dir())
+    service.servers = [server]
+    service.base_dir = service.served_model = str(model)
+    service.served_name = model.name
+    return service

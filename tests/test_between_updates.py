@@ -251,11 +251,38 @@ def test_the_learn_flows_shared_server_attaches_only_to_the_url_it_is_given(tmp_
     from pettingflow.inference.server import ExternalServer, VLLMServer
 
     (tmp_path / "config.json").write_text("{}")
-    inference = load_config("code-env", ["inference.url=http://127.0.0.1:9"]).inference
-    own = runtime.shared_server(tmp_path, inference, False, None, "t")
+    config = load_config("code-env", ["inference.url=http://127.0.0.1:9"])
+    own = runtime.shared_service(tmp_path, config, None, "t").server
     assert isinstance(own, VLLMServer) and own.dev_mode and own.log_path.name == "vllm-t.log"
-    attached = runtime.shared_server(tmp_path, inference, False, "http://127.0.0.1:8", "t")
+    attached = runtime.shared_service(tmp_path, config, "http://127.0.0.1:8", "t").server
     assert isinstance(attached, ExternalServer) and attached.url == "http://127.0.0.1:8"
+
+
+@pytest.mark.parametrize("specialization", ["prompt", "lora"])
+def test_the_shared_server_gets_the_base_weights_back_through_its_policy_service(
+    tmp_path, monkeypatch, specialization: str
+) -> None:
+    """Between the ``learn`` flow's configs, the runs attached to its server have synced their own weights behind
+    its service's back: ``serve_base`` reloads the base model as full weights every time (also under LoRA: a
+    full-weights run may have used the server), by ``PolicyService.serve``, the one path weights take."""
+    from pettingflow.inference.server import ExternalServer
+
+    (tmp_path / "config.json").write_text("{}")
+    config = load_config("code-env", [f"specialization={specialization}"])
+    service = runtime.shared_service(tmp_path, config, "http://127.0.0.1:8", "t")
+    monkeypatch.setattr(ExternalServer, "health", lambda self: True)
+    reloads: list[tuple[str, Path, str]] = []
+
+    def fake_sync(server, model_dir, model):  # what a run attached to the server would change is not seen here
+        reloads.append((server.url, Path(model_dir), model))
+        return SimpleNamespace(digest="probe", token_ids=(1,), max_logprob_diff=lambda other: 0.0)
+
+    monkeypatch.setattr(service_module, "sync_full_weights", fake_sync)
+    for _ in range(2):  # same weights twice: still reloaded, since the service cannot know what the runs left
+        report = service.serve_base()
+        assert report["synced"][0]["via"] == "disk" and report["synced"][0]["path"] == str(tmp_path)
+    assert reloads == [("http://127.0.0.1:8", tmp_path, tmp_path.name)] * 2
+    assert service.served_version == 0 and service.served_model == str(tmp_path)
 
 
 @pytest.mark.parametrize("mode", ["pause", "sleep", "restart"])
