@@ -18,7 +18,8 @@ Device command (repo root; the ignored folder ``.whl/`` must travel with the tre
 ``.whl/`` (wheels of what the device lacks, for CPython 3.12 / manylinux x86-64; versions of requirements/cpu.lock):
 deepspeed-0.19.8-py3-none-any (built from the sdist without ops: pure Python, no op is JIT-compiled by these
 runs), pydantic-2.14.3, pydantic_core-2.50.4 (cp312 manylinux2014), annotated_types-0.8.0,
-typing_inspection-0.4.5, typing_extensions-4.16.0 (pydantic needs >= 4.16), hjson-3.1.0; about 5 MiB. The import
+typing_inspection-0.4.5, typing_extensions-4.16.0 (pydantic needs >= 4.16), hjson-3.1.0, tenacity-9.2.1 (stage
+``device_plan`` imports ``inference.server``); about 5 MiB. The import
 closure of the update path is the device's packages (torch, transformers, peft, accelerate, pyarrow, fsspec,
 numpy, pyyaml, psutil, safetensors, msgpack, einops, ninja, py-cpuinfo, tqdm, packaging) plus these: checked on
 a bare Python 3.12 venv holding only those packages (torch 2.11.0, transformers 5.17.0) with this exact command,
@@ -60,6 +61,15 @@ Stages (``--device cuda``; expected 3-4 minutes on an H100; ``--budget-s`` 420 s
    jsonschema, jsonschema-specifications, referencing, rpds-py; run it as
    ``--stages env zero3_ckpt_vs_zero0 resident_learner`` (stage 3 is its reference).
 
+7. ``levers``: the update paths added after the first GPU run, 8 small fp32 runs at once on the GPU, each against
+   the plain path (ZeRO-0, the model's own logits, ``head_at_loss_positions: false``): the LM head at the loss
+   positions only (the default), chunked (``head_chunk_tokens: 16``), under ZeRO-2; zero-advantage rows skipped
+   vs trained (4 of 8 rows at 0); pass rel < 1e-3. bf16 with fp32 master weights and ``master_weights: bf16``:
+   the distance is reported, not judged (bf16 rounding).
+8. ``device_plan``: ``nvidia-smi -L`` as ``inference.server.gpu_ids`` reads it, ``runs.device_plan``'s plan for one
+   replica and one rank on the machine's GPUs (shared, ``between_updates: auto``), the refusals for what one GPU
+   cannot hold, and a child started with the replica's ``CUDA_VISIBLE_DEVICES`` sees that one GPU.
+
 ``--device cpu``: the same stages on tiny models where CUDA is not needed (this is how the script is tested on
 the CPU machine): stage 2 compares 1 CPU thread with 2 threads (no GPU), stage 4 runs gloo and run_update on the CPU, stage
 5 uses a tiny "big" model; memory figures are the ranks' peak RSS instead of CUDA allocations.
@@ -89,10 +99,21 @@ import common
 import memory
 
 HERE = Path(__file__).resolve()
-STAGES = ("env", "cpu_vs_gpu_fp32", "zero3_ckpt_vs_zero0", "two_ranks_one_gpu", "bf16_lora", "resident_learner")
+STAGES = (
+    "env",
+    "cpu_vs_gpu_fp32",
+    "zero3_ckpt_vs_zero0",
+    "two_ranks_one_gpu",
+    "bf16_lora",
+    "resident_learner",
+    "levers",
+    "device_plan",
+)
 STAGE_TIMEOUT_S = {"env": 90, "cpu_vs_gpu_fp32": 180, "zero3_ckpt_vs_zero0": 180, "two_ranks_one_gpu": 200}
 STAGE_TIMEOUT_S["bf16_lora"] = 300
 STAGE_TIMEOUT_S["resident_learner"] = 240
+STAGE_TIMEOUT_S["levers"] = 200
+STAGE_TIMEOUT_S["device_plan"] = 90
 PASS_REL = 1e-3
 AGENTS = ["code_generator", "test_generator"]
 # Llama shapes (tied embeddings like SmolLM2); seq = tokens per row, prompt = its prompt part
@@ -236,9 +257,12 @@ def ensure_model(work: Path, mode: str, size: str, dtype: str = "fp32", device: 
     return folder
 
 
-def write_batch(path: Path, mode: str, size: str, seed: int, agents: list[str] | None = None) -> Path:
+def write_batch(
+    path: Path, mode: str, size: str, seed: int, agents: list[str] | None = None, zero_rows: int = 0
+) -> Path:
     """``common.write_random_batch`` (8 rows, every response token trained, sampler log-probs -log V), with its
-    +-1 advantages replaced by random non-zero ones and, for LoRA, rows alternating between ``agents``."""
+    +-1 advantages replaced by random non-zero ones (the first ``zero_rows`` rows: 0) and, for LoRA, rows
+    alternating between ``agents``."""
     import random
 
     import pyarrow as pa
@@ -249,7 +273,8 @@ def write_batch(path: Path, mode: str, size: str, seed: int, agents: list[str] |
     common.write_random_batch(path, ROWS, seq, prompt, vocab, seed=seed, sampler_logprob=-math.log(vocab))
     table = pq.read_table(path)
     rng = random.Random(seed)
-    columns = {"advantage": [rng.choice((-1.0, 1.0)) * rng.uniform(0.2, 1.5) for _ in range(ROWS)]}
+    advantages = [rng.choice((-1.0, 1.0)) * rng.uniform(0.2, 1.5) for _ in range(ROWS)]
+    columns = {"advantage": [0.0] * zero_rows + advantages[zero_rows:]}
     if agents:
         columns["agent_name"] = [agents[i % len(agents)] for i in range(ROWS)]
         columns["agent_idx"] = [i % len(agents) for i in range(ROWS)]
@@ -1000,6 +1025,133 @@ def stage_resident_learner(work: Path, mode: str, args: Any) -> dict[str, Any]:
     return out
 
 
+def stage_levers(work: Path, mode: str, args: Any) -> dict[str, Any]:
+    """The update paths added after the first GPU run, on the device, each against the plain path (fp32, ZeRO-0,
+    the model's own logits): the LM head at the loss positions only (the default), in chunks, under ZeRO-2;
+    zero-advantage rows skipped vs trained; bf16 with and without fp32 master weights (reported, not judged:
+    bf16 rounds). All runs at once, each its own process (the small model; the GPU holds them all)."""
+    model = ensure_model(work, mode, "small")
+    batch = write_batch(work / "batch-a.parquet", mode, "small", seed=1)
+    zeros = write_batch(work / "batch-zeros.parquet", mode, "small", seed=3, zero_rows=4)
+    own = {"head_at_loss_positions": False}
+    runs = {  # name -> (batch, training settings, reference run or None)
+        "own_logits": (batch, own, None),
+        "loss_positions": (batch, {}, "own_logits"),
+        "loss_positions_chunked": (batch, {"head_chunk_tokens": 16}, "own_logits"),
+        "loss_positions_zero2": (batch, {"zero_stage": 2}, "own_logits"),
+        "zeros_trained": (zeros, {}, None),
+        "zeros_skipped": (zeros, {"skip_zero_advantage_rows": True}, "zeros_trained"),
+        "bf16_fp32_master": (batch, {"dtype": "bf16"}, "own_logits"),
+        "bf16_weights": (batch, {"dtype": "bf16", "master_weights": "bf16"}, "own_logits"),
+    }
+    threads = 2 if mode == "cuda" else 1
+    procs = {
+        name: start_job(work, f"lv-{name}", fp32_specs(work, mode, f"lv-{name}", b, model, **t), threads=threads)
+        for name, (b, t, _) in runs.items()
+    }
+    results = {name: finish_job(proc) for name, proc in procs.items()}
+    out: dict[str, Any] = {"runs": {}}
+    judged, failed = [], []
+    for name, (_, training, ref) in runs.items():
+        res = results[name]
+        entry: dict[str, Any] = {"training": training, "ok": res["ok"]}
+        if not res["ok"]:
+            entry["key_lines"] = res.get("key_lines")
+            failed.append(name)
+        else:
+            metrics = res["updates"][0]["metrics"]
+            entry.update(
+                loss=metrics["loss"], grad_norm=metrics["grad_norm"], device=res["updates"][0]["engine_device"]
+            )
+            if ref and results[ref]["ok"]:
+                entry["against"] = ref
+                entry["distance"] = distance(
+                    work / "out" / f"lv-{name}" / "model", work / "out" / f"lv-{ref}" / "model", model
+                )
+                if not name.startswith("bf16"):
+                    judged.append((name, entry["distance"]["rel"]))
+        out["runs"][name] = entry
+    bad = [n for n, rel in judged if verdict(rel) != "pass"]
+    out["status"] = "fail" if failed or bad or not judged else "pass"
+    rels = ", ".join(f"{n} {rel:.1e}" for n, rel in judged)
+    bf16 = ", ".join(
+        f"{n} {out['runs'][n]['distance']['rel']:.2f}"
+        for n in ("bf16_fp32_master", "bf16_weights")
+        if "distance" in out["runs"][n]
+    )
+    out["headline"] = f"rel vs reference: {rels} (pass < {PASS_REL:g}); bf16 (not judged): {bf16}" + (
+        f"; FAILED runs: {failed}" if failed else ""
+    )
+    return out
+
+
+def stage_device_plan(work: Path, mode: str, args: Any) -> dict[str, Any]:
+    """The device plan on the machine's real GPUs: ``nvidia-smi -L`` as ``inference.server`` reads it, the plan
+    ``runs.device_plan`` makes for the default one-replica, one-rank run (sharing the GPU, so the servers must
+    free it: ``between_updates`` auto), the refusals for what one GPU cannot hold, and a child started with the
+    replica's ``CUDA_VISIBLE_DEVICES`` as the runtime sets it sees exactly that GPU."""
+    from pettingflow.inference.server import detect_device, gpu_ids
+    from pettingflow.runs.between_updates import choose_between_updates
+    from pettingflow.runs.device_plan import DevicePlanError, plan_devices
+
+    out: dict[str, Any] = {"detect_device": detect_device(), "gpu_ids": gpu_ids()}
+    device, ids = out["detect_device"], out["gpu_ids"]
+    if device != "cuda":
+        out.update(status="pass" if mode == "cpu" else "fail", headline=f"no GPU listed (device {device})")
+        return out
+    mode_chosen = choose_between_updates("auto", managed=True, device="cuda", async_rollouts=False)
+    out["between_updates_auto"] = {"mode": mode_chosen.mode, "reason": mode_chosen.reason}
+    plan = plan_devices("cuda", ids, replicas=1, ranks=1, between_updates=mode_chosen.mode)
+    out["plan_one_replica_one_rank"] = {
+        "replicas": plan.replicas,
+        "ranks": plan.ranks,
+        "tp": plan.tensor_parallel,
+        "shared": plan.shared,
+    }
+    refused = {}
+    for what, kw in {
+        "two_replicas": {"replicas": 2, "ranks": 1, "between_updates": "sleep"},
+        "two_ranks": {"replicas": 1, "ranks": 2, "between_updates": "sleep"},
+        "keep_on_shared_gpu": {"replicas": 1, "ranks": 1, "between_updates": "keep"},
+        "async_on_shared_gpu": {"replicas": 1, "ranks": 1, "between_updates": "keep", "async_rollouts": True},
+    }.items():
+        try:
+            plan_devices("cuda", ids, **kw)
+            refused[what] = None
+        except DevicePlanError as exc:
+            refused[what] = str(exc)
+    out["refused"] = refused
+    gpus = ",".join(map(str, plan.replicas[0]))
+    probe = "import torch; print(torch.cuda.device_count(), torch.cuda.get_device_name(0))"
+    child = subprocess.run(
+        [sys.executable, "-c", probe],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": gpus},
+    )
+    out["replica_child_sees"] = (child.stdout or child.stderr).strip()[-300:]
+    ok = (
+        plan.replicas == ((ids[0],),)
+        and plan.ranks == (ids[0],)
+        and plan.shared
+        and all(
+            refused.get(k)
+            for k in ("two_replicas", "two_ranks", "keep_on_shared_gpu", "async_on_shared_gpu")
+            if len(ids) == 1
+        )
+        and child.returncode == 0
+        and out["replica_child_sees"].startswith("1 ")
+    )
+    out["status"] = "pass" if ok else "fail"
+    out["headline"] = (
+        f"GPUs {ids}; auto between_updates {mode_chosen.mode}; plan replicas {plan.replicas} ranks {plan.ranks} "
+        f"shared {plan.shared}; refusals {sum(bool(v) for v in refused.values())}/{len(refused)}; replica child sees "
+        f"{out['replica_child_sees']!r}"
+    )
+    return out
+
+
 STAGE_FUNCS = {
     "env": stage_env,
     "cpu_vs_gpu_fp32": stage_cpu_vs_gpu,
@@ -1007,6 +1159,8 @@ STAGE_FUNCS = {
     "two_ranks_one_gpu": stage_two_ranks,
     "bf16_lora": stage_bf16_lora,
     "resident_learner": stage_resident_learner,
+    "levers": stage_levers,
+    "device_plan": stage_device_plan,
 }
 
 
