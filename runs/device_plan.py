@@ -89,6 +89,18 @@ def plan_devices(
     return DevicePlan(blocks, rank_devices, per if device == "cuda" else 1, shared)
 
 
+def devices_overlap(
+    available: Sequence[int], learning: Sequence[int] | None = None, inference: Sequence[int] | None = None
+) -> bool:
+    """Whether the learner's devices and the servers' share one (each side: ``available`` when not given), as the
+    plan will have it: what ``between_updates: auto`` must know before the plan is made (a shared GPU needs the
+    servers asleep during updates)."""
+    pool = list(dict.fromkeys(available))
+    learn = list(learning) if learning is not None else pool
+    serve = list(inference) if inference is not None else pool
+    return bool(set(learn) & set(serve))
+
+
 def _within(wanted: Sequence[int] | None, pool: list[int], key: str) -> list[int]:
     if wanted is None:
         return pool

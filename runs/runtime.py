@@ -46,7 +46,7 @@ from pettingflow.runs.between_updates import (
     choose_between_updates,
     choose_server_threads,
 )
-from pettingflow.runs.device_plan import DevicePlan, plan_devices
+from pettingflow.runs.device_plan import DevicePlan, devices_overlap, plan_devices
 from pettingflow.runs.endpoint import PolicyEndpoint
 from pettingflow.runs.policy_service import SLEEP_LEVEL, PolicyService
 from pettingflow.runs.weights import PolicyWeights, weights_before
@@ -205,10 +205,20 @@ class Runtime:
         """``inference.between_updates`` in force for this run (``auto``: from the servers, device and rollout
         mode), logged once with the reason."""
         cfg = self.config
-        managed = not cfg.inference.url  # server_from_settings attaches exactly when a url is given
+        managed = not (cfg.inference.url or cfg.inference.urls)  # attached exactly when URLs are given
         device = self._device() if cfg.inference.between_updates == "auto" and managed else "cpu"
+        shared_gpus = False
+        if device == "cuda" and not cfg.resources.both_fit:
+            from pettingflow.inference.server import gpu_ids
+
+            res = cfg.resources
+            shared_gpus = devices_overlap(gpu_ids(), res.learning_devices, res.inference_devices)
         chosen = choose_between_updates(
-            cfg.inference.between_updates, managed=managed, device=device, async_rollouts=cfg.rollout.async_rollouts
+            cfg.inference.between_updates,
+            managed=managed,
+            device=device,
+            async_rollouts=cfg.rollout.async_rollouts,
+            shared_gpus=shared_gpus,
         )
         log.info("inference servers during updates: %s (%s)", chosen.mode, chosen.reason)
         return chosen

@@ -362,7 +362,8 @@ def test_auto_pauses_a_managed_cpu_server_and_keeps_every_other(monkeypatch) -> 
     assert choose_server_threads(3, "pause", "cpu", 16).threads == 3  # as configured
     assert choose_server_threads(None, "pause", "cuda", 16).threads is None
     choose = choose_between_updates
-    assert choose("auto", managed=True, device="cuda", async_rollouts=False).mode == "keep"
+    assert choose("auto", managed=True, device="cuda", async_rollouts=False).mode == "keep"  # a GPU of its own
+    assert choose("auto", managed=True, device="cuda", async_rollouts=False, shared_gpus=True).mode == "sleep"
     assert choose("auto", managed=True, device="cpu", async_rollouts=True).mode == "keep"
     assert choose("restart", managed=False, device="cuda", async_rollouts=False).mode == "restart"  # as configured
     config = load_config("code-env", ["rollout.async_rollouts=true"])  # auto is allowed beside async rollouts

@@ -82,3 +82,27 @@ def test_the_runtime_gives_each_replica_its_gpus_and_refuses_what_does_not_fit(m
     shared.between_updates = shared._choose_between_updates()
     with pytest.raises(DevicePlanError, match="use sleep or restart"):
         shared._plan_devices()
+
+
+def test_auto_puts_the_servers_to_sleep_where_the_learner_shares_their_gpu(monkeypatch) -> None:
+    """The default config on a (faked) one-GPU machine: ``between_updates: auto`` must free the GPU during updates
+    (``sleep``), or the plan refuses the run. A lent H100 found this: ``auto`` said ``keep`` on any GPU, so the
+    default run stopped with the plan's overlap error (bench/gpu_check.py, stage device_plan)."""
+    from pettingflow.configs import load_config
+    from pettingflow.inference import server as server_module
+    from pettingflow.runs.device_plan import devices_overlap
+    from pettingflow.runs.runtime import Runtime
+
+    monkeypatch.setattr(server_module, "detect_device", lambda: "cuda")
+    monkeypatch.setattr(server_module, "gpu_ids", lambda: [0])
+    runtime = Runtime(load_config("code-env"), "one-gpu")
+    runtime.between_updates = runtime._choose_between_updates()
+    assert runtime.between_updates.mode == "sleep" and "share cuda devices" in runtime.between_updates.reason
+    plan = runtime._plan_devices()
+    assert plan.replicas == ((0,),) and plan.ranks == (0,) and plan.shared
+    fit = Runtime(load_config("code-env", ["resources.both_fit=true"]), "one-gpu-fits")
+    assert fit._choose_between_updates().mode == "keep"  # the config says both fit: nothing to free
+    monkeypatch.setattr(server_module, "gpu_ids", lambda: [0, 1])
+    split = ["resources.learning_devices=[0]", "resources.inference_devices=[1]"]
+    assert Runtime(load_config("code-env", split), "two-gpus")._choose_between_updates().mode == "keep"
+    assert devices_overlap([0, 1]) and devices_overlap([0, 1], [1]) and not devices_overlap([0, 1], [0], [1])
