@@ -81,6 +81,33 @@ def _nvidia_smi_list() -> str:
     return out.stdout if out.returncode == 0 else ""
 
 
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+
+
+def reachable_host(host: str) -> str:
+    """The address clients use for a server listening on ``host``. A wildcard (``0.0.0.0``, ``::``) is where a
+    server listens, not an address to reach it at (a Ray rollout worker on another node would dial itself), so it
+    becomes this machine's outward address: ``PETTINGFLOW_NODE_IP`` when set (several interfaces: say which),
+    else the source address of the route to the outside (a UDP socket's ``connect`` sends nothing), else loopback.
+    """
+    if host not in WILDCARD_HOSTS:
+        return f"[{host}]" if ":" in host and not host.startswith("[") else host
+    if chosen := os.environ.get("PETTINGFLOW_NODE_IP"):
+        return chosen
+    import socket
+
+    family, probe = (socket.AF_INET6, "2001:db8::1") if host == "::" else (socket.AF_INET, "10.255.255.255")
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as sock:
+            sock.connect((probe, 1))
+            address = sock.getsockname()[0]
+    except OSError:
+        address = ""
+    if not address or address.startswith(("0.", "::")) or address == "::":
+        return "127.0.0.1" if family == socket.AF_INET else "[::1]"
+    return f"[{address}]" if family == socket.AF_INET6 else address
+
+
 def detect_device() -> Literal["cpu", "cuda"]:
     """``cuda`` when ``nvidia-smi -L`` lists a GPU, else ``cpu``."""
     return "cuda" if "GPU" in _nvidia_smi_list() else "cpu"
@@ -236,7 +263,7 @@ class VLLMServer:
         """Server root, e.g. ``http://127.0.0.1:8000`` (the OpenAI routes are under ``/v1``)."""
         if self.port is None:
             raise ServerError("the server has no port yet: call start() first")
-        return f"http://{self.host}:{self.port}"
+        return f"http://{reachable_host(self.host)}:{self.port}"
 
     @property
     def pid(self) -> int | None:

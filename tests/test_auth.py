@@ -53,3 +53,18 @@ def test_dev_mode_is_refused_beyond_loopback(overrides: list[str], allowed: bool
         load_config("code-env", overrides)
     (path, why), *_ = info.value.problems
     assert path == "inference.host" and "dev-mode routes" in why and "\n" not in why
+
+
+def test_a_server_listening_on_a_wildcard_is_reached_at_this_machines_address(tmp_path, monkeypatch) -> None:
+    """``inference.host: 0.0.0.0`` is where a replica listens; its URL (what Ray rollout workers on other nodes
+    dial, what the key registry and the rows record) must be an address, never the wildcard itself."""
+    from pettingflow.inference.server import VLLMServer, reachable_host
+
+    (tmp_path / "config.json").write_text("{}")
+    monkeypatch.delenv("PETTINGFLOW_NODE_IP", raising=False)
+    url = VLLMServer(tmp_path, device="cpu", host="0.0.0.0", port=8000).url
+    assert "0.0.0.0" not in url and url.endswith(":8000")
+    monkeypatch.setenv("PETTINGFLOW_NODE_IP", "10.1.2.3")
+    assert VLLMServer(tmp_path, device="cpu", host="0.0.0.0", port=8000).url == "http://10.1.2.3:8000"
+    assert VLLMServer(tmp_path, device="cpu", host="127.0.0.1", port=8000).url == "http://127.0.0.1:8000"
+    assert reachable_host("::1") == "[::1]" and reachable_host("10.0.0.7") == "10.0.0.7"
