@@ -49,7 +49,7 @@ STORAGE = {  # module -> storage functions imported into it
     "pettingflow.steps.batches": ["read_step_trajectories", "write_trajectories"],
     "pettingflow.steps.updates": ["read_step_trajectories"],
 }
-STEP_METHODS = [  # pettingflow.storage.steps.Step: every read, write and commit of step folders
+STEP_METHODS = [  # pettingflow.storage.commits.Step: every read, write and commit of step folders
     "begin",
     "write_bytes",
     "write_file",
@@ -115,7 +115,7 @@ def install(clock: Clock) -> None:
         for n in names:
             if hasattr(mod, n):
                 setattr(mod, n, clock.wrap_storage(getattr(mod, n)))
-    from pettingflow.storage.steps import Step
+    from pettingflow.storage.commits import Step
 
     for n in STEP_METHODS:
         if hasattr(Step, n):

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 from pettingflow.runs.weights import cached_copy_dir
 from pettingflow.storage import RunLayout, Step
+from pettingflow.storage.commits import Manifest
 from pettingflow.storage.layout import OPTIMIZER_STEP_PREFIX, UPDATE_STEP_PREFIX
-from pettingflow.storage.steps import Manifest
 from pettingflow.training.checkpoint import ADAPTERS_SUBDIR, DEEPSPEED_SUBDIR, MODEL_SUBDIR
 
 WEIGHT_PREFIXES = (f"{MODEL_SUBDIR}/", f"{ADAPTERS_SUBDIR}/", f"{DEEPSPEED_SUBDIR}/")

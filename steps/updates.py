@@ -31,9 +31,9 @@ from pettingflow.runs.weights import (
 )
 from pettingflow.steps.batches import batch_file
 from pettingflow.steps.outcome import StepOutcome, already_done
+from pettingflow.storage.commits import FileEntry, Step
 from pettingflow.storage.fs import join, uri_of
 from pettingflow.storage.layout import OPTIMIZER_STEP_PREFIX
-from pettingflow.storage.steps import FileEntry, Step
 from pettingflow.training.launch import METRICS_FILE, rebase_outputs, run_update, spec_from_config
 from pettingflow.training.learner import UPLOADED_KEY
 

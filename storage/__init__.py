@@ -1,14 +1,14 @@
 """Trajectory storage: the Parquet schema, the run layout and committed steps over fsspec."""
 
-from pettingflow.storage.layout import RunLayout, list_runs, new_run_id
-from pettingflow.storage.schema import SCHEMA_VERSION, TRAJECTORY_SCHEMA, SchemaError, trajectories_to_table
-from pettingflow.storage.steps import (
+from pettingflow.storage.commits import (
     CorruptFileError,
     Manifest,
     Step,
     StepAlreadyCommittedError,
     StepNotCommittedError,
 )
+from pettingflow.storage.layout import RunLayout, list_runs, new_run_id
+from pettingflow.storage.schema import SCHEMA_VERSION, TRAJECTORY_SCHEMA, SchemaError, trajectories_to_table
 from pettingflow.storage.trajectories import (
     TrajectoryShards,
     read_step_trajectories,

@@ -14,8 +14,8 @@ from typing import Any
 
 import fsspec
 
+from pettingflow.storage.commits import Step
 from pettingflow.storage.fs import filesystem, join, uri_of, write_bytes_atomic
-from pettingflow.storage.steps import Step
 
 UPDATE_STEP_PREFIX = "update-"  # + policy name: the step holding that policy's checkpoint
 # + policy name: an optimizer snapshot written after that policy's update, off the critical path

@@ -14,8 +14,8 @@ import tempfile
 from pathlib import Path
 
 from pettingflow.paths import home
+from pettingflow.storage.commits import CorruptFileError, FileEntry, Step
 from pettingflow.storage.fs import join, uri_of
-from pettingflow.storage.steps import CorruptFileError, FileEntry, Step
 
 __all__ = ["COMPLETE", "cached_copy_dir", "local_copy"]
 

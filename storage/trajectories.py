@@ -12,10 +12,10 @@ from typing import Any
 import pyarrow as pa
 
 from pettingflow.faults import maybe_crash
+from pettingflow.storage.commits import DEFAULT_ROW_GROUP_SIZE, Manifest, Step
 from pettingflow.storage.fs import join
 from pettingflow.storage.layout import RunLayout
 from pettingflow.storage.schema import TRAJECTORY_SCHEMA, trajectories_to_table, validate_trajectories
-from pettingflow.storage.steps import DEFAULT_ROW_GROUP_SIZE, Manifest, Step
 
 ROLLOUT_STEP = "rollouts"
 

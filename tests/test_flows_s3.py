@@ -20,7 +20,7 @@ from test_flows import STEPS, flow_run_task_states, overrides, prefect_env, scri
 
 from pettingflow.paths import home
 from pettingflow.storage import RunLayout, list_runs, read_step_trajectories
-from pettingflow.storage.steps import MARKER, Step
+from pettingflow.storage.commits import MARKER, Step
 
 pytestmark = pytest.mark.slow
 

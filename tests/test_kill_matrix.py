@@ -36,7 +36,7 @@ import pytest
 
 from pettingflow import faults
 from pettingflow.storage import Step
-from pettingflow.storage.steps import MARKER
+from pettingflow.storage.commits import MARKER
 
 
 # ------------------------------------------------------------------------------------------ the hook (fast)

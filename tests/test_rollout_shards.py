@@ -17,7 +17,7 @@ from pettingflow.runs.context import IterationContext
 from pettingflow.runs.endpoint import PolicyEndpoint
 from pettingflow.steps.rollouts import collect_step
 from pettingflow.storage import RunLayout, Step, TrajectoryShards, read_step_trajectories
-from pettingflow.storage.steps import MARKER
+from pettingflow.storage.commits import MARKER
 
 # the columns that depend on the run id (UIDs are namespaced by it): everything else must match
 RUN_SPECIFIC = {"run_id", "uid"}

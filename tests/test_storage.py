@@ -24,8 +24,8 @@ from pettingflow.storage import (
     trajectories_to_table,
     write_trajectories,
 )
+from pettingflow.storage.commits import MARKER
 from pettingflow.storage.schema import META_SCHEMA_VERSION
-from pettingflow.storage.steps import MARKER
 
 
 @pytest.fixture

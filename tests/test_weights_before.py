@@ -84,7 +84,7 @@ def test_weights_on_s3_are_downloaded_verified_and_cached(setup, s3_server, tmp_
     """On S3 the starting weights are a verified local copy under ``$PETTINGFLOW_HOME/cache`` (vLLM and
     transformers need folders): never half-written, re-downloaded when the marker changes, refused when corrupt."""
     from pettingflow.runs.weights import COMPLETE, local_copy
-    from pettingflow.storage.steps import CorruptFileError
+    from pettingflow.storage.commits import CorruptFileError
 
     _, config, base = setup
     monkeypatch.setenv("PETTINGFLOW_HOME", str(tmp_path / "home"))
@@ -229,7 +229,7 @@ def test_a_rank_on_another_node_localizes_its_start_from_the_bucket(setup, s3_se
 def test_files_uploaded_by_another_process_are_committed_only_as_uploaded(tmp_path) -> None:
     """``Step.add_entries``: what a rank on another node uploaded (``add_tree`` on its own ``Step``) is committed
     by the flow with the rank's sizes and hashes; a missing or truncated upload is refused, naming the file."""
-    from pettingflow.storage.steps import CorruptFileError, Step
+    from pettingflow.storage.commits import CorruptFileError, Step
 
     layout = RunLayout(str(tmp_path / "runs"), "r-up")
     flow_side = layout.step(0, "update-shared").begin()

@@ -188,7 +188,7 @@ class LearnerRank:
 
     def _upload(self, staging: str, out_uri: str | None, storage_options: dict[str, Any]) -> list[dict[str, Any]]:
         """Upload what this rank wrote into the step at ``out_uri``; the driver commits the entries."""
-        from pettingflow.storage.steps import Step
+        from pettingflow.storage.commits import Step
 
         assert out_uri is not None
         entries = Step.from_uri(out_uri, storage_options).add_tree(staging)

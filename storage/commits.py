@@ -1,4 +1,4 @@
-"""Steps and their commit markers: how an iteration's outputs become visible, exactly once.
+"""Committed steps and their markers: how an iteration's outputs become visible, exactly once.
 
 A *step* is a folder (``.../iter-<k>/<step>/``) of immutable files. It becomes visible when its
 marker ``_COMMITTED.json`` exists; the marker is written last and lists every file with its row
