@@ -1,7 +1,7 @@
 """Outcome advantages per UID group, and their placement on response tokens.
 
 Each sample ``i`` has one scalar reward ``r_i`` and belongs to one UID group ``g`` (see ``uids.py``).
-Estimators (``algorithm.advantage_estimator``):
+Estimators (``algorithm.advantage_estimator``, each registered in ``ADVANTAGE_ESTIMATORS``):
 
 - ``grpo``:         ``(r_i - mean_g) / (std_g + eps)``, ``std_g`` with ddof=1 (Shao et al. 2024,
                     DeepSeekMath; ddof=1 matches verl's ``torch.std``, which PettingLLMs trains with).
@@ -20,39 +20,79 @@ values already have mean 0 up to rounding), so zero-variance groups stay exactly
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 
+from pettingflow.rl.registry import Registry
 from pettingflow.rl.uids import check_rewards, group_indices
 
-ADVANTAGE_ESTIMATORS = ("grpo", "grpo_no_std", "rloo", "reinforce_pp")
+# (rewards [N] float64, index lists of the UID groups whose rewards differ, eps) -> advantages [N]
+AdvantageEstimator = Callable[[np.ndarray, list[list[int]], float], np.ndarray]
+
+ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator", "algorithm.advantage_estimator")
 
 
 def compute_advantages(
     rewards: Sequence[float] | np.ndarray, uids: Sequence[str], estimator: str, eps: float = 1e-6
 ) -> np.ndarray:
-    """Per-sample advantages (float64, same order as ``rewards``); formulas in the module docstring."""
-    if estimator not in ADVANTAGE_ESTIMATORS:
-        raise ValueError(f"unknown advantage estimator {estimator!r}; expected one of {ADVANTAGE_ESTIMATORS}")
+    """Per-sample advantages (float64, same order as ``rewards``); formulas in the module docstring.
+
+    Looks ``estimator`` up in ``ADVANTAGE_ESTIMATORS`` and calls it with the rewards, the UID groups whose
+    rewards differ, and ``eps``; every other group (all rewards equal, or one sample) gets exactly 0.
+    """
+    fn = ADVANTAGE_ESTIMATORS.get(estimator)
     if not eps > 0:
         raise ValueError(f"eps must be > 0, got {eps!r}")
     r = check_rewards(rewards, uids)
 
-    adv = np.zeros_like(r)
+    varied: list[list[int]] = []
+    uniform: list[int] = []
     for idx in group_indices(uids).values():
         g = r[idx]
         if g.max() == g.min():
-            continue  # zero variance (or one sample): exactly 0
-        centered = g - g.mean()
-        if estimator == "grpo":
-            adv[idx] = centered / (g.std(ddof=1) + eps)
-        elif estimator == "rloo":
-            adv[idx] = centered * len(g) / (len(g) - 1)
-        else:  # grpo_no_std, reinforce_pp (normalized below)
-            adv[idx] = centered
-    if estimator == "reinforce_pp" and len(adv) > 1:
+            uniform.extend(idx)  # zero variance (or one sample): no signal
+        else:
+            varied.append(idx)
+    adv = np.asarray(fn(r, varied, eps), dtype=np.float64)
+    if adv.shape != r.shape:
+        raise ValueError(f"advantage estimator {estimator!r} returned shape {adv.shape}, expected {r.shape}")
+    adv[uniform] = 0.0  # exactly 0, whatever the estimator did with them
+    return adv
+
+
+@ADVANTAGE_ESTIMATORS.register("grpo")
+def _grpo(rewards: np.ndarray, groups: list[list[int]], eps: float) -> np.ndarray:
+    adv = np.zeros_like(rewards)
+    for idx in groups:
+        g = rewards[idx]
+        adv[idx] = (g - g.mean()) / (g.std(ddof=1) + eps)
+    return adv
+
+
+@ADVANTAGE_ESTIMATORS.register("grpo_no_std")
+def _grpo_no_std(rewards: np.ndarray, groups: list[list[int]], eps: float) -> np.ndarray:
+    adv = np.zeros_like(rewards)
+    for idx in groups:
+        g = rewards[idx]
+        adv[idx] = g - g.mean()
+    return adv
+
+
+@ADVANTAGE_ESTIMATORS.register("rloo")
+def _rloo(rewards: np.ndarray, groups: list[list[int]], eps: float) -> np.ndarray:
+    adv = np.zeros_like(rewards)
+    for idx in groups:
+        g = rewards[idx]
+        adv[idx] = (g - g.mean()) * len(g) / (len(g) - 1)
+    return adv
+
+
+@ADVANTAGE_ESTIMATORS.register("reinforce_pp")
+def _reinforce_pp(rewards: np.ndarray, groups: list[list[int]], eps: float) -> np.ndarray:
+    adv = _grpo_no_std(rewards, groups, eps)
+    if len(adv) > 1:  # the batch std of a single value is undefined; that sample's group is uniform anyway
         adv = adv / (adv.std(ddof=1) + eps)
     return adv
 
