@@ -9,12 +9,30 @@ leak into the loss and (b) their gradient is exactly 0, not merely small.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
-KL_ESTIMATORS = ("k1", "k2", "k3")
+from pettingflow.rl.registry import Registry
+
+
+class LossAggMode(Protocol):
+    """A ``loss_agg_mode``: ``numerator(values, tokens) / max(count(tokens), 1)``, or the numerator over a given
+    denominator. ``values`` is ``[B, T]`` with masked positions already 0; ``tokens`` is ``[B]`` (int64), each
+    row's count of mask-1 tokens. ``count`` also serves ``loss_denominator``, so a mini-batch's denominator and
+    a batch's own aggregate always agree."""
+
+    @staticmethod
+    def numerator(values: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor: ...
+
+    @staticmethod
+    def count(tokens: torch.Tensor) -> torch.Tensor: ...
+
+
+LOSS_AGG_MODES: Registry[type[LossAggMode]] = Registry("loss_agg_mode", "algorithm.loss_agg_mode")
+# d = logprobs - ref_logprobs (per token) -> the KL estimate per token
+KL_ESTIMATORS: Registry[Callable[[torch.Tensor], torch.Tensor]] = Registry("kl_estimator", "algorithm.kl_estimator")
 LOG_RATIO_CLAMP = 20.0  # |log p - log q| is clamped before exp, as in verl, so exp() never overflows
 K3_MAX = 10.0  # verl's low_var_kl clamps each token's k3 value to at most 10
 
@@ -60,28 +78,54 @@ def masked_aggregate(
     its share of the mini-batch's aggregate, and the shares of every micro-batch on every rank add up to it,
     however the mini-batch was split (world size changes speed, never the loss).
     """
-    if mode not in LOSS_AGG_MODES:
-        raise ValueError(f"unknown loss_agg_mode {mode!r}; expected one of {LOSS_AGG_MODES}")
+    agg = LOSS_AGG_MODES.get(mode)
     if denominator is not None and not denominator > 0:
         raise ValueError(f"denominator must be > 0, got {denominator}")
     valid = _valid(mask, values=values)
     v = _zero_masked(values, valid)
-    if mode == "token-mean":
-        return v.sum() / (denominator if denominator is not None else valid.sum().clamp(min=1))
     tokens = valid.sum(dim=-1)
-    per_seq = v.sum(dim=-1)
-    if mode == "seq-mean-token-mean":
-        per_seq = per_seq / tokens.clamp(min=1)
-    return per_seq.sum() / (denominator if denominator is not None else (tokens > 0).sum().clamp(min=1))
+    return agg.numerator(v, tokens) / (denominator if denominator is not None else agg.count(tokens).clamp(min=1))
+
+
+@LOSS_AGG_MODES.register("token-mean")
+class _TokenMean:
+    @staticmethod
+    def numerator(values: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        return values.sum()
+
+    @staticmethod
+    def count(tokens: torch.Tensor) -> torch.Tensor:
+        return tokens.sum()
+
+
+@LOSS_AGG_MODES.register("seq-mean-token-sum")
+class _SeqMeanTokenSum:
+    @staticmethod
+    def numerator(values: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        return values.sum(dim=-1).sum()
+
+    @staticmethod
+    def count(tokens: torch.Tensor) -> torch.Tensor:
+        return (tokens > 0).sum()  # sequences without a token do not count
+
+
+@LOSS_AGG_MODES.register("seq-mean-token-mean")
+class _SeqMeanTokenMean:
+    @staticmethod
+    def numerator(values: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        return (values.sum(dim=-1) / tokens.clamp(min=1)).sum()
+
+    @staticmethod
+    def count(tokens: torch.Tensor) -> torch.Tensor:
+        return (tokens > 0).sum()
 
 
 def loss_denominator(tokens_per_row: Sequence[int], mode: str) -> float:
     """What ``masked_aggregate`` divides by over a whole mini-batch, from each row's count of mask-1 tokens:
     the tokens for ``token-mean``, the rows with >= 1 token for the seq modes; >= 1. Every rank computes it
     from the whole mini-batch, so no collective is needed."""
-    if mode not in LOSS_AGG_MODES:
-        raise ValueError(f"unknown loss_agg_mode {mode!r}; expected one of {LOSS_AGG_MODES}")
-    total = sum(tokens_per_row) if mode == "token-mean" else sum(1 for n in tokens_per_row if n > 0)
+    agg = LOSS_AGG_MODES.get(mode)
+    total = int(agg.count(torch.as_tensor(list(tokens_per_row), dtype=torch.int64)))
     return float(max(total, 1))
 
 
@@ -159,15 +203,24 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: st
     low variance, >= 0). For k3, ``d`` is clamped to ±20 and the result to <= 10 (verl's ``low_var_kl``).
     ``ref_logprobs`` is treated as a constant (detached). No masking here: see ``total_loss``.
     """
-    if estimator not in KL_ESTIMATORS:
-        raise ValueError(f"unknown kl_estimator {estimator!r}; expected one of {KL_ESTIMATORS}")
+    fn = KL_ESTIMATORS.get(estimator)
     if logprobs.shape != ref_logprobs.shape:
         raise ValueError(f"logprobs {tuple(logprobs.shape)} and ref_logprobs {tuple(ref_logprobs.shape)} differ")
-    d = logprobs - ref_logprobs.detach()
-    if estimator == "k1":
-        return d
-    if estimator == "k2":
-        return 0.5 * d.square()
+    return fn(logprobs - ref_logprobs.detach())
+
+
+@KL_ESTIMATORS.register("k1")
+def _k1(d: torch.Tensor) -> torch.Tensor:
+    return d
+
+
+@KL_ESTIMATORS.register("k2")
+def _k2(d: torch.Tensor) -> torch.Tensor:
+    return 0.5 * d.square()
+
+
+@KL_ESTIMATORS.register("k3")
+def _k3(d: torch.Tensor) -> torch.Tensor:
     d = d.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     return (torch.exp(-d) + d - 1.0).clamp(max=K3_MAX)
 
