@@ -1,6 +1,8 @@
 """Pure RL math: group UIDs, sample filters, advantages and PPO/GRPO losses (numpy/torch, no I/O).
 
-See docs/rl.md for every formula, its source and the deviations from the seeds.
+See docs/rl.md for every formula, its source and where it deviates from PettingLLMs and verl. What the config
+selects by name (advantage estimator, filter method, KL estimator, loss aggregation mode) is looked up in a
+``Registry`` (``registry.py``), to which each implementation adds itself with one decorator.
 """
 
 from pettingflow.rl.advantages import (
@@ -12,6 +14,7 @@ from pettingflow.rl.filters import FILTER_METHODS, FilterResult, filter_samples,
 from pettingflow.rl.losses import (
     KL_ESTIMATORS,
     LOSS_AGG_MODES,
+    LossAggMode,
     entropy_from_logits,
     kl_penalty,
     loss_denominator,
@@ -19,6 +22,7 @@ from pettingflow.rl.losses import (
     policy_loss,
     total_loss,
 )
+from pettingflow.rl.registry import Registry
 from pettingflow.rl.uids import PETTINGFLOW_UID_NAMESPACE, assign_uids, group_indices
 
 __all__ = [
@@ -28,6 +32,8 @@ __all__ = [
     "LOSS_AGG_MODES",
     "PETTINGFLOW_UID_NAMESPACE",
     "FilterResult",
+    "LossAggMode",
+    "Registry",
     "assign_uids",
     "broadcast_advantages",
     "compute_advantages",

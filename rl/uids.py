@@ -4,7 +4,7 @@ Source: PettingLLMs' trainer (``_assign_consistent_uids``). A UID names one
 ``(rollout_idx // sample_num, turn_idx, agent_idx)`` triple: the same task/seed (environment group),
 the same turn and the same agent. GRPO-style estimators compare samples only within one UID.
 
-Deviation from the seed: the seed draws ``uuid.uuid4()`` per key, so re-running an iteration from
+Deviation from PettingLLMs: its trainer draws ``uuid.uuid4()`` per key, so re-running an iteration from
 stored Parquet gives different UIDs. Here the UID is ``uuid5(PETTINGFLOW_UID_NAMESPACE, name)`` over
 ``namespace`` and the key, so the same stored rows always get the same UIDs. Pass a namespace that is
 unique per run and iteration (e.g. ``"<run_id>/iter-<k>"``) so that UIDs never collide across them.
