@@ -1,7 +1,7 @@
 """glibc malloc vs tcmalloc for the two compute phases of an iteration, side by side in one run.
 
-    .venv/bin/python bench/allocator.py                      # both parts, ~6 min on 2 cores
-    .venv/bin/python bench/allocator.py --part train --rounds 4
+    .venv/bin/python -m bench.allocator                      # both parts, ~6 min on 2 cores
+    .venv/bin/python -m bench.allocator --part train --rounds 4
 
 - ``train``: one update micro-batch of workload W's shape (2 GRPO groups x 4 samples, prompts of ~250
   tokens, responses of 90-128 tokens, SmolLM2-135M in fp32, shared prompts, ``--threads`` torch threads):
@@ -27,8 +27,7 @@ import sys
 import time
 from typing import Any
 
-import common
-
+from bench import common
 from pettingflow.allocator import find_tcmalloc, preload_env
 
 TRAIN_CHILD = r"""
@@ -121,7 +120,7 @@ def bench_generate(args: argparse.Namespace) -> list[float]:
     import httpx
     from transformers import AutoTokenizer
 
-    import inference as inf  # bench/inference.py: prompts and the raw request round
+    from bench import inference as inf  # prompts and the raw request round
     from pettingflow.inference.models import prepare_model
     from pettingflow.inference.server import VLLMServer
 
@@ -168,7 +167,7 @@ def bench_generate(args: argparse.Namespace) -> list[float]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.allocator", description=__doc__.split("\n")[0])
     parser.add_argument("--part", choices=["train", "generate", "both"], default="both")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--reps", type=int, default=3, help="train: forward+backward repetitions per process")

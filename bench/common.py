@@ -210,14 +210,14 @@ def python() -> str:
 
 
 def serve(argv: list[str] | None = None) -> int:
-    """``python bench/common.py [--kv-cache-gib N]``: start one vLLM server (dev mode) for the ``--url`` flags.
+    """``python -m bench.common [--kv-cache-gib N]``: start one vLLM server (dev mode) for the ``--url`` flags.
 
     Prints the URL, then waits; SIGINT or SIGTERM stops the server (its whole process group) and exits.
     """
     import argparse
     import signal
 
-    parser = argparse.ArgumentParser(description=serve.__doc__)
+    parser = argparse.ArgumentParser(prog="python -m bench.common", description=serve.__doc__)
     parser.add_argument("--kv-cache-gib", type=int, default=2)
     args = parser.parse_args(argv)
     setup_logging()
@@ -233,10 +233,6 @@ def serve(argv: list[str] | None = None) -> int:
         while not stop["now"]:
             time.sleep(1)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(serve())
 
 
 def request_body(model: str, prompt: list[int], new_tokens: int, seed: int) -> dict[str, Any]:
@@ -346,3 +342,7 @@ def write_random_batch(
     table = table.append_column("advantage", pa.array([1.0 if i % 2 else -1.0 for i in range(rows)], pa.float32()))
     pq.write_table(table, path)
     return rows * resp
+
+
+if __name__ == "__main__":
+    sys.exit(serve())

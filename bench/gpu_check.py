@@ -7,13 +7,13 @@ Device time is scarce (one lent H100/H200 for ~10 minutes), so this script runs 
 its own subprocess with its own timeout: a failing stage records its error's key lines and the next one runs.
 Everything uses the repo's own learner: ``UpdateWorker`` run in-process by this script's ``--run-job`` mode
 (one process, or 2 ranks under ``torch.distributed.run``), the one-shot ``launch.run_update``, ``UpdateSpec``,
-``bench/common.write_random_batch`` and ``bench/memory.key_line``. Models are random Llamas built locally
+``bench.common.write_random_batch`` and ``bench.memory.key_line``. Models are random Llamas built locally
 (``transformers.LlamaConfig``, nothing downloaded; a stand-in ``tokenizer_config.json`` + chat template as the
 tests use, which the worker's save step copies).
 
 Device command (repo root; the ignored folder ``.whl/`` must travel with the tree, e.g. ``carry: [".whl"]``)::
 
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site && { python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/pf . || echo "pip install of pettingflow failed: gpu_check maps the source tree itself"; } && export PYTHONPATH=/tmp/pf:/tmp/site PYTHONUNBUFFERED=1 && python3 bench/gpu_check.py --device cuda --out "$OUT"
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site && { python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/pf . || echo "pip install of pettingflow failed: gpu_check maps the source tree itself"; } && export PYTHONPATH=/tmp/pf:/tmp/site PYTHONUNBUFFERED=1 && python3 -m bench.gpu_check --device cuda --out "$OUT"
 
 ``.whl/`` (wheels of what the device lacks, for CPython 3.12 / manylinux x86-64; versions of requirements/cpu.lock):
 deepspeed-0.19.8-py3-none-any (built from the sdist without ops: pure Python, no op is JIT-compiled by these
@@ -97,10 +97,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-import common
-import memory
+from bench import common, memory
 
-HERE = Path(__file__).resolve()
+MODULE = "bench.gpu_check"  # children run as `python -m bench.gpu_check`; child_env() makes the repo importable
 STAGES = (
     "env",
     "cpu_vs_gpu_fp32",
@@ -142,7 +141,7 @@ def say(msg: str) -> None:
 
 
 def key_lines(text: str, n: int = 6) -> list[str]:
-    """The failing rank's exception line (bench/memory.key_line) and the last few error-looking lines."""
+    """The failing rank's exception line (``bench.memory.key_line``) and the last few error-looking lines."""
     pat = re.compile(r"Error|Exception|error:|NCCL WARN|Duplicate GPU|invalid device|Traceback|Killed|timed out")
     found: list[str] = []
     for line in text.splitlines():
@@ -222,6 +221,12 @@ def child_env(threads: int, cuda_visible: str | None = None, extra: dict[str, st
     if cuda_visible is not None:
         env["CUDA_VISIBLE_DEVICES"] = cuda_visible
     env.update(extra or {})
+    # The children run in the work folder, so `python -m bench.gpu_check` finds the bench package through
+    # PYTHONPATH. The repo root goes last: a pettingflow installed into an earlier entry (the device's
+    # /tmp/pf, or the symlink tree of pettingflow_path()) must win over the source folder pettingflow/, which
+    # lacks the subpackages pyproject maps in from other folders (pettingflow.training is training/).
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join([*paths, str(common.REPO)] if str(common.REPO) not in paths else paths)
     return env
 
 
@@ -440,7 +445,7 @@ def start_job(
     job = folder / "job.json"
     job.write_text(json.dumps({"specs": specs, "same_gpu": same_gpu, "skip_save": skip_save}, indent=1))
     if ranks == 1:
-        cmd = [sys.executable, str(HERE), "--run-job", str(job)]
+        cmd = [sys.executable, "-m", MODULE, "--run-job", str(job)]
         extra = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
         extra["MASTER_PORT"] = str(free_port())
     else:
@@ -452,7 +457,8 @@ def start_job(
             "--nnodes=1",
             "--master_addr=127.0.0.1",
             f"--master_port={free_port()}",
-            str(HERE),
+            "--module",
+            MODULE,
             "--run-job",
             str(job),
         ]
@@ -1225,7 +1231,7 @@ def pettingflow_path(work: Path) -> str | None:
         return None
     import tomllib
 
-    repo = HERE.parent.parent
+    repo = common.REPO
     dirs = tomllib.loads((repo / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
     root = work / "pfsrc"
     shutil.rmtree(root, ignore_errors=True)
@@ -1293,7 +1299,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--run-job"]:
         return run_job(argv[1])
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.gpu_check", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--out", type=Path, default=os.environ.get("OUT"), help="results folder (default $OUT)")
     parser.add_argument("--stages", nargs="+", choices=STAGES, default=list(STAGES))
@@ -1313,8 +1321,10 @@ def main(argv: list[str] | None = None) -> int:
     say(f"gpu_check --device {args.device}: stages {args.stages}, budget {args.budget_s:.0f} s, work {work}")
     pf = pettingflow_path(work)
     if pf:
+        # for the children only (child_env copies os.environ): this process imports nothing from pettingflow
+        # but deathsig and hardware, which live in the source folder pettingflow/ that `python -m` from the repo
+        # root already finds; the stages, in children, need the whole package.
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (pf, os.environ.get("PYTHONPATH", "")) if p)
-        sys.path.insert(0, pf)
         say(f"pettingflow is not importable as installed: using a symlink tree of the source at {pf}")
     record: dict[str, Any] = {
         "device_mode": args.device,
@@ -1336,7 +1346,7 @@ def main(argv: list[str] | None = None) -> int:
         timeout = min(STAGE_TIMEOUT_S[name] * scale, left)
         say(f"stage {name}: start (timeout {timeout:.0f} s)")
         t0 = time.perf_counter()
-        cmd = [sys.executable, str(HERE), "--stage", name, "--work", str(work), "--device", args.device]
+        cmd = [sys.executable, "-m", MODULE, "--stage", name, "--work", str(work), "--device", args.device]
         proc = subprocess.Popen(
             with_parent(cmd),
             stdout=subprocess.PIPE,

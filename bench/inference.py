@@ -1,7 +1,7 @@
 """Inference throughput: raw vLLM HTTP vs InferenceClient on the same server, and HF generate() as baseline.
 
-    .venv/bin/python bench/inference.py               # starts its own vLLM server, ~3-4 min on 2 cores
-    .venv/bin/python bench/inference.py --url URL     # uses a running server (not stopped)
+    .venv/bin/python -m bench.inference               # starts its own vLLM server, ~3-4 min on 2 cores
+    .venv/bin/python -m bench.inference --url URL     # uses a running server (not stopped)
 
 Same prompts for every engine: 32 chat prompts of ~100 tokens, 128 new tokens each, temperature 1,
 ``ignore_eos`` so every request generates exactly 128 tokens. Raw requests are direct ``httpx`` POSTs with
@@ -29,9 +29,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import common
 import httpx
 
+from bench import common
 from pettingflow.inference.client import InferenceClient
 from pettingflow.inference.models import DEFAULT_MODEL, prepare_model
 from pettingflow.inference.server import ExternalServer, VLLMServer
@@ -185,7 +185,9 @@ def hf_generate(model_dir: Any, prompts: list[list[int]], new: int, batch: int) 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.inference", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--url", help="use this running server (serving --model-name) instead of starting one")
     parser.add_argument("--model-name", default=DEFAULT_MODEL)
     parser.add_argument("--requests", type=int, default=32)

@@ -1,8 +1,8 @@
 """PettingFlow vs TRL's GRPOTrainer on one identical GRPO workload W, per warm iteration, CPU.
 
-    .venv/bin/python bench/iteration_vs_trl.py --quick                       # smoke test: 2 tasks x G=2, 32 tokens
-    .venv/bin/python bench/iteration_vs_trl.py --modes sync async --vllm-threads 2 --rounds 2   # W, as documented
-    .venv/bin/python bench/iteration_vs_trl.py --modes sync defaults --vllm-threads 2 --rounds 2   # tuned vs shipped
+    .venv/bin/python -m bench.iteration_vs_trl --quick                       # smoke test: 2 tasks x G=2, 32 tokens
+    .venv/bin/python -m bench.iteration_vs_trl --modes sync async --vllm-threads 2 --rounds 2   # W, as documented
+    .venv/bin/python -m bench.iteration_vs_trl --modes sync defaults --vllm-threads 2 --rounds 2   # tuned vs shipped
 
 Workload W (both sides): the code agent alone, one turn, the first ``--tasks`` HumanEval problems every
 iteration, G = ``--group-size`` completions per prompt, ``--max-new-tokens`` new tokens, temperature 1, top-p 1,
@@ -62,8 +62,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-import common
-
+from bench import common
 from pettingflow.allocator import describe, preload_env
 
 GOAL = 0.45  # PettingFlow (sync, tuned) wall / TRL wall per warm iteration (was 0.5)
@@ -244,7 +243,7 @@ def trl_run(model: Path, prompt_ids: list[list[int]], args: Any, threads: int, o
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     env.pop("LD_PRELOAD", None)
     env.update(preload_env(args.malloc, env))  # the same allocator as PettingFlow's learner
-    cmd = [common.python(), str(Path(__file__).resolve()), "--trl-worker", str(out / "spec.json")]
+    cmd = [common.python(), "-m", "bench.iteration_vs_trl", "--trl-worker", str(out / "spec.json")]
     with common.Timer() as t:
         proc = subprocess.run(cmd, env=env, cwd=common.REPO)
     if proc.returncode != 0 or not (out / "result.json").exists():
@@ -385,7 +384,11 @@ def breakdown_row(label: str, x: dict[str, Any]) -> list[Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.iteration_vs_trl",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--tasks", type=int, default=8, help="first N HumanEval problems (default 8)")
     parser.add_argument("--group-size", type=int, default=4, help="G (default 4)")
     parser.add_argument("--max-new-tokens", type=int, default=128)

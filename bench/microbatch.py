@@ -1,8 +1,8 @@
 """One W-shaped micro-batch's loss + backward: shared prompts vs padded rows vs the model's own logits, and
 the token log-probs' cost as gather minus a chunked logsumexp vs a full fp32 log-softmax.
 
-    .venv/bin/python bench/microbatch.py                       # 6 rounds, 1 thread, CPU seconds
-    .venv/bin/python bench/microbatch.py --threads 2 --clock wall --rounds 4
+    .venv/bin/python -m bench.microbatch                       # 6 rounds, 1 thread, CPU seconds
+    .venv/bin/python -m bench.microbatch --threads 2 --clock wall --rounds 4
 
 The micro-batch is what W's update trains on: 2 GRPO groups x 4 rows, prompts of 240 and 270 tokens,
 responses of 100-128 tokens (random token ids, fixed seed), every response token trained, the default model
@@ -29,7 +29,7 @@ from __future__ import annotations
 import argparse
 import time
 
-import common
+from bench import common
 
 
 def build_micro_batch(seed: int = 0):  # -> MicroBatch
@@ -60,7 +60,9 @@ def build_micro_batch(seed: int = 0):  # -> MicroBatch
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.microbatch", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--rounds", type=int, default=6, help="rounds; the first is warm-up and not counted")
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
     parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu")

@@ -1,12 +1,12 @@
 """Orchestration cost: Prefect + flow glue as a share of one iteration, storage I/O share, and rerun vs update.
 
-    .venv/bin/python bench/orchestration.py                  # 1 iteration per run, 2 runs, 2 tasks; ~5 min on 2 cores
-    .venv/bin/python bench/orchestration.py --rounds 3 --tasks 8
+    .venv/bin/python -m bench.orchestration                  # 1 iteration per run, 2 runs, 2 tasks; ~5 min on 2 cores
+    .venv/bin/python -m bench.orchestration --rounds 3 --tasks 8
 
 Each round runs the real ``train`` flow (one iteration) under Prefect's temporary server
 (``prefect_test_harness``; its ~8 s start is not counted), with the default model trained by the real
 DeepSpeed worker, the code env with its bubblewrap sandbox, and real Parquet storage. The LLM is the scripted
-OpenAI-compatible server of the tests (``tests/scripted_server.py``: canned answers with real token ids,
+OpenAI-compatible server the flow tests use too (``bench/scripted_server.py``: canned answers with real token ids,
 no-op weight reload), because the model's speed is not what this bench measures; a real vLLM server would
 only make the iteration longer and the orchestration share smaller.
 
@@ -32,11 +32,9 @@ import functools
 import sys
 from typing import Any
 
-import common
+from bench import common
 
 STATE = common.temp_prefect_state("orch")  # Prefect's database and our state: temp only
-
-sys.path.insert(0, str(common.REPO / "tests"))
 
 LIBRARY = {  # module -> step functions the Prefect tasks call
     "pettingflow.steps.rollouts": ["collect_step", "validation_step"],
@@ -123,7 +121,9 @@ def install(clock: Clock) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.orchestration", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--rounds", type=int, default=2, help="train-flow runs (one iteration each), then reruns")
     parser.add_argument("--tasks", type=int, default=2)
     parser.add_argument("--group-size", type=int, default=2)
@@ -132,9 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     args = common.parse_args(parser, argv)
 
     from prefect.testing.utilities import prefect_test_harness
-    from scripted_server import ScriptedServer
     from transformers import AutoTokenizer
 
+    from bench.scripted_server import ScriptedServer
     from pettingflow.envs import load_humaneval
     from pettingflow.flows.rerun import rerun
     from pettingflow.flows.train import train

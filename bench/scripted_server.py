@@ -1,4 +1,5 @@
-"""A scripted OpenAI-compatible server for flow tests: vLLM's routes, canned answers, real token ids.
+"""A scripted OpenAI-compatible server for the flow tests and ``bench.orchestration``: vLLM's routes, canned
+answers, real token ids.
 
 The code agent gets the canonical solution when the request's sampling seed is even and a wrong one
 when it is odd, so GRPO groups have reward variance; the test agent gets two asserts. plan-path

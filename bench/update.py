@@ -1,7 +1,7 @@
 """Update throughput: the DeepSpeed update worker (``run_update``) vs a bare torch loop on the same batch.
 
-    .venv/bin/python bench/update.py                         # 8 rows x 512 tokens, default model, bf16; ~3 min
-    .venv/bin/python bench/update.py --rows 32 --seq-len 1024 --rounds 3
+    .venv/bin/python -m bench.update                         # 8 rows x 512 tokens, default model, bf16; ~3 min
+    .venv/bin/python -m bench.update --rows 32 --seq-len 1024 --rounds 3
 
 Batch: N synthetic rows (random token ids) of L tokens each: a prompt of ``--prompt-len`` tokens and a
 response of L - prompt tokens, every response token trained (mask 1), advantages +1/-1, sampler log-probs
@@ -30,7 +30,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import common
+from bench import common
 
 
 def bare_loop(
@@ -107,7 +107,9 @@ def worker_update(config: Any, model: Path, batch: Path, out: Path) -> dict[str,
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.update", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--rows", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--prompt-len", type=int, default=128)

@@ -13,8 +13,8 @@ import pyarrow.compute as pc
 import pytest
 from factories import random_llama
 from run_outputs import check_against_golden, run_outputs
-from scripted_server import ScriptedServer
 
+from bench.scripted_server import ScriptedServer
 from pettingflow.envs import load_humaneval
 from pettingflow.envs.basic_python import load_basic_python
 from pettingflow.storage import RunLayout, list_runs, read_step_trajectories

@@ -11,8 +11,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from rollout_fakes import CharChatTokenizer, plan_path_engine_rows
-from scripted_server import plan_path_answer
 
+from bench.scripted_server import plan_path_answer
 from pettingflow.agents import resolve_agent_class
 from pettingflow.agents.plan_agents import ExecutorAgent, PlannerAgent
 from pettingflow.configs import load_config
@@ -352,8 +352,7 @@ def test_a_team_that_never_moves_runs_out_of_turns_with_team_reward_zero() -> No
 
 def test_collect_step_against_the_scripted_server(tmp_path, default_model_dir, default_tokenizer) -> None:
     """The rollouts step over HTTP: real tokenizer and inference client, committed Parquet rows."""
-    from scripted_server import ScriptedServer
-
+    from bench.scripted_server import ScriptedServer
     from pettingflow.runs.context import IterationContext
     from pettingflow.runs.endpoint import PolicyEndpoint
     from pettingflow.steps.rollouts import collect_step

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 from factories import crash_after_first_shard, trajectory_row
-from scripted_server import ScriptedServer
 from test_storage import s3_server  # noqa: F401 (module fixture: moto's S3 server on loopback)
 
+from bench.scripted_server import ScriptedServer
 from pettingflow.configs import load_config
 from pettingflow.envs import EnvCache, load_humaneval
 from pettingflow.runs.context import IterationContext

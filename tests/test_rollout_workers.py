@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 from factories import crash_after_first_shard
-from scripted_server import ScriptedServer
 from test_flows import overrides, prefect_env, tiny_model  # noqa: F401 (module fixtures: Prefect's server, a tiny model)
 
+from bench.scripted_server import ScriptedServer
 from pettingflow.configs import load_config
 from pettingflow.envs import EnvCache, load_humaneval
 from pettingflow.runs.context import IterationContext

@@ -11,8 +11,8 @@ from collections import Counter, defaultdict
 
 import pytest
 from rollout_fakes import BoardEnv, CharChatTokenizer, ScriptedLLM, ToyAgent, ToyEnv, plan_path_engine_rows
-from scripted_server import plan_path_answer
 
+from bench.scripted_server import plan_path_answer
 from pettingflow.configs import load_config
 from pettingflow.envs.plan_path import PlanPathEnv, parse_moves
 from pettingflow.rollout.engine import AgentBinding, ExecutionEngine, group_specs, select_branch
@@ -173,8 +173,7 @@ def test_envs_without_fork_fail_clearly_in_tree_mode() -> None:
 
 def test_collect_step_in_tree_mode_against_the_scripted_server(tmp_path, default_model_dir, default_tokenizer) -> None:
     """The rollouts step over HTTP in tree mode: one request with n = G per turn, one shard per task."""
-    from scripted_server import ScriptedServer
-
+    from bench.scripted_server import ScriptedServer
     from pettingflow.runs.context import IterationContext
     from pettingflow.runs.endpoint import PolicyEndpoint
     from pettingflow.steps.rollouts import collect_step
