@@ -21,18 +21,6 @@ def render(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
 
-def encode_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    """Prompt token ids for ``messages`` with the generation prompt appended.
-
-    transformers 5 returns either a list or a mapping with ``input_ids`` depending on the tokenizer
-    class; both are accepted.
-    """
-    out = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
-    if hasattr(out, "keys") and "input_ids" in out:
-        out = out["input_ids"]
-    return [int(t) for t in out]
-
-
 def env_tokens_between(
     tokenizer: Any,
     messages_before: list[dict[str, str]],
