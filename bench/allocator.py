@@ -1,6 +1,6 @@
 """glibc malloc vs tcmalloc for the two compute phases of an iteration, side by side in one run.
 
-    .venv/bin/python -m bench.allocator                      # both parts, ~6 min on 2 cores
+    .venv/bin/python -m bench.allocator                      # both parts
     .venv/bin/python -m bench.allocator --part train --rounds 4
 
 - ``train``: one update micro-batch of workload W's shape (2 GRPO groups x 4 samples, prompts of ~250

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("OMP_NUM_THREADS", "1")  # 2 threads are 2-5x slower on the 2-core VM when two processes compute
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # two computing processes must not oversubscribe the cores
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")

@@ -1,10 +1,10 @@
 """The learner on a GPU, in one prepared run: does the update code that was only ever run on CPUs give the same
 updates on CUDA, at ZeRO-3 with checkpointing, at 2 ranks, in bf16 and with LoRA?
 
-Why: the update (``training/worker.py``) was developed and tested on a 2-core CPU VM; its CUDA path (NCCL,
-``engine.device``, bf16 on a GPU, ``torch.cuda`` memory) had never run (docs/training.md, "Not verified").
-Device time is scarce (one lent H100/H200 for ~10 minutes), so this script runs every check once, each stage in
-its own subprocess with its own timeout: a failing stage records its error's key lines and the next one runs.
+Why: the update (``training/worker.py``) is developed and tested on CPU machines; its CUDA path (NCCL,
+``engine.device``, bf16 on a GPU, ``torch.cuda`` memory) is not (docs/training.md, "Not verified"). GPU time is
+scarce, so this script runs every check once, each stage in its own subprocess with its own timeout: a failing
+stage records its error's key lines and the next one runs.
 Everything uses the repo's own learner: ``UpdateWorker`` run in-process by this script's ``--run-job`` mode
 (one process, or 2 ranks under ``torch.distributed.run``), the one-shot ``launch.run_update``, ``UpdateSpec``,
 ``bench.common.write_random_batch`` and ``bench.memory.key_line``. Models are random Llamas built locally
@@ -26,7 +26,7 @@ a bare Python 3.12 venv holding only those packages (torch 2.11.0, transformers 
 in ``--device cpu`` mode. If pettingflow's own pip install fails on the device (an old setuptools), the script
 builds the package layout of pyproject's ``[tool.setuptools.package-dir]`` from symlinks instead.
 
-Stages (``--device cuda``; expected 3-4 minutes on an H100; ``--budget-s`` 420 s caps the stages, so give the command 480 s):
+Stages (``--device cuda``; ``--budget-s`` 420 s caps the stages, so give the command 480 s):
 
 1. ``env``: torch / CUDA / device name, capability and memory, NCCL version, TF32 settings, versions of
    deepspeed, transformers, peft, pydantic, and where each imported package came from (``/tmp/site``?).
@@ -69,8 +69,11 @@ Stages (``--device cuda``; expected 3-4 minutes on an H100; ``--budget-s`` 420 s
 8. ``device_plan``: the default config's ``between_updates: auto`` and device plan by the runtime's own path
    (``nvidia-smi -L`` as ``inference.server.gpu_ids`` reads it; one GPU: ``sleep``, one replica and one rank on
    it), the refusals for what one GPU cannot hold, and a child started with the replica's
-   ``CUDA_VISIBLE_DEVICES`` sees that one GPU. The first run of this stage found ``auto`` saying ``keep`` on a
-   shared GPU, which the plan then refused.
+   ``CUDA_VISIBLE_DEVICES`` sees that one GPU (``auto`` must not say ``keep`` on a GPU the learner shares, which
+   the plan refuses).
+9. ``zero3_head``: where ZeRO-3 + checkpointing spends the big bf16 model's update time with the LM head at the
+   loss positions: the head in chunks of 512 and 4096 tokens, whole, and the model's own logits, beside ZeRO-0 +
+   checkpointing.
 
 ``--device cpu``: the same stages on tiny models where CUDA is not needed (this is how the script is tested on
 the CPU machine): stage 2 compares 1 CPU thread with 2 threads (no GPU), stage 4 runs gloo and run_update on the CPU, stage
@@ -969,10 +972,10 @@ def run_big_cases(
 
 
 def stage_zero3_head(work: Path, mode: str, args: Any) -> dict[str, Any]:
-    """Why ZeRO-3 + checkpointing updates the 1B model 3x slower on the H100 (1.99 s) than on the H200 the day
-    before (0.61 s), with the LM head now at the loss positions in chunks: the same update with the head in chunks
-    of 512 and 4096 tokens, whole (one head call per micro-batch) and as the model's own logits, beside ZeRO-0 +
-    checkpointing as the card's baseline. Under ZeRO-3 each head call gathers the (tied) embedding matrix."""
+    """What the LM head costs the big model's ZeRO-3 + checkpointing update when it runs at the loss positions
+    in chunks: the same update with the head in chunks of 512 and 4096 tokens, whole (one head call per
+    micro-batch) and as the model's own logits, beside ZeRO-0 + checkpointing as the card's baseline. Under ZeRO-3
+    each head call gathers the (tied) embedding matrix."""
     big = ensure_model(work, mode, "big", dtype="bf16", device="cuda" if mode == "cuda" else "cpu")
     batch = write_batch(work / "batch-big.parquet", mode, "big", seed=4)
     ckpt = {"gradient_checkpointing": True}
@@ -1333,7 +1336,7 @@ def main(argv: list[str] | None = None) -> int:
         "pettingflow_source": pf or "installed",
         "stages": {},
     }
-    scale = 1 if args.device == "cuda" else 4  # tiny models, but a 2-core CPU
+    scale = 1 if args.device == "cuda" else 4  # tiny models, but few CPU cores
     os.environ["GPU_CHECK_TIMEOUT_SCALE"] = str(scale)
     os.environ["GPU_CHECK_STARTED"] = str(STARTED)
     deadline = time.perf_counter() + args.budget_s

@@ -1,6 +1,6 @@
 """Inference throughput: raw vLLM HTTP vs InferenceClient on the same server, and HF generate() as baseline.
 
-    .venv/bin/python -m bench.inference               # starts its own vLLM server, ~3-4 min on 2 cores
+    .venv/bin/python -m bench.inference               # starts its own vLLM server
     .venv/bin/python -m bench.inference --url URL     # uses a running server (not stopped)
 
 Same prompts for every engine: 32 chat prompts of ~100 tokens, 128 new tokens each, temperature 1,
@@ -8,14 +8,14 @@ Same prompts for every engine: 32 chat prompts of ~100 tokens, 128 new tokens ea
 the same JSON body the client sends (token-id prompt, ``logprobs: 1``, ``return_token_ids``), so the
 server does identical work; only the client-side code differs. Raw and client rounds alternate (raw
 first in even rounds, client first in odd rounds) after one warm-up round, and the table shows medians.
-The server is stopped before the HF baseline so that it does not compete for the two cores.
+The server is stopped before the HF baseline so that it does not compete for the cores.
 """
 
 from __future__ import annotations
 
 import os
 
-os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch is imported: 2 threads are slower on this VM
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch is imported (as bench.common)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 

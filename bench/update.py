@@ -1,6 +1,6 @@
 """Update throughput: the DeepSpeed update worker (``run_update``) vs a bare torch loop on the same batch.
 
-    .venv/bin/python -m bench.update                         # 8 rows x 512 tokens, default model, bf16; ~3 min
+    .venv/bin/python -m bench.update                         # 8 rows x 512 tokens, default model, bf16
     .venv/bin/python -m bench.update --rows 32 --seq-len 1024 --rounds 3
 
 Batch: N synthetic rows (random token ids) of L tokens each: a prompt of ``--prompt-len`` tokens and a
