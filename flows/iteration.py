@@ -1,8 +1,7 @@
-"""The ``iteration`` flow: one training iteration as a Prefect flow run.
+"""The ``iteration`` flow: one training iteration as a Prefect flow run, the steps of ``tasks/pipeline.py`` in order.
 
-    [validate_baseline (iteration 0, validation.at_start)] -> collect_rollouts -> filter_and_group
-        -> compute_advantages -> update_policy[per policy] -> sync_weights
-        -> validate (every validation.frequency) -> report
+    baseline (iteration 0, validation.at_start) -> rollouts -> filtered -> advantages -> update[policy] ...
+        -> sync -> validation (every validation.frequency) -> report
 
 Every step writes a committed folder under ``runs/<run_id>/iter-<k>/``; a step that is already
 committed is skipped (and says so in the UI), so re-running an iteration after a crash redoes only
@@ -19,21 +18,11 @@ from typing import Any
 from prefect import flow, get_run_logger
 
 from pettingflow.configs.settings import ExperimentConfig
-from pettingflow.runs.context import STEP_ORDER, step_kind
+from pettingflow.runs.context import IterationContext
 from pettingflow.runs.run import RunRef, load_run_config
 from pettingflow.runs.runtime import Runtime, active_runtime
-from pettingflow.runs.weights import update_step_name
-from pettingflow.tasks.report import report_iteration
-from pettingflow.tasks.steps import (
-    collect_rollouts,
-    compute_advantages,
-    filter_and_group,
-    sync_weights,
-    update_policy,
-    validate,
-    validate_baseline,
-    value,
-)
+from pettingflow.storage import StepName
+from pettingflow.tasks.pipeline import PIPELINE, TASKS, StepDef, task_run_name, value
 
 
 def validation_due(frequency: int, iteration: int, iterations: int, schedule: str = "periodic") -> bool:
@@ -60,12 +49,16 @@ def submit_next_rollouts(
     if not config.rollout.async_rollouts or runtime is None or attempt or iteration + 1 >= config.run.iterations:
         return None
     layout = run.layout()
-    if all(layout.step(iteration, update_step_name(p)).is_committed() for p in policies):
+    if all(layout.step(iteration, StepName.UPDATE.folder(p)).is_committed() for p in policies):
         return None
-    if layout.step(iteration + 1, "rollouts").is_committed():
+    if layout.step(iteration + 1, StepName.ROLLOUTS).is_committed():
         return None
-    name = f"collect_rollouts[iter-{iteration + 1}, ahead]"
-    return collect_rollouts.with_options(task_run_name=name).submit(run, iteration + 1, runtime, ahead=True)
+    name = task_run_name(StepName.ROLLOUTS, iteration + 1, ahead=True)
+    return (
+        TASKS[StepName.ROLLOUTS]
+        .with_options(task_run_name=name)
+        .submit(run, iteration + 1, runtime=runtime, ahead=True)
+    )
 
 
 def wait_next_rollouts(future: Any, iteration: int, update_started: float, update_ended: float) -> dict[str, float]:
@@ -97,59 +90,69 @@ def wait_next_rollouts(future: Any, iteration: int, update_started: float, updat
     return {"next_rollouts_s": end - begin, "overlap_s": overlap, "update_s": update_ended - update_started}
 
 
+def step_runs(
+    step: StepDef, ctx: IterationContext, config: ExperimentConfig, validate_now: bool, servers: bool
+) -> bool:
+    """Whether this attempt runs ``step``: it comes at or after ``from_step``, what it needs is there, and it is due.
+
+    The baseline only before a run's first iteration; sync whenever servers run (rollouts or validation
+    follow on them); validation when due."""
+    if not ctx.runs(step.name) or (step.needs_servers and not servers):
+        return False
+    if step.name is StepName.BASELINE:
+        return baseline_due(config, ctx.iteration, ctx.attempt)
+    if step.name is StepName.SYNC:
+        return ctx.first is StepName.ROLLOUTS or validate_now
+    if step.name is StepName.VALIDATION:
+        return validate_now
+    return True
+
+
 @flow(name="iteration", flow_run_name="{run.run_id} iter-{iteration}", log_prints=True)
 def iteration(
-    run: RunRef, iteration: int, attempt: int = 0, from_step: str = "rollouts", validate_now: bool | None = None
+    run: RunRef, iteration: int, attempt: int = 0, from_step: str = StepName.ROLLOUTS, validate_now: bool | None = None
 ) -> dict[str, Any]:
-    """Run (or resume, or re-run from ``from_step``) one iteration of ``run``."""
+    """Run (or resume, or re-run from ``from_step``) one iteration of ``run``: the pipeline's steps in order."""
     flow_started = time.perf_counter()
     logger = get_run_logger()
     config = load_run_config(run, iteration, attempt)
-    first = STEP_ORDER.index(step_kind(from_step))
+    ctx = IterationContext(run.layout(), iteration, attempt, from_step if attempt else StepName.ROLLOUTS)
     due = validation_due(config.validation.frequency, iteration, config.run.iterations, config.validation.schedule)
     validate_now = due if validate_now is None else validate_now
-    needs_servers = first == 0 or validate_now
     policies = list(dict.fromkeys(a.policy for a in config.agents))
     outcomes: dict[str, Any] = {}
     durations: dict[str, float] = {}
-
-    def timed(name: str, fn, *args, **kwargs) -> Any:
-        started = time.perf_counter()
-        result = value(fn(*args, **kwargs))
-        durations[name] = time.perf_counter() - started
-        outcomes[name] = result
-        return result
+    args = {"run": run, "iteration": iteration, "attempt": attempt, "from_step": ctx.from_step}
 
     with ExitStack() as stack:
         runtime = active_runtime(run.run_id)
-        if runtime is None and needs_servers:
+        if runtime is None and (ctx.first is StepName.ROLLOUTS or validate_now):
             logger.info("no running servers for %s in this process: starting them for this iteration", run.run_id)
             runtime = stack.enter_context(Runtime(config, run.run_id))
         upstream: Any = None
-        if first == 0 and baseline_due(config, iteration, attempt):
-            timed("baseline", validate_baseline, run, iteration, runtime)
-        if first == 0:
-            upstream = timed("rollouts", collect_rollouts, run, iteration, runtime)
-        if first <= STEP_ORDER.index("filtered"):
-            upstream = timed("filtered", filter_and_group, run, iteration, attempt, from_step, upstream)
-        if first <= STEP_ORDER.index("advantages"):
-            upstream = timed("advantages", compute_advantages, run, iteration, attempt, from_step, upstream)
-        if first <= STEP_ORDER.index("update"):
-            ahead = submit_next_rollouts(config, run, iteration, attempt, runtime, policies)
-            update_started = time.time()
-            updated = [
-                timed(f"update-{p}", update_policy, run, iteration, attempt, from_step, p, runtime, upstream)
-                for p in policies
-            ]
-            upstream = updated
+        for step in PIPELINE:
+            if step.name is StepName.REPORT:
+                break
+            if not step_runs(step, ctx, config, validate_now, servers=runtime is not None):
+                continue
+            ahead = (
+                submit_next_rollouts(config, run, iteration, attempt, runtime, policies) if step.per_policy else None
+            )
+            step_started, results = time.time(), []
+            for policy in policies if step.per_policy else [None]:
+                label = step.name.folder(policy)
+                started = time.perf_counter()
+                task = TASKS[step.name]
+                if policy:  # update[shared]: one task run per policy
+                    task = task.with_options(task_run_name=task_run_name(step.name, iteration, policy))
+                result = value(task(**args, runtime=runtime, policy=policy, upstream=upstream))
+                durations[label], outcomes[label] = time.perf_counter() - started, result
+                results.append(result)
+            upstream = results if step.per_policy else results[0]
             if ahead is not None:  # the weights may change only once the next rollouts are complete
                 started = time.perf_counter()
-                outcomes["async"] = wait_next_rollouts(ahead, iteration, update_started, time.time())
+                outcomes["async"] = wait_next_rollouts(ahead, iteration, step_started, time.time())
                 durations["wait_next_rollouts"] = time.perf_counter() - started
-        if runtime is not None and (first == 0 or validate_now):
-            upstream = timed("sync", sync_weights, run, iteration, attempt, from_step, runtime, upstream)
-        if validate_now and runtime is not None:
-            timed("validation", validate, run, iteration, attempt, from_step, runtime, upstream)
-        iteration_s = time.perf_counter() - flow_started
-        summary = report_iteration(run, iteration, attempt, from_step, outcomes, durations, iteration_s)
+        inputs = {"outcomes": outcomes, "durations": durations, "iteration_s": time.perf_counter() - flow_started}
+        summary = value(TASKS[StepName.REPORT](**args, report_inputs=inputs, upstream=upstream))
     return {"iteration": iteration, "attempt": attempt, "report": summary["uri"], "metrics": summary["metrics"]}

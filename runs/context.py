@@ -10,21 +10,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pettingflow.storage import RunLayout, Step
+from pettingflow.storage import RunLayout, Step, StepName
+from pettingflow.storage.layout import step_kind
 
-STEP_ORDER = ("rollouts", "filtered", "advantages", "update", "sync", "validation", "report")
-# the base weights' validation (``validation.at_start``): iteration 0 only, before its rollouts; a step of the
-# run, not of an attempt, so a re-run never writes one and always reads the original's
-BASELINE_STEP = "baseline"
-
-
-def step_kind(name: str) -> str:
-    """``update-<policy>`` steps, and the ``optimizer-<policy>`` snapshots written after them in the background,
-    share the position of ``update``."""
-    kind = "update" if name.startswith(("update-", "optimizer-")) else name
-    if kind not in STEP_ORDER:
-        raise ValueError(f"unknown step {name!r}; steps are {', '.join(STEP_ORDER)} (update as update-<policy>)")
-    return kind
+#: the steps of an attempt, in order (``baseline`` is the run's, before iteration 0: a re-run never writes one and
+#: always reads the original's)
+STEP_ORDER = tuple(step for step in StepName if step is not StepName.BASELINE)
+BASELINE_STEP = StepName.BASELINE  # kept until steps/rollouts.py names StepName itself
+__all__ = ["BASELINE_STEP", "STEP_ORDER", "IterationContext", "step_kind"]
 
 
 @dataclass(frozen=True)
@@ -34,21 +27,35 @@ class IterationContext:
     layout: RunLayout
     iteration: int
     attempt: int = 0
-    from_step: str = "rollouts"
+    from_step: str = StepName.ROLLOUTS
 
     def __post_init__(self) -> None:
-        step_kind(self.from_step)
-        if self.attempt == 0 and self.from_step != "rollouts":
+        first = step_kind(self.from_step)
+        if first is StepName.BASELINE:
+            raise ValueError("the baseline is the run's, not an attempt's: re-run from a step after rollouts")
+        if self.attempt == 0 and first is not StepName.ROLLOUTS:
             raise ValueError("attempt 0 is the original iteration; a re-run from a later step needs attempt >= 1")
-        if self.attempt > 0 and self.from_step == "rollouts":
-            raise ValueError("a re-run reuses stored rollouts: from_step must come after 'rollouts'")
+        if self.attempt > 0 and first is StepName.ROLLOUTS:
+            raise ValueError(f"a re-run reuses stored rollouts: from_step must come after '{StepName.ROLLOUTS}'")
+
+    @property
+    def first(self) -> StepName:
+        """The step this attempt starts at (the steps before it are read from the original)."""
+        return step_kind(self.from_step)
+
+    def runs(self, step: StepName) -> bool:
+        """Whether this attempt runs ``step`` (it comes at or after ``from_step``); the baseline is iteration 0's
+        and belongs to the original attempt."""
+        if step is StepName.BASELINE:
+            return self.attempt == 0 and self.first is StepName.ROLLOUTS
+        return STEP_ORDER.index(step) >= STEP_ORDER.index(self.first)
 
     def step(self, name: str) -> Step:
-        """The folder of step ``name`` as this attempt sees it."""
-        if name == BASELINE_STEP:
+        """The folder of step ``name`` (``update-<policy>`` for an update) as this attempt sees it."""
+        kind = step_kind(name)
+        if kind is StepName.BASELINE:
             return self.layout.step(self.iteration, name)
-        own = STEP_ORDER.index(step_kind(name)) >= STEP_ORDER.index(step_kind(self.from_step))
-        return self.layout.step(self.iteration, name, attempt=self.attempt if own else None)
+        return self.layout.step(self.iteration, name, attempt=self.attempt if self.runs(kind) else None)
 
     @property
     def label(self) -> str:

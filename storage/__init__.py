@@ -7,7 +7,7 @@ from pettingflow.storage.commits import (
     StepAlreadyCommittedError,
     StepNotCommittedError,
 )
-from pettingflow.storage.layout import RunLayout, list_runs, new_run_id
+from pettingflow.storage.layout import RunLayout, StepName, list_runs, new_run_id
 from pettingflow.storage.schema import SCHEMA_VERSION, TRAJECTORY_SCHEMA, SchemaError, trajectories_to_table
 from pettingflow.storage.trajectories import (
     TrajectoryShards,
@@ -25,6 +25,7 @@ __all__ = [
     "SchemaError",
     "Step",
     "StepAlreadyCommittedError",
+    "StepName",
     "StepNotCommittedError",
     "TrajectoryShards",
     "list_runs",

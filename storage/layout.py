@@ -10,6 +10,7 @@ import datetime as dt
 import json
 import re
 import secrets
+from enum import StrEnum
 from typing import Any
 
 import fsspec
@@ -17,9 +18,50 @@ import fsspec
 from pettingflow.storage.commits import Step
 from pettingflow.storage.fs import filesystem, join, uri_of, write_bytes_atomic
 
-UPDATE_STEP_PREFIX = "update-"  # + policy name: the step holding that policy's checkpoint
+
+
+class StepName(StrEnum):
+    """The steps of an iteration, in the order they run, each named once: the folder it commits
+    (``iter-<k>/<name>/``), its Prefect task, its metrics prefix and its name in docs and on the command line.
+
+    ``baseline`` scores the base weights before iteration 0 (a step of the run, never of a re-run's attempt);
+    ``update`` is one step per policy (``update-<policy>``), and ``optimizer`` the optimizer snapshot written after
+    a policy's update, off the critical path (``optimizer-<policy>``), which takes the update's place in the order.
+    The pipeline (``tasks/pipeline.py``) says what each step reads, runs and retries.
+    """
+
+    BASELINE = "baseline"
+    ROLLOUTS = "rollouts"
+    FILTERED = "filtered"
+    ADVANTAGES = "advantages"
+    UPDATE = "update"
+    SYNC = "sync"
+    VALIDATION = "validation"
+    REPORT = "report"
+
+    def folder(self, policy: str | None = None) -> str:
+        """The step's folder name: ``update-<policy>`` for the per-policy update, else the name itself."""
+        if self is StepName.UPDATE:
+            if not policy:
+                raise ValueError("the update step is per policy: say which (update-<policy>)")
+            return f"{UPDATE_STEP_PREFIX}{policy}"
+        return self.value
+
+
+UPDATE_STEP_PREFIX = f"{StepName.UPDATE}-"  # + policy name: the step holding that policy's checkpoint
 # + policy name: an optimizer snapshot written after that policy's update, off the critical path
 OPTIMIZER_STEP_PREFIX = "optimizer-"
+
+
+def step_kind(folder: str) -> StepName:
+    """The step a folder name belongs to: ``update-<policy>`` and ``optimizer-<policy>`` are the update's."""
+    if folder.startswith((UPDATE_STEP_PREFIX, OPTIMIZER_STEP_PREFIX)):
+        return StepName.UPDATE
+    try:
+        return StepName(folder)
+    except ValueError:
+        names = ", ".join(StepName)
+        raise ValueError(f"unknown step {folder!r}; steps are {names} (update as update-<policy>)") from None
 _ITER = re.compile(r"^iter-(\d+)$")
 _ATTEMPT = re.compile(r"^attempt-(\d+)$")
 _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")

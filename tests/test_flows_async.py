@@ -79,7 +79,7 @@ def test_async_rollouts_keep_the_lag_bound_under_random_timing(tmp_path, prefect
         assert 0 <= report["async/overlap_s"] <= min(report["async/next_rollouts_s"], report["async/update_s"]) + 1e-6
     assert not any(k.startswith("async/") for k in layout.step(ITERATIONS - 1, "report").read_json("metrics.json"))
     names = task_run_names(state.state_details.flow_run_id)
-    assert {f"collect_rollouts[iter-{k}, ahead]" for k in range(1, ITERATIONS)} <= set(names)
+    assert {f"rollouts[iter-{k}, ahead]" for k in range(1, ITERATIONS)} <= set(names)
 
     # resume: every step is committed; nothing is collected again, no row is added
     before = {k: layout.step(k, "rollouts").manifest().rows for k in range(ITERATIONS)}

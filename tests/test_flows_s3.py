@@ -124,8 +124,8 @@ def test_run_on_s3_completes_resumes_after_a_crash_and_reruns(
     rows = read_step_trajectories(layout.step(1, "rollouts"))
     assert rows.num_rows == sum(f.rows for f in committed[(1, "rollouts")])
     messages = flow_run_task_states(again.state_details.flow_run_id)
-    assert all("already committed" in m for m in messages["collect_rollouts"])
-    assert sum("already committed" in m for m in messages["update_policy[shared]"]) == 1  # iteration 0's
+    assert all("already committed" in m for m in messages["rollouts"])
+    assert sum("already committed" in m for m in messages["update[shared]"]) == 1  # iteration 0's
     # the bucket holds exactly the files the marker lists (the crashed attempt's upload was cleared first)
     manifest = layout.step(1, "update-shared").manifest()
     assert bucket_keys(s3_endpoint, update1) == sorted([update1 + MARKER, *(update1 + f.name for f in manifest.files)])

@@ -461,7 +461,7 @@ def test_kill_matrix(stack, tmp_path, vllm_server, default_model_dir, restore_ba
     state, counts, messages = flow_runs_of(stack.env, flow_run_id)
     assert state == "COMPLETED", (state, counts)
     if points:  # the resume skipped what the crashed attempts committed, and says so in the UI
-        assert any("already committed" in m for m in messages["collect_rollouts"]), messages
+        assert any("already committed" in m for m in messages["rollouts"]), messages
     final = markers(layout)
     for (point, step, committed, crashed_at), row in zip(snapshots, rows, strict=True):
         kept = [k for k, v in committed.items() if final.get(k) == v]
@@ -485,13 +485,13 @@ def test_kill_matrix(stack, tmp_path, vllm_server, default_model_dir, restore_ba
         assert layout.step(0, "rollouts").manifest().metadata["groups_resumed"] >= 1
     if can_restart_vllm:  # iteration 1's collection failed while the server was down, then was retried
         counts = flow_runs_of(stack.env, clean_id)[1]
-        assert counts["collect_rollouts"] >= 2, counts
+        assert counts["rollouts"] >= 2, counts
         resumed = layout.step(1, "rollouts").manifest().metadata["groups_resumed"]
         rows.append(
             {
                 "point": "vLLM server SIGKILLed (iteration 1, requests running)",
                 "killed": "the vLLM server's process group (restarted on its port)",
-                "redone": f"collect_rollouts attempts: {counts['collect_rollouts']} (server back after "
+                "redone": f"rollouts attempts: {counts['rollouts']} (server back after "
                 f"{vllm_back_s:.0f} s)",
                 "kept": f"iteration 0; {resumed} of {TASKS} groups of iteration 1 (committed before the kill)",
                 "result": "the task's retry completed the rollouts",
