@@ -19,6 +19,7 @@ from pettingflow.runs.context import BASELINE_STEP, STEP_ORDER
 from pettingflow.runs.run import format_change
 from pettingflow.steps.report import REPORT_STEP, stored_warnings
 from pettingflow.storage import RunLayout, list_runs, read_step_trajectories
+from pettingflow.storage.layout import StepName
 
 
 def run_rows(root: str, storage_options: dict[str, Any] | None = None) -> list[dict[str, Any]]:
@@ -47,7 +48,7 @@ def run_rows(root: str, storage_options: dict[str, Any] | None = None) -> list[d
 def step_status(layout: RunLayout, iteration: int) -> dict[str, str]:
     """Each step of an iteration (attempt 0): committed, or missing."""
     status = {}
-    names = [n for n in STEP_ORDER if n != "update"]
+    names = [n for n in STEP_ORDER if n is not StepName.UPDATE]
     if layout.fs.exists(layout.step(iteration, BASELINE_STEP).path):  # iteration 0 with validation.at_start
         names.insert(0, BASELINE_STEP)
     names += layout.update_steps(iteration) + layout.optimizer_steps(iteration)
@@ -166,7 +167,7 @@ def _headline(metric: str) -> bool:
 
 
 def trajectories_table(
-    layout: RunLayout, iteration: int, agent: str | None, limit: int, step: str = "rollouts"
+    layout: RunLayout, iteration: int, agent: str | None, limit: int, step: str = StepName.ROLLOUTS
 ) -> Table:
     """A readable table of one iteration's samples: who, reward, mask summary, response start."""
     data = read_step_trajectories(layout.step(iteration, step), agent=agent)
@@ -195,7 +196,7 @@ def episode_outcome(row: dict[str, Any]) -> str:
 
 
 def episode_text(
-    layout: RunLayout, iteration: int, episode: int, step: str = "rollouts", prompts: bool = True
+    layout: RunLayout, iteration: int, episode: int, step: str = StepName.ROLLOUTS, prompts: bool = True
 ) -> list[str]:
     """One episode (``rollout_idx``) turn by turn, in full: who acted, reward and success, model/env tokens,
     the UID and the weights that sampled it, the prompt (``prompts``) and the whole response; the advantage
@@ -253,7 +254,7 @@ def summary_lines(layout: RunLayout, ui: str | None = None, flow_run_id: str | N
     lines = [f"run {layout.run_id}", f"  data:         {layout.run_uri}"]
     if iters:
         k = iters[-1]
-        lines.append(f"  trajectories: {layout.step(k, 'rollouts').uri}/part-*.parquet")
+        lines.append(f"  trajectories: {layout.step(k, StepName.ROLLOUTS).uri}/part-*.parquet")
         lines.append(f"  inspect:      pettingflow trajectories show {layout.run_id} --iteration {k}")
         updates = [
             layout.step(k, n).uri
@@ -281,7 +282,7 @@ class Span:
 
 
 # report ``duration/<name>_s`` -> step folder; the report itself is drawn where its marker was written
-_TIMED_STEPS = ("baseline", "filtered", "advantages", "sync", "validation")
+_TIMED_STEPS = (StepName.BASELINE, StepName.FILTERED, StepName.ADVANTAGES, StepName.SYNC, StepName.VALIDATION)
 
 
 def timeline_spans(layout: RunLayout) -> list[Span]:
@@ -300,11 +301,11 @@ def timeline_spans(layout: RunLayout) -> list[Span]:
         ahead = bool(
             previous and previous.is_committed() and "async/next_rollouts_s" in previous.read_json("metrics.json")
         )
-        rollouts = layout.step(k, "rollouts")
+        rollouts = layout.step(k, StepName.ROLLOUTS)
         if rollouts.is_committed():
             meta = rollouts.manifest().metadata
             if meta.get("started_at") is not None and meta.get("finished_at") is not None:
-                label = "rollouts (ahead)" if ahead else "rollouts"
+                label = f"{StepName.ROLLOUTS} (ahead)" if ahead else StepName.ROLLOUTS
                 spans.append(Span(k, label, float(meta["started_at"]), float(meta["finished_at"])))
         updates_end = None
         for name in [*_TIMED_STEPS, *_update_steps(layout, k)]:

@@ -19,6 +19,7 @@ from pettingflow.analysis.stats import first_last_mean, paired_arm_difference, p
 from pettingflow.rollout import records
 from pettingflow.steps.report import history
 from pettingflow.storage import RunLayout
+from pettingflow.storage.layout import StepName
 
 
 @dataclass
@@ -130,7 +131,7 @@ def revisited_train_tasks(layout: RunLayout, agent: str = HEADLINE_AGENT) -> dic
     config = load_run_config(RunRef(root=layout.root, run_id=layout.run_id, storage_options=layout.storage_options))
     visits: dict[str, list[list[bool]]] = {}
     for k in layout.iterations():
-        step = layout.step(k, "rollouts")
+        step = layout.step(k, StepName.ROLLOUTS)
         if not step.is_committed():
             continue
         cols = ["env_idx", "sample_idx", "turn_idx", "agent_name", "success"]
@@ -241,7 +242,7 @@ def read_trajectories_of(layout: RunLayout) -> list[dict[str, Any]]:
     """The validation rows of an ``evaluate`` run (the columns the scores need)."""
     from pettingflow.storage import read_step_trajectories
 
-    table = read_step_trajectories(layout.step(0, "validation"))
+    table = read_step_trajectories(layout.step(0, StepName.VALIDATION))
     return table.select(["env_idx", "sample_idx", "turn_idx", "agent_name", "success", "reward"]).to_pylist()
 
 

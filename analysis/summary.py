@@ -20,17 +20,25 @@ from typing import Any
 from pettingflow.runs.context import BASELINE_STEP
 from pettingflow.steps.report import REPORT_STEP, history, stored_warnings
 from pettingflow.storage import RunLayout, read_step_trajectories
+from pettingflow.storage.layout import UPDATE_STEP_PREFIX, StepName
 
 # report duration keys -> the phase they count in
 _PHASES = {
-    "rollouts": "rollouts",
-    "filtered": "filter + advantages",
-    "advantages": "filter + advantages",
-    "sync": "weight sync",
-    "baseline": "validation",
-    "validation": "validation",
+    StepName.ROLLOUTS: str(StepName.ROLLOUTS),
+    StepName.FILTERED: "filter + advantages",
+    StepName.ADVANTAGES: "filter + advantages",
+    StepName.SYNC: "weight sync",
+    StepName.BASELINE: str(StepName.VALIDATION),
+    StepName.VALIDATION: str(StepName.VALIDATION),
 }
-PHASE_ORDER = ("rollouts", "filter + advantages", "update", "weight sync", "validation", "other")
+PHASE_ORDER = (
+    str(StepName.ROLLOUTS),
+    "filter + advantages",
+    str(StepName.UPDATE),
+    "weight sync",
+    str(StepName.VALIDATION),
+    "other",
+)
 
 
 @dataclass
@@ -98,7 +106,7 @@ def summarize_run(layout: RunLayout) -> RunSummary:
             if not key.startswith("duration/") or key == "duration/iteration_before_report_s":
                 continue
             name = key.removeprefix("duration/").removesuffix("_s")
-            phase = "update" if name.startswith("update-") else _PHASES.get(name, "other")
+            phase = str(StepName.UPDATE) if name.startswith(UPDATE_STEP_PREFIX) else _PHASES.get(name, "other")
             phases[phase] += float(seconds)
             timed += float(seconds)
         total = float(report.get("duration/iteration_before_report_s", timed))
@@ -126,14 +134,16 @@ def _heldout(layout: RunLayout, iterations: list[int]) -> tuple[HeldOut | None, 
     baseline = layout.step(0, BASELINE_STEP)
     if not baseline.is_committed():
         return None, "no baseline (validation.at_start is off, or validation.frequency is 0)"
-    validated = [k for k in iterations if layout.step(k, "validation").is_committed()]
+    validated = [k for k in iterations if layout.step(k, StepName.VALIDATION).is_committed()]
     if not validated:
         return None, "no validation after an update yet"
     last = validated[-1]
     agent = outcome_agent(validate_config(layout.read_run_info()["config"], source=f"{layout.run_uri}/run.json"))
     columns = ["env_idx", "sample_idx", "turn_idx", "agent_name", "success"]
     before = final_successes(read_step_trajectories(baseline).select(columns).to_pylist(), agent)
-    after = final_successes(read_step_trajectories(layout.step(last, "validation")).select(columns).to_pylist(), agent)
+    after = final_successes(
+        read_step_trajectories(layout.step(last, StepName.VALIDATION)).select(columns).to_pylist(), agent
+    )
     if not before or not after:
         return None, f"the held-out episodes have no turn of {agent!r}"
     paired = paired_bootstrap(before, after)

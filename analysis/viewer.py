@@ -20,10 +20,11 @@ from typing import Any
 from pettingflow.analysis.inspect import episode_outcome
 from pettingflow.steps.report import REPORT_STEP
 from pettingflow.storage import RunLayout, read_step_trajectories
+from pettingflow.storage.layout import StepName
 
 ROW_KEY = ("rollout_idx", "turn_idx", "agent_idx", "branch_idx")
 DEFAULT_PORT = 8765
-VIEW_STEPS = ("rollouts", "validation", "baseline")
+VIEW_STEPS = (StepName.ROLLOUTS, StepName.VALIDATION, StepName.BASELINE)
 TokenDecoder = Callable[[str, Sequence[int]], list[str] | None]
 
 
@@ -103,8 +104,8 @@ def advantage_index(layout: RunLayout, iteration: int, attempt: int) -> tuple[di
                 return step
         return None
 
-    advantages = committed("advantages")
-    filtered = committed("filtered")
+    advantages = committed(StepName.ADVANTAGES)
+    filtered = committed(StepName.FILTERED)
     adv = None
     if advantages is not None:
         table = read_step_trajectories(advantages)
@@ -142,7 +143,7 @@ def load_episodes(
     layout: RunLayout,
     iteration: int,
     attempt: int = 0,
-    step: str = "rollouts",
+    step: str = StepName.ROLLOUTS,
     decode: TokenDecoder | None = None,
     episode: int | None = None,
 ) -> list[Episode]:
@@ -157,7 +158,7 @@ def load_episodes(
     table = read_step_trajectories(layout.step(iteration, step))
     if episode is not None:
         table = table.filter(pc.equal(table.column("rollout_idx"), episode))
-    adv, kept = advantage_index(layout, iteration, attempt) if step == "rollouts" else (None, None)
+    adv, kept = advantage_index(layout, iteration, attempt) if step == StepName.ROLLOUTS else (None, None)
     scale = max((abs(v) for v in adv.values()), default=0.0) if adv else 0.0
     by_episode: dict[int, list[dict[str, Any]]] = {}
     for row in table.to_pylist():
@@ -259,7 +260,7 @@ def compare_attempts(layout: RunLayout, iteration: int, a: int, b: int) -> dict[
     adv_a, kept_a = advantage_index(layout, iteration, a)
     adv_b, kept_b = advantage_index(layout, iteration, b)
     rows = read_step_trajectories(
-        layout.step(iteration, "rollouts"), columns=[*ROW_KEY, "agent_name", "reward"]
+        layout.step(iteration, StepName.ROLLOUTS), columns=[*ROW_KEY, "agent_name", "reward"]
     ).to_pylist()
     pairs = []
     for row in sorted(rows, key=_key):

@@ -28,6 +28,7 @@ from pettingflow.analysis.viewer import (
     run_overview,
 )
 from pettingflow.storage import RunLayout, StepNotCommittedError
+from pettingflow.storage.layout import StepName
 
 log = logging.getLogger(__name__)
 TEMPLATES = Path(__file__).parent / "templates"
@@ -95,7 +96,7 @@ def create_app(layout: RunLayout, decode: TokenDecoder | None = None) -> Any:
         request: Request,
         k: int,
         attempt: int = 0,
-        step: str = "rollouts",
+        step: str = StepName.ROLLOUTS,
         agent: str = "",
         env: str = "",
         outcome: str = "",
@@ -133,7 +134,7 @@ def create_app(layout: RunLayout, decode: TokenDecoder | None = None) -> Any:
         )
 
     @app.get("/episode/{k}/{e}", response_class=HTMLResponse)
-    def episode(request: Request, k: int, e: int, attempt: int = 0, step: str = "rollouts") -> HTMLResponse:
+    def episode(request: Request, k: int, e: int, attempt: int = 0, step: str = StepName.ROLLOUTS) -> HTMLResponse:
         try:
             found = load_episodes(layout, k, attempt, step, decode=decoder, episode=e)
         except (StepNotCommittedError, FileNotFoundError, ValueError) as exc:

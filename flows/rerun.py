@@ -22,6 +22,7 @@ from prefect.artifacts import create_markdown_artifact
 from pettingflow import __version__
 from pettingflow.flows.iteration import iteration as iteration_flow
 from pettingflow.runs.run import RunRef, format_change, rerun_config
+from pettingflow.storage.layout import StepName
 from pettingflow.tasks.report import artifact_key
 
 
@@ -29,7 +30,7 @@ from pettingflow.tasks.report import artifact_key
 def rerun(
     run_id: str,
     iteration: int,
-    from_step: str = "filtered",
+    from_step: str = StepName.FILTERED,
     root: str = "./outputs",
     storage_options: dict[str, Any] | None = None,
     with_validation: bool = False,
@@ -42,7 +43,7 @@ def rerun(
     ref = RunRef(root=root, run_id=run_id, storage_options=storage_options or {})
     layout = ref.layout()
     layout.read_run_info()  # a clear error when the run does not exist
-    if not layout.step(iteration, "rollouts").is_committed():
+    if not layout.step(iteration, StepName.ROLLOUTS).is_committed():
         raise FileNotFoundError(
             f"iteration {iteration} of run {run_id} has no committed rollouts under {layout.run_uri}; "
             "nothing to re-run from"

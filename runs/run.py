@@ -19,6 +19,7 @@ from pettingflow.configs.loader import ConfigError, parse_override, validate_con
 from pettingflow.configs.settings import ExperimentConfig
 from pettingflow.runs.context import STEP_ORDER, step_kind
 from pettingflow.storage import RunLayout, new_run_id
+from pettingflow.storage.layout import StepName
 from pettingflow.storage.run_index import record_run
 
 
@@ -88,9 +89,9 @@ RERUN_SECTIONS = ("algorithm", "training", "validation")
 # overrides read by one step only: a re-run that starts after that step reuses the original's output, so the
 # override would silently change nothing
 _READ_BY_STEP = {
-    "algorithm.filter_method": "filtered",
-    "algorithm.filter_ratio": "filtered",
-    "algorithm.advantage_estimator": "advantages",
+    "algorithm.filter_method": StepName.FILTERED,
+    "algorithm.filter_ratio": StepName.FILTERED,
+    "algorithm.advantage_estimator": StepName.ADVANTAGES,
 }
 
 
@@ -99,7 +100,7 @@ class RerunOverrideError(ValueError):
 
 
 def rerun_config(
-    ref: RunRef, overrides: list[str] | tuple[str, ...] = (), from_step: str = "filtered"
+    ref: RunRef, overrides: list[str] | tuple[str, ...] = (), from_step: str = StepName.FILTERED
 ) -> tuple[ExperimentConfig, list[dict[str, Any]]]:
     """The config a re-run from ``from_step`` runs under, and what it changes versus ``run.json``.
 

@@ -31,6 +31,7 @@ from pettingflow.runs.context import IterationContext
 from pettingflow.runs.weights import start_version
 from pettingflow.steps.outcome import StepOutcome, already_done
 from pettingflow.storage import Manifest, read_step_trajectories, write_trajectories
+from pettingflow.storage.layout import StepName
 
 BATCH_KIND = b"batch"
 
@@ -157,24 +158,24 @@ def policy_batch(table: pa.Table, policy: str) -> pa.Table:
 
 def filter_step(ctx: IterationContext, config: ExperimentConfig) -> StepOutcome:
     """Apply the configured filter to the iteration's rollouts; commit the kept rows."""
-    out = ctx.step("filtered")
+    out = ctx.step(StepName.FILTERED)
     if done := already_done(out):
         return done
-    kept, metrics = filter_table(read_step_trajectories(ctx.step("rollouts")), config)
+    kept, metrics = filter_table(read_step_trajectories(ctx.step(StepName.ROLLOUTS)), config)
     manifest = write_trajectories(out, kept, metadata=metrics)
-    return StepOutcome("filtered", out.uri, manifest.rows, False, metrics)
+    return StepOutcome(StepName.FILTERED, out.uri, manifest.rows, False, metrics)
 
 
 def advantage_step(ctx: IterationContext, config: ExperimentConfig) -> StepOutcome:
     """GRPO-style advantages within UID groups, written as one batch file per policy."""
-    out = ctx.step("advantages")
+    out = ctx.step(StepName.ADVANTAGES)
     if done := already_done(out):
         return done
     # every row of the episodes: returns (gamma > 0) need the ones the filter removed, and so does the check
     # that the batch carries a learning signal (how the groups' rewards differed before the filter)
-    rollouts = read_step_trajectories(ctx.step("rollouts"))
+    rollouts = read_step_trajectories(ctx.step(StepName.ROLLOUTS))
     episodes = rollouts if config.algorithm.gamma > 0 else None
-    table = with_advantages(read_step_trajectories(ctx.step("filtered")), config, episodes)
+    table = with_advantages(read_step_trajectories(ctx.step(StepName.FILTERED)), config, episodes)
     signal = learning_signal(rollouts, config)
     policies = [p.name for p in config.policies]
     metrics: dict[str, Any] = {
@@ -209,7 +210,7 @@ def advantage_step(ctx: IterationContext, config: ExperimentConfig) -> StepOutco
                     policy, spread, rows_before, part.num_rows, config.algorithm.filter_method
                 )
     manifest: Manifest = out.commit(metrics)
-    return StepOutcome("advantages", out.uri, manifest.rows, False, metrics)
+    return StepOutcome(StepName.ADVANTAGES, out.uri, manifest.rows, False, metrics)
 
 
 def learning_signal(rollouts: pa.Table, config: ExperimentConfig) -> dict[str, tuple[GroupSpread, int]]:

@@ -20,10 +20,11 @@ from pettingflow.faults import maybe_crash
 from pettingflow.paths import home
 from pettingflow.runs.context import IterationContext
 from pettingflow.storage import RunLayout, StepNotCommittedError, read_step_trajectories
+from pettingflow.storage.layout import StepName
 
 log = logging.getLogger(__name__)
 
-REPORT_STEP = "report"
+REPORT_STEP = StepName.REPORT
 
 
 def flatten(prefix: str, value: Any, out: dict[str, float]) -> None:
@@ -44,17 +45,17 @@ def iteration_metrics(
     account for is Prefect's and the flow's own cost (``orchestration/...``), visible per iteration.
     """
     flat: dict[str, float] = {}
-    rollout = (outcomes.get("rollouts") or {}).get("metrics") or {}
+    rollout = (outcomes.get(StepName.ROLLOUTS) or {}).get("metrics") or {}
     for agent, values in (rollout.get("agents") or {}).items():
         flatten(f"rollout/{agent}", values, flat)
     for key in ("tokens_generated", "tokens_per_s", "episodes", "wall_s", "llm_s", "env_s"):
         if key in rollout:
             flat[f"rollout/{key}"] = float(rollout[key])
-    filtered = (outcomes.get("filtered") or {}).get("metrics") or {}
+    filtered = (outcomes.get(StepName.FILTERED) or {}).get("metrics") or {}
     for key in ("rows_in", "rows_kept", "removed_samples", "removed_groups"):
         if key in filtered:
             flat[f"filter/{key}"] = float(filtered[key])
-    advantages = (outcomes.get("advantages") or {}).get("metrics") or {}
+    advantages = (outcomes.get(StepName.ADVANTAGES) or {}).get("metrics") or {}
     for policy, values in (advantages.get("policies") or {}).items():  # is there anything to learn from?
         for key in ("nonzero_advantage_rows", "groups", "groups_varied"):
             if key in values:
@@ -64,7 +65,7 @@ def iteration_metrics(
     for name, outcome in outcomes.items():
         if name.startswith("update-") and outcome:
             flatten(name.replace("update-", "update/", 1), (outcome.get("metrics") or {}).get("metrics", {}), flat)
-    for step in ("baseline", "validation"):  # baseline: the base weights, before iteration 0's update
+    for step in (StepName.BASELINE, StepName.VALIDATION):  # baseline: the base weights, before iteration 0's update
         scored = (outcomes.get(step) or {}).get("metrics") or {}
         for agent, values in (scored.get("agents") or {}).items():
             flatten(f"{step}/{agent}", values, flat)
@@ -88,7 +89,7 @@ def metrics_table(metrics: Mapping[str, float]) -> list[dict[str, Any]]:
 def sample_markdown(ctx: IterationContext, n_episodes: int = 2, max_chars: int = 1200) -> str:
     """The first ``n_episodes`` episodes of the iteration, each agent's prompt and response."""
     try:
-        table = read_step_trajectories(ctx.step("rollouts"))
+        table = read_step_trajectories(ctx.step(StepName.ROLLOUTS))
     except StepNotCommittedError:
         return "_no committed rollouts for this iteration_"
     rows = table.select(
@@ -228,7 +229,7 @@ def iteration_warnings(outcomes: Mapping[str, Any]) -> list[str]:
     """What a person must not miss about an iteration: each policy that had nothing to learn from."""
     from pettingflow.steps.batches import zero_signal_policies
 
-    advantages = (outcomes.get("advantages") or {}).get("metrics") or {}
+    advantages = (outcomes.get(StepName.ADVANTAGES) or {}).get("metrics") or {}
     return list(zero_signal_policies(advantages).values())
 
 

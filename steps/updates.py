@@ -33,7 +33,7 @@ from pettingflow.steps.batches import batch_file
 from pettingflow.steps.outcome import StepOutcome, already_done
 from pettingflow.storage.commits import FileEntry, Step
 from pettingflow.storage.fs import join, uri_of
-from pettingflow.storage.layout import OPTIMIZER_STEP_PREFIX
+from pettingflow.storage.layout import OPTIMIZER_STEP_PREFIX, StepName
 from pettingflow.training.launch import METRICS_FILE, rebase_outputs, run_update, spec_from_config
 from pettingflow.training.learner import UPLOADED_KEY
 
@@ -59,7 +59,7 @@ def update_step(
     if ctx.iteration > 0:  # a crash while it was written, found by a resume past that iteration
         k = ctx.iteration - 1
         discard_lost_snapshot(ctx.layout.step(k, optimizer_step_name(policy)), ctx.layout.step(k, name))
-    batches = ctx.step("advantages")
+    batches = ctx.step(StepName.ADVANTAGES)
     entry = next((f for f in batches.manifest().files if f.name == batch_file(policy)), None)
     if entry is None:
         raise FileNotFoundError(f"{batches.uri} has no {batch_file(policy)}: was {policy!r} in the config?")
@@ -282,7 +282,7 @@ def sync_step(ctx: IterationContext, config: ExperimentConfig, runtime: RunServi
     results = {}
     for policy in runtime.policies:
         results[policy] = runtime.serve(weights_after(ctx, config, policy))
-    step = ctx.step("sync")
+    step = ctx.step(StepName.SYNC)
     maybe_crash("sync:mid")  # kill matrix: servers synced, the step not committed
     if not step.is_committed():
         step.begin()

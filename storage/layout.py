@@ -19,7 +19,6 @@ from pettingflow.storage.commits import Step
 from pettingflow.storage.fs import filesystem, join, uri_of, write_bytes_atomic
 
 
-
 class StepName(StrEnum):
     """The steps of an iteration, in the order they run, each named once: the folder it commits
     (``iter-<k>/<name>/``), its Prefect task, its metrics prefix and its name in docs and on the command line.
@@ -38,6 +37,9 @@ class StepName(StrEnum):
     SYNC = "sync"
     VALIDATION = "validation"
     REPORT = "report"
+
+    def __repr__(self) -> str:  # messages quote a step as the user types it: 'filtered', not <StepName...>
+        return repr(self.value)
 
     def folder(self, policy: str | None = None) -> str:
         """The step's folder name: ``update-<policy>`` for the per-policy update, else the name itself."""
