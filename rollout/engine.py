@@ -20,6 +20,9 @@ episode, and the episode continues on the fork of the chosen candidate (``select
 are recorded (``TurnRecord.branch_idx``, ``continued``); they share the prompt, which is what makes them a
 GRPO group.
 
+An independent episode is the same turn loop with one candidate per turn that acts on the episode itself
+(no fork, nothing to choose): ``run_episode`` has one path for both.
+
 The engine never looks inside env state; it only records what each agent saw and produced.
 Episodes of all groups run concurrently on one event loop; the inference client bounds concurrent
 requests and the sandbox (local or a Ray pool) bounds concurrent code executions.
@@ -40,7 +43,7 @@ from typing import Any, Protocol
 
 from pettingflow.episode_context import episode_scope
 from pettingflow.rollout.chat import env_tokens_between
-from pettingflow.rollout.records import EpisodeRecord, TurnRecord, agent_scores
+from pettingflow.rollout.records import EpisodeId, EpisodeRecord, TurnRecord, agent_scores
 
 log = logging.getLogger(__name__)
 
@@ -73,15 +76,10 @@ class AgentBinding:
 
 @dataclass(frozen=True)
 class EpisodeSpec:
-    """One sample of one group: which task, which env, which seed."""
+    """One sample of one group: which episode (``id``: env, group, sample, seed), on which task, in which env."""
 
+    id: EpisodeId
     task: Any
-    env_name: str
-    env_idx: int
-    group_id: str
-    sample_idx: int
-    rollout_idx: int
-    seed: int
     make_env: Callable[[EpisodeSpec], Any]
 
 
@@ -106,18 +104,15 @@ def group_specs(
         seed = _derive_seed(base_seed, namespace, env_idx)
         group_id = f"g{env_idx}"  # unique within an iteration; rows also carry run_id and iteration
         for sample_idx in range(group_size):
-            specs.append(
-                EpisodeSpec(
-                    task=task,
-                    env_name=env_name(task) if callable(env_name) else env_name,
-                    env_idx=env_idx,
-                    group_id=group_id,
-                    sample_idx=sample_idx,
-                    rollout_idx=env_idx * group_size + sample_idx,
-                    seed=seed,
-                    make_env=make_env,
-                )
+            episode = EpisodeId(
+                env_name=env_name(task) if callable(env_name) else env_name,
+                env_idx=env_idx,
+                group_id=group_id,
+                sample_idx=sample_idx,
+                rollout_idx=env_idx * group_size + sample_idx,
+                seed=seed,
             )
+            specs.append(EpisodeSpec(id=episode, task=task, make_env=make_env))
     return specs
 
 
@@ -209,7 +204,9 @@ class ExecutionEngine:
             raise ValueError(f"tree_branches must be >= 1 (the candidates per turn), got {tree_branches}")
         if tree_select not in TREE_SELECT:
             raise ValueError(f"unknown tree selection {tree_select!r}; use one of {TREE_SELECT}")
-        self.tree_branches = tree_branches
+        # independent episodes are tree episodes of one candidate per turn that acts on the episode itself
+        self.branches = 1 if tree_branches is None else tree_branches
+        self.fork = tree_branches is not None
         self.tree_select = tree_select
         self.make_agents = make_agents
         self.bindings = bindings
@@ -228,16 +225,16 @@ class ExecutionEngine:
     # ------------------------------------------------------------------ one episode
     async def run_episode(self, spec: EpisodeSpec) -> EpisodeRecord:
         # the episode's requests (all its turns and branches) stay on one inference replica (inference/replicas.py)
-        with episode_scope(f"{spec.group_id}/{spec.sample_idx}"):
+        with episode_scope(f"{spec.id.group_id}/{spec.id.sample_idx}"):
             return await self._run_episode(spec)
 
     async def _run_episode(self, spec: EpisodeSpec) -> EpisodeRecord:
         env = spec.make_env(spec)
-        env.reset(spec.seed)
+        env.reset(spec.id.seed)
         agents = [a for a in self.make_agents() if _acts_in(a, env)]  # a mixed-env dataset: this env's team
         if not agents:
             raise ValueError(
-                f"no configured agent acts in {type(env).__name__} (task {spec.env_idx}); "
+                f"no configured agent acts in {type(env).__name__} (task {spec.id.env_idx}); "
                 "add that env to some agent's 'envs' in the config, or leave 'envs' empty"
             )
         for agent in agents:
@@ -245,20 +242,12 @@ class ExecutionEngine:
         missing = [a.name for a in agents if a.name not in self.bindings]
         if missing:
             raise KeyError(f"no inference binding for agents {missing}; bound: {sorted(self.bindings)}")
-        record = EpisodeRecord(
-            env_name=spec.env_name,
-            env_idx=spec.env_idx,
-            group_id=spec.group_id,
-            sample_idx=spec.sample_idx,
-            rollout_idx=spec.rollout_idx,
-            seed=spec.seed,
-        )
+        record = EpisodeRecord(spec.id, tree=self.fork)
         # per_episode: each agent's growing sequence and the messages behind it
         seq: dict[str, list[int]] = {}
         last_messages: dict[str, list[dict[str, str]]] = {}
         last_turn: dict[str, TurnRecord] = {}
 
-        record.tree = self.tree_branches is not None
         path_tokens = 0  # tokens of the episode's path: what the budget bounds (tree: the continued candidates)
         out_of_budget = False
         for turn in range(self.max_turns):
@@ -276,61 +265,39 @@ class ExecutionEngine:
                 out_of_budget = True
                 break
             sampling = self._sampling(agent, max_tokens, spec, turn)
-            started = time.perf_counter()
-            if self.tree_branches is None:
-                completions = [await binding.client.complete_one(prompt_ids, model=binding.served_model, **sampling)]
-            else:
-                # one request, K choices: vLLM seeds choice k with seed + k (deterministic per candidate)
-                completions = await binding.client.complete(
-                    prompt_ids, model=binding.served_model, n=self.tree_branches, **sampling
-                )
-            ended = time.perf_counter()
-            self._llm_s += ended - started
-            self._llm_spans.append((started - self._t0, ended - self._t0))
+            completions = await self._generate(binding, prompt_ids, sampling)
             record.tokens_generated += sum(len(c.token_ids) for c in completions)
-            if self.tree_branches is None:
-                branches = [(agent, env)]
-            else:  # every candidate acts on its own copy: the episode itself is never touched by one
-                branches = [(_fork(agent, "agent"), _fork(env, "env")) for _ in completions]
+            branches = self._candidates(agent, env, len(completions))
             for (b_agent, b_env), completion in zip(branches, completions, strict=True):
                 b_agent.update_from_model(turn, b_env, completion.text)
-            started = time.perf_counter()
-            await asyncio.gather(*(b_agent.step(b_env) for b_agent, b_env in branches))
-            ended = time.perf_counter()
-            self._env_s += ended - started
-            self._env_spans.append((started - self._t0, ended - self._t0))
-            chosen = 0
-            if self.tree_branches is not None:
-                rewards = [float(b_agent.agent_reward or 0.0) for b_agent, _ in branches]
-                rng = random.Random(_derive_seed(spec.seed, "select", turn))
-                chosen = select_branch(rewards, self.tree_select, rng)
-                agent, env = branches[chosen]
-                agents[position] = agent
+            await self._step(branches)
+            chosen = self._choose(branches, spec, turn)
+            agent, env = branches[chosen]
+            agents[position] = agent  # tree: the episode goes on with the chosen candidate's fork
             seed = sampling.get("seed")
-            turn_records = []
-            for k, ((b_agent, _), completion) in enumerate(zip(branches, completions, strict=True)):
-                turn_records.append(
-                    TurnRecord(
-                        turn_idx=turn,
-                        agent_idx=position,
-                        agent_name=b_agent.name,
-                        policy_name=binding.policy_name,
-                        lora_name=binding.lora_name,
-                        prompt_ids=prompt_ids,
-                        response_ids=list(completion.token_ids),
-                        logprobs=[float(x) for x in completion.logprobs],
-                        prompt_text=prompt.messages[-1]["content"] if prompt.messages else "",
-                        response_text=completion.text,
-                        finish_reason=completion.finish_reason,
-                        reward=float(b_agent.agent_reward or 0.0),
-                        success=bool(b_agent.success),
-                        info=dict(getattr(b_agent, "turn_info", None) or {}),
-                        branch_idx=k,
-                        continued=k == chosen,
-                        sampling_seed=None if seed is None else int(seed) + k,
-                        server=getattr(completion, "server", ""),
-                    )
+            turn_records = [
+                TurnRecord(
+                    turn_idx=turn,
+                    agent_idx=position,
+                    agent_name=b_agent.name,
+                    policy_name=binding.policy_name,
+                    lora_name=binding.lora_name,
+                    prompt_ids=prompt_ids,
+                    response_ids=list(completion.token_ids),
+                    logprobs=[float(x) for x in completion.logprobs],
+                    prompt_text=prompt.messages[-1]["content"] if prompt.messages else "",
+                    response_text=completion.text,
+                    finish_reason=completion.finish_reason,
+                    reward=float(b_agent.agent_reward or 0.0),
+                    success=bool(b_agent.success),
+                    info=dict(getattr(b_agent, "turn_info", None) or {}),
+                    branch_idx=k,
+                    continued=k == chosen,
+                    sampling_seed=None if seed is None else int(seed) + k,
+                    server=getattr(completion, "server", ""),
                 )
+                for k, ((b_agent, _), completion) in enumerate(zip(branches, completions, strict=True))
+            ]
             record.turns.extend(turn_records)
             path_tokens += len(completions[chosen].token_ids)
             if self.layout == "per_episode":
@@ -347,6 +314,45 @@ class ExecutionEngine:
         record.done = bool(env.done) and not out_of_budget
         record.truncated = out_of_budget or bool(getattr(env, "truncated", False)) or not env.done
         return record
+
+    async def _generate(self, binding: AgentBinding, prompt_ids: list[int], sampling: dict[str, Any]) -> list[Any]:
+        """The turn's candidates: one request for all K (vLLM seeds choice k with seed + k, so each candidate is
+        reproducible); a single candidate through ``complete_one``."""
+        started = time.perf_counter()
+        if self.branches == 1:
+            completions = [await binding.client.complete_one(prompt_ids, model=binding.served_model, **sampling)]
+        else:
+            completions = await binding.client.complete(
+                prompt_ids, model=binding.served_model, n=self.branches, **sampling
+            )
+        ended = time.perf_counter()
+        self._llm_s += ended - started
+        self._llm_spans.append((started - self._t0, ended - self._t0))
+        return completions
+
+    def _candidates(self, agent: Any, env: Any, k: int) -> list[tuple[Any, Any]]:
+        """The (agent, env) pair each of the ``k`` candidates acts on. Tree mode: a fork each, so no candidate
+        touches the episode or another candidate. Independent: the episode's own pair (one candidate)."""
+        if not self.fork:
+            return [(agent, env)]
+        return [(_fork(agent, "agent"), _fork(env, "env")) for _ in range(k)]
+
+    async def _step(self, branches: list[tuple[Any, Any]]) -> None:
+        """Every candidate's env step, concurrently (tree: each on its own fork)."""
+        started = time.perf_counter()
+        await asyncio.gather(*(b_agent.step(b_env) for b_agent, b_env in branches))
+        ended = time.perf_counter()
+        self._env_s += ended - started
+        self._env_spans.append((started - self._t0, ended - self._t0))
+
+    def _choose(self, branches: list[tuple[Any, Any]], spec: EpisodeSpec, turn: int) -> int:
+        """The candidate the episode continues from: the only one, or ``select_branch`` over their rewards
+        (its RNG seeded per episode and turn, so a re-run picks the same branches)."""
+        if len(branches) == 1:
+            return 0
+        rewards = [float(b_agent.agent_reward or 0.0) for b_agent, _ in branches]
+        rng = random.Random(_derive_seed(spec.id.seed, "select", turn))
+        return select_branch(rewards, self.tree_select, rng)
 
     def _extend_sequence(
         self,
@@ -385,7 +391,7 @@ class ExecutionEngine:
             "max_tokens": max_tokens,
             "stop": list(s.stop) or None,
             # different for each sample of a group, reproducible across re-runs
-            "seed": _derive_seed(spec.seed, spec.sample_idx, turn),
+            "seed": _derive_seed(spec.id.seed, spec.id.sample_idx, turn),
         }
         params.update(self.sampling_overrides)
         return params

@@ -4,9 +4,9 @@ Why: with local workers every episode of a step runs in one asyncio loop in the 
 (agents, env steps, sandboxed programs) is bounded by one machine. Here the step's groups (the G episodes
 of one task) are dealt round-robin to ``rollout.num_workers`` actors, spread over the cluster's nodes; each
 actor holds its own env cache (and so its own sandbox) and its own inference clients, and runs the same
-``run_episodes`` as local mode on one group per call. The flow process only schedules the calls, takes each
-finished group as it arrives and commits it (``collect_step``'s shard per group), so a crash keeps finished
-groups exactly as in local mode.
+``run_episodes`` as local mode (``rollout/local.py``) on one group per call. The flow process only schedules the
+calls, takes each finished group as it arrives and hands it on (the rollouts step commits a shard per group), so
+a crash keeps finished groups exactly as in local mode. ``rollout/runner.py`` picks local or Ray from the config.
 
 Rows are the same as local mode's: seeds, UIDs and sampling seeds depend on the task's index in the step,
 the run seed and the iteration only, never on which actor ran a group or when. ``max_concurrent_requests``
@@ -34,6 +34,7 @@ from pettingflow.configs.settings import ExperimentConfig
 from pettingflow.envs import EnvCache
 from pettingflow.ray_cluster import init_ray
 from pettingflow.rollout.engine import EngineStats, summarize
+from pettingflow.rollout.local import run_episodes
 from pettingflow.rollout.records import EpisodeRecord
 
 log = logging.getLogger(__name__)
@@ -97,8 +98,6 @@ class RolloutWorker:
         temperature: float | None = None,
     ) -> GroupResult:
         """The episodes of task ``env_idx`` of ``tasks`` (the whole step's list: indexes fix seeds and UIDs)."""
-        from pettingflow.steps.rollouts import run_episodes
-
         started_at = time.time()
         records, stats = await run_episodes(
             self.config,
@@ -203,7 +202,7 @@ class RayRolloutWorkers:
                 ready, _ = ray.wait(list(pending), num_returns=1)
                 result: GroupResult = ray.get(ready[0])
                 del pending[ready[0]]
-                result.records.sort(key=lambda r: r.sample_idx)
+                result.records.sort(key=lambda r: r.id.sample_idx)
                 results.append(result)
                 if on_group is not None:
                     on_group(result.records)

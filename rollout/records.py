@@ -60,9 +60,13 @@ class TurnRecord:
     server: str = ""
 
 
-@dataclass
-class EpisodeRecord:
-    """One multi-turn episode: a sample of a GRPO group."""
+@dataclass(frozen=True)
+class EpisodeId:
+    """Which episode: the identity an ``EpisodeSpec`` asks for and its ``EpisodeRecord`` carries into every row.
+
+    ``rollout_idx = env_idx * group_size + sample_idx``, so ``rollout_idx // group_size`` is the group
+    (PettingLLMs' UID rule); ``seed`` is the env's reset seed, the same for every sample of a group.
+    """
 
     env_name: str
     env_idx: int
@@ -70,6 +74,13 @@ class EpisodeRecord:
     sample_idx: int
     rollout_idx: int
     seed: int
+
+
+@dataclass
+class EpisodeRecord:
+    """One multi-turn episode: a sample of a GRPO group."""
+
+    id: EpisodeId
     turns: list[TurnRecord] = field(default_factory=list)
     done: bool = False
     truncated: bool = False
@@ -101,11 +112,11 @@ def _base_row(run_id: str, iteration: int, ep: EpisodeRecord) -> dict[str, Any]:
     return {
         "run_id": run_id,
         "iteration": iteration,
-        "env_name": ep.env_name,
-        "env_idx": ep.env_idx,
-        "group_id": ep.group_id,
-        "sample_idx": ep.sample_idx,
-        "rollout_idx": ep.rollout_idx,
+        "env_name": ep.id.env_name,
+        "env_idx": ep.id.env_idx,
+        "group_id": ep.id.group_id,
+        "sample_idx": ep.id.sample_idx,
+        "rollout_idx": ep.id.rollout_idx,
         "done": ep.done,
         "truncated": ep.truncated,
     }
@@ -139,7 +150,7 @@ def per_turn_rows(episodes: list[EpisodeRecord], run_id: str, iteration: int, gr
                 info_json=json.dumps(
                     {
                         "finish_reason": turn.finish_reason,
-                        "seed": ep.seed,
+                        "seed": ep.id.seed,
                         **({"sampling_seed": turn.sampling_seed} if turn.sampling_seed is not None else {}),
                         **ep.info,
                         **({"turn": turn.info} if turn.info else {}),
@@ -200,7 +211,7 @@ def per_episode_rows(
                         "turns": [t.turn_idx for t in turns],
                         **({"servers": [t.server for t in turns]} if len({t.server for t in turns}) > 1 else {}),
                         "finish_reasons": [t.finish_reason for t in turns],
-                        "seed": ep.seed,
+                        "seed": ep.id.seed,
                         **ep.info,
                         **({"turn_infos": [t.info for t in turns]} if any(t.info for t in turns) else {}),
                     },

@@ -1,29 +1,26 @@
-"""Step 1 of an iteration (and validation): run episodes against the inference servers, store them.
+"""Step 1 of an iteration (and validation): which tasks, which weights, then commit the episodes' rows.
 
-Everything a rollout needs from the outside world arrives as a ``PolicyEndpoint`` per policy (a URL,
-the served model name, the adapter names, the model folder for the tokenizer): plain data, so a
-Prefect task can take it as a parameter and a re-run can see exactly what was used.
+Running the episodes is the rollout's (``rollout.runner.EpisodeRunner``: in this process or in Ray actors,
+as ``rollout.workers`` says); this module decides what they run on and what gets committed. Everything the
+rollout needs from the outside world arrives as a ``PolicyEndpoint`` per policy (a URL, the served model
+name, the adapter names, the model folder for the tokenizer): plain data, so a Prefect task can take it as a
+parameter and a re-run can see exactly what was used.
 """
 
 from __future__ import annotations
 
-import asyncio
-import functools
 import logging
 import random
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from pettingflow.agents import build_agent
-from pettingflow.configs.settings import ExperimentConfig, Specialization
-from pettingflow.envs import EnvCache, EnvSpec, TaskSpec, env_spec_from_settings, load_tasks, task_specs_from_rows
-from pettingflow.envs.registry import ENV_REGISTRY
-from pettingflow.inference import auth
-from pettingflow.inference.client import InferenceClient
-from pettingflow.inference.replicas import ReplicaSet
-from pettingflow.rollout.engine import AgentBinding, EngineStats, EpisodeSpec, ExecutionEngine, group_specs
+from pettingflow.configs.settings import ExperimentConfig
+from pettingflow.envs import EnvCache, load_tasks
+from pettingflow.rollout.engine import EngineStats
+from pettingflow.rollout.local import run_episodes as run_episodes  # re-exported: bench/common.py runs it
 from pettingflow.rollout.records import EpisodeRecord, build_rows
+from pettingflow.rollout.runner import EpisodeRunner, LocalEpisodeRunner
 from pettingflow.runs.context import BASELINE_STEP, IterationContext
 from pettingflow.runs.endpoint import PolicyEndpoint
 from pettingflow.runs.weights import start_version
@@ -35,14 +32,6 @@ if TYPE_CHECKING:
     from pettingflow.runs.runtime import RunServices
 
 log = logging.getLogger(__name__)
-
-
-@functools.lru_cache(maxsize=8)
-def load_tokenizer(model_dir: str) -> Any:
-    """The policy's tokenizer (with its chat template), loaded once per process."""
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_dir)
 
 
 def select_train_tasks(config: ExperimentConfig, iteration: int) -> list[dict[str, Any]]:
@@ -64,123 +53,6 @@ def select_train_tasks(config: ExperimentConfig, iteration: int) -> list[dict[st
 def select_validation_tasks(config: ExperimentConfig) -> list[dict[str, Any]]:
     """The first ``validation.num_tasks`` of the validation split: the same set at every evaluation."""
     return list(load_tasks(config.env.dataset, config.env.class_path).validation[: config.validation.num_tasks])
-
-
-def _bindings(config: ExperimentConfig, endpoints: dict[str, PolicyEndpoint], client_for) -> dict[str, AgentBinding]:
-    bindings = {}
-    for agent in config.agents:
-        ep = endpoints[agent.policy]
-        lora = ep.adapters.get(agent.name) if config.specialization is Specialization.lora else None
-        bindings[agent.name] = AgentBinding(
-            client=client_for(ep.urls),
-            served_model=lora or ep.served_model,
-            tokenizer=load_tokenizer(ep.model_dir),
-            policy_name=agent.policy,
-            lora_name=lora,
-        )
-    return bindings
-
-
-async def run_episodes(
-    config: ExperimentConfig,
-    endpoints: dict[str, PolicyEndpoint],
-    tasks: list[dict[str, Any]],
-    *,
-    group_size: int,
-    seed_namespace: str,
-    env_cache: EnvCache,
-    temperature: float | None = None,
-    show_progress: bool = True,
-    skip_groups: Collection[int] = (),
-    on_episode: Callable[[EpisodeRecord], None] | None = None,
-    tree_branches: int | None = None,
-    clients: dict[str, InferenceClient] | None = None,
-) -> tuple[list[Any], EngineStats]:
-    """Run ``group_size`` episodes per task with the configured team; return records and stats.
-
-    ``tree_branches``: K for tree episodes (K candidates per turn, ``rollout.tree_select``; pass
-    ``group_size=1``), None for independent ones.
-
-    ``skip_groups``: task indexes (``env_idx``) not to run (already stored); the others keep their indexes,
-    seeds and UIDs. ``on_episode``: called with each finished episode (see ``ExecutionEngine.run``).
-    ``clients``: URL -> client, owned by the caller and kept open (a rollout worker reuses its clients across
-    calls, so its concurrency bound holds over all of them); None: clients of this call, closed at its end.
-    """
-    owned = clients is None
-    clients = {} if clients is None else clients
-    for ep in endpoints.values():  # the servers' keys, also in a rollout worker's process (inference/auth.py)
-        if ep.api_key:
-            for url in ep.urls:
-                auth.register(url, ep.api_key)
-
-    def client_for(urls: tuple[str, ...]) -> InferenceClient | ReplicaSet:
-        """One client per URL, bounding that server's concurrency; a ``ReplicaSet`` over them for replicas."""
-        for url in urls:
-            if url not in clients:
-                clients[url] = InferenceClient(
-                    url,
-                    max_concurrency=config.rollout.max_concurrent_requests,
-                    timeout_s=config.inference.request_timeout_s,
-                    max_retries=config.inference.max_retries,
-                )
-        if len(urls) == 1:
-            return clients[urls[0]]
-        key = "replicas:" + ",".join(urls)
-        if key not in clients:
-            clients[key] = ReplicaSet([clients[u] for u in urls], names=list(urls))
-        else:  # a set kept from an earlier call: the replicas it saw die were restarted since (heal)
-            clients[key].revive()
-        return clients[key]
-
-    bindings = _bindings(config, endpoints, client_for)
-
-    def make_agents() -> list[Any]:
-        return [
-            build_agent(a, agent_idx=i, tokenizer=bindings[a.name].tokenizer, layout=config.env.sample_layout)
-            for i, a in enumerate(config.agents)
-        ]
-
-    engine = ExecutionEngine(
-        make_agents,
-        bindings,
-        max_turns=config.env.max_turns,
-        token_budget=config.env.token_budget,
-        layout=config.env.sample_layout,
-        max_model_len=config.inference.max_model_len,
-        sampling_overrides={"temperature": temperature} if temperature is not None else None,
-        show_progress=show_progress,
-        tree_branches=tree_branches,
-        tree_select=config.rollout.tree_select,
-    )
-    specs = [
-        s for s in episode_specs(config, tasks, group_size, seed_namespace, env_cache) if s.env_idx not in skip_groups
-    ]
-    try:
-        return await engine.run(specs, on_episode=on_episode)
-    finally:
-        if owned:
-            for client in clients.values():
-                await client.aclose()
-
-
-def episode_specs(
-    config: ExperimentConfig, tasks: list[dict[str, Any]], group_size: int, seed_namespace: str, env_cache: EnvCache
-) -> list[EpisodeSpec]:
-    """G episodes per task. A task row may name its own env class and config
-    (``{"env_class_path", "env_config", "task_data"}``), so one batch can mix envs; each distinct
-    (class, config) gets one cached factory."""
-    default_env: EnvSpec = env_spec_from_settings(config.env)
-    task_specs = task_specs_from_rows(tasks, default_env)
-
-    def make_env(spec: EpisodeSpec) -> Any:
-        ts: TaskSpec = spec.task
-        factory = env_cache.get(ts.env)
-        return factory.create(ts.task, env_idx=spec.env_idx, rollout_idx=spec.rollout_idx, seed=spec.seed)
-
-    def env_name(ts: TaskSpec) -> str:
-        return config.env.class_path if ts.env == default_env else ENV_REGISTRY.short_name(ts.env.class_path)
-
-    return group_specs(task_specs, group_size, config.run.seed, env_name, make_env, namespace=seed_namespace)
 
 
 def task_id(task: dict[str, Any], index: int) -> str:
@@ -223,8 +95,8 @@ def collect_step(
     (``TrajectoryShards``), so a crash mid-rollout keeps the finished groups: the next attempt collects
     only the missing ones, with the same seeds and UIDs, and commits the step once from all shards.
 
-    ``rollout.workers: ray``: the groups run in Ray actors (``rollout_workers``); this process commits each
-    group the moment an actor returns it, so the shards, the resume and the rows are the same as above.
+    ``rollout.workers: ray``: the groups run in Ray actors (``EpisodeRunner.for_config``); this process commits
+    each group the moment an actor returns it, so the shards, the resume and the rows are the same as above.
     """
     step = ctx.step("rollouts")
     if done := already_done(step):
@@ -246,59 +118,28 @@ def collect_step(
             len(tasks),
             len(tasks) - len(stored),
         )
-    pending: dict[int, list[EpisodeRecord]] = {}
 
-    def commit_group(record: EpisodeRecord) -> None:
-        group = pending.setdefault(record.env_idx, [])
-        group.append(record)
-        if len(group) == episodes_per_task:
-            group.sort(key=lambda r: r.sample_idx)
-            rows = build_rows(
-                group, config.env.sample_layout, ctx.layout.run_id, ctx.iteration, group_size, policy_versions
-            )
-            stored[record.env_idx] = shards.write(record.env_idx, rows)
-            del pending[record.env_idx]
-
-    # seeds follow run.seed and the iteration only (not the run id, which holds the clock): a config
-    # reproduces its samples, and tests do not depend on when they run
-    seed_namespace = f"iter-{ctx.iteration}/"
-    tree_branches = group_size if tree else None
-    workers: list[dict[str, Any]] | None = None
-    if config.rollout.workers == "ray":  # groups run in Ray actors; this process commits them as they arrive
-        from pettingflow.steps.rollout_workers import RayRolloutWorkers
-
-        def commit_records(records: list[EpisodeRecord]) -> None:
-            for record in records:
-                commit_group(record)
-
-        with RayRolloutWorkers(config, endpoints) as pool:
-            ran = pool.run(
-                tasks,
-                [i for i in range(len(tasks)) if i not in stored],
-                group_size=episodes_per_task,
-                seed_namespace=seed_namespace,
-                tree_branches=tree_branches,
-                on_group=commit_records,
-            )
-        stats, workers = ran.stats, ran.workers
-    else:
-        _, stats = asyncio.run(
-            run_episodes(
-                config,
-                endpoints,
-                tasks,
-                group_size=episodes_per_task,
-                tree_branches=tree_branches,
-                seed_namespace=seed_namespace,
-                env_cache=env_cache or EnvCache(),
-                show_progress=show_progress,
-                skip_groups=set(stored),
-                on_episode=commit_group,
-            )
+    def commit_group(group: list[EpisodeRecord]) -> None:  # one task's episodes, by sample_idx
+        env_idx = group[0].id.env_idx
+        rows = build_rows(
+            group, config.env.sample_layout, ctx.layout.run_id, ctx.iteration, group_size, policy_versions
         )
-    metrics = stats_metrics(stats)
-    if workers is not None:  # which actor (pid, Ray node) ran which groups of this attempt
-        metrics["workers"] = workers
+        stored[env_idx] = shards.write(env_idx, rows)
+
+    runner = EpisodeRunner.for_config(config, endpoints, env_cache=env_cache, show_progress=show_progress)
+    ran = runner.run(
+        tasks,
+        group_size=episodes_per_task,
+        # seeds follow run.seed and the iteration only (not the run id, which holds the clock): a config
+        # reproduces its samples, and tests do not depend on when they run
+        seed_namespace=f"iter-{ctx.iteration}/",
+        tree_branches=group_size if tree else None,
+        skip_groups=set(stored),
+        on_group=commit_group,
+    )
+    metrics = stats_metrics(ran.stats)
+    if ran.workers is not None:  # which actor (pid, Ray node) ran which groups of this attempt
+        metrics["workers"] = ran.workers
     metrics["tasks"] = [task_id(t, i) for i, t in enumerate(tasks)]
     metrics["layout"] = config.env.sample_layout
     metrics["mode"] = config.rollout.mode
@@ -415,19 +256,17 @@ def validation_step(
     if done := already_done(step):
         return done
     tasks = select_validation_tasks(config)
-    records, stats = asyncio.run(
-        run_episodes(
-            config,
-            endpoints,
-            tasks,
-            group_size=config.validation.samples_per_task,
-            seed_namespace="validation/",
-            env_cache=env_cache or EnvCache(),
-            temperature=config.validation.temperature,
-            show_progress=show_progress,
-        )
+    # always in this process, whatever rollout.workers says: a few held-out tasks, committed as one step
+    runner = LocalEpisodeRunner(config, endpoints, env_cache=env_cache, show_progress=show_progress)
+    ran = runner.run(
+        tasks,
+        group_size=config.validation.samples_per_task,
+        seed_namespace="validation/",
+        temperature=config.validation.temperature,
     )
-    return _commit(step, records, config, ctx, config.validation.samples_per_task, stats, tasks, policy_versions)
+    return _commit(
+        step, ran.records, config, ctx, config.validation.samples_per_task, ran.stats, tasks, policy_versions
+    )
 
 
 def _commit(

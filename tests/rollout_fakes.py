@@ -178,8 +178,8 @@ def plan_path_engine_rows(
     from pettingflow.configs import load_config
     from pettingflow.envs import EnvCache
     from pettingflow.rollout.engine import AgentBinding, ExecutionEngine
+    from pettingflow.rollout.local import episode_specs
     from pettingflow.rollout.records import build_rows
-    from pettingflow.steps.rollouts import episode_specs
 
     config = load_config("plan-path", [f"env.max_turns={max_turns}", f"env.sample_layout={layout}"])
     tree = tree_branches is not None

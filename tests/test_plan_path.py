@@ -331,7 +331,7 @@ def test_scripted_team_solves_through_the_engine_with_rows_like_the_code_env() -
     assert Counter(r["uid"] for r in rows) == Counter({u: 2 for u in by_uid})
     # the progress of every episode adds up to 1 (the whole distance), on the executor's rows
     for rec in records:
-        ep_rows = [r for r in rows if r["rollout_idx"] == rec.rollout_idx]
+        ep_rows = [r for r in rows if r["rollout_idx"] == rec.id.rollout_idx]
         assert sum(json.loads(r["info_json"])["turn"]["progress"] for r in ep_rows) == pytest.approx(1.0)
     # the agents only talked through the env: the executor's prompt shows the planner's plan
     executor_prompts = [c["prompt"] for c in llm.calls if "You are the executor" in c["prompt"]]

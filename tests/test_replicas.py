@@ -97,7 +97,7 @@ def test_a_dead_replica_moves_its_requests_and_episodes_to_the_others() -> None:
 
 def test_completions_and_rows_say_which_server_generated_them() -> None:
     from pettingflow.inference.client import _parse_completions
-    from pettingflow.rollout.records import EpisodeRecord, TurnRecord, per_turn_rows
+    from pettingflow.rollout.records import EpisodeId, EpisodeRecord, TurnRecord, per_turn_rows
 
     data = {
         "choices": [
@@ -113,7 +113,8 @@ def test_completions_and_rows_say_which_server_generated_them() -> None:
     (completion,) = _parse_completions(data, n=1, url="http://10.0.0.7:8000/v1/completions")
     assert completion.server == "http://10.0.0.7:8000"
     turn = TurnRecord(0, 0, "a", "p", None, [1], [5], [-0.5], "q", "x", "stop", server=completion.server)
-    episode = EpisodeRecord(env_name="e", env_idx=0, group_id="g0", sample_idx=0, rollout_idx=0, seed=1, turns=[turn])
+    episode_id = EpisodeId(env_name="e", env_idx=0, group_id="g0", sample_idx=0, rollout_idx=0, seed=1)
+    episode = EpisodeRecord(episode_id, turns=[turn])
     (row,) = per_turn_rows([episode], "run", 0, group_size=1)
     assert row["inference_server"] == "http://10.0.0.7:8000"
 

@@ -59,7 +59,7 @@ def test_groups_share_task_and_seed_samples_get_distinct_sampling_seeds() -> Non
     llm = ScriptedLLM(TOK)
     engine, make_env, envs = make_engine(llm, max_turns=2)
     specs = group_specs(["A", "B"], 3, base_seed=7, env_name="toy", make_env=make_env)
-    assert [(s.env_idx, s.sample_idx, s.rollout_idx) for s in specs] == [
+    assert [(s.id.env_idx, s.id.sample_idx, s.id.rollout_idx) for s in specs] == [
         (0, 0, 0),
         (0, 1, 1),
         (0, 2, 2),
@@ -68,10 +68,10 @@ def test_groups_share_task_and_seed_samples_get_distinct_sampling_seeds() -> Non
         (1, 2, 5),
     ]
     records, _ = run(engine, specs)
-    assert [r.rollout_idx for r in records] == [0, 1, 2, 3, 4, 5]
+    assert [r.id.rollout_idx for r in records] == [0, 1, 2, 3, 4, 5]
     seeds_by_group = {}
     for env, spec in zip(envs, specs, strict=True):
-        seeds_by_group.setdefault(spec.env_idx, set()).update(env.reset_seeds)
+        seeds_by_group.setdefault(spec.id.env_idx, set()).update(env.reset_seeds)
     assert len(seeds_by_group[0]) == 1 and len(seeds_by_group[1]) == 1
     assert seeds_by_group[0] != seeds_by_group[1]
     first_turn_seeds = [c["seed"] for c in llm.calls if c["prompt"] == "<user>A|" + EOS + "\n<assistant>"]

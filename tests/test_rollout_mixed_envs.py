@@ -10,8 +10,9 @@ from rollout_fakes import CharChatTokenizer, ScriptedLLM, ToyAgent
 from pettingflow.configs import load_config
 from pettingflow.envs import EnvCache
 from pettingflow.rollout.engine import AgentBinding, ExecutionEngine
+from pettingflow.rollout.local import episode_specs
 from pettingflow.rollout.records import build_rows
-from pettingflow.steps.rollouts import episode_specs, task_id
+from pettingflow.steps.rollouts import task_id
 
 TOK = CharChatTokenizer()
 
@@ -25,7 +26,7 @@ def test_mixed_env_rows_run_in_their_own_envs_with_one_factory_per_spec() -> Non
     cache = EnvCache()
     tasks = [row("x", "A"), row("y", "B"), row("x", "C")]
     specs = episode_specs(config, tasks, group_size=2, seed_namespace="t/", env_cache=cache)
-    assert [s.env_name for s in specs] == ["rollout_fakes:BoardEnv"] * 6
+    assert [s.id.env_name for s in specs] == ["rollout_fakes:BoardEnv"] * 6
     created = []
     original = specs[0].make_env
 
@@ -56,7 +57,7 @@ def test_mixed_env_rows_run_in_their_own_envs_with_one_factory_per_spec() -> Non
 def test_bare_tasks_use_the_configured_env() -> None:
     config = load_config("code-env")
     specs = episode_specs(config, [{"task_id": "T"}], group_size=2, seed_namespace="", env_cache=EnvCache())
-    assert [s.env_name for s in specs] == ["code-env", "code-env"]
+    assert [s.id.env_name for s in specs] == ["code-env", "code-env"]
     assert specs[0].task.env.class_path.endswith(":CodeEnv")
 
 

@@ -16,10 +16,11 @@ from test_flows import overrides, prefect_env, tiny_model  # noqa: F401 (module 
 from bench.scripted_server import ScriptedServer
 from pettingflow.configs import load_config
 from pettingflow.envs import EnvCache, load_humaneval
+from pettingflow.rollout.local import run_episodes
+from pettingflow.rollout.ray_workers import RolloutWorker
 from pettingflow.runs.context import IterationContext
 from pettingflow.runs.endpoint import PolicyEndpoint
-from pettingflow.steps.rollout_workers import RolloutWorker
-from pettingflow.steps.rollouts import collect_step, run_episodes
+from pettingflow.steps.rollouts import collect_step
 from pettingflow.storage import RunLayout, read_step_trajectories
 
 RUN_SPECIFIC = {"run_id", "uid"}  # namespaced by the run id; every other column must match
@@ -77,16 +78,16 @@ def test_worker_body_runs_one_group_with_the_steps_seeds(tmp_path, scripted, def
     got, again, clients = asyncio.run(both())
     assert len(clients) == 1 and not worker.clients  # one client for both calls, closed by close()
     assert (got.env_idx, got.worker) == (2, 1) and again.env_idx == 3
-    assert {r.env_idx for r in got.records} == {2} and sorted(r.sample_idx for r in got.records) == [0, 1]
+    assert {r.id.env_idx for r in got.records} == {2} and sorted(r.id.sample_idx for r in got.records) == [0, 1]
     everything, _ = asyncio.run(
         run_episodes(config, endpoints, tasks, group_size=2, seed_namespace="iter-0/", env_cache=EnvCache())
     )
-    want = {(r.env_idx, r.sample_idx): r for r in everything}
+    want = {(r.id.env_idx, r.id.sample_idx): r for r in everything}
     for rec in [*got.records, *again.records]:
-        ref = want[(rec.env_idx, rec.sample_idx)]
-        assert (rec.seed, rec.rollout_idx, rec.final_reward("code_generator")) == (
-            ref.seed,
-            ref.rollout_idx,
+        ref = want[(rec.id.env_idx, rec.id.sample_idx)]
+        assert (rec.id.seed, rec.id.rollout_idx, rec.final_reward("code_generator")) == (
+            ref.id.seed,
+            ref.id.rollout_idx,
             ref.final_reward("code_generator"),
         )
         assert [t.response_ids for t in rec.turns] == [t.response_ids for t in ref.turns]
@@ -141,7 +142,7 @@ def test_workers_are_dealt_round_robin_over_the_alive_nodes() -> None:
     two-node run is tests/test_two_nodes.py."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from pettingflow.steps.rollout_workers import spread_over_nodes
+    from pettingflow.rollout.ray_workers import spread_over_nodes
 
     a, b, dead = "aa" * 28, "bb" * 28, "cc" * 28  # node ids are hex
     nodes = [{"NodeID": b, "Alive": True}, {"NodeID": dead, "Alive": False}, {"NodeID": a, "Alive": True}]

@@ -51,7 +51,7 @@ def groups(rows):
 
 def test_k_candidates_share_one_prompt_one_request_and_the_best_is_continued() -> None:
     records, stats, rows, llm = tree_run()
-    assert len(records) == 2 and all(r.tree and r.sample_idx == 0 for r in records)  # one episode per task
+    assert len(records) == 2 and all(r.tree and r.id.sample_idx == 0 for r in records)  # one episode per task
     # one request per turn, with n = K
     assert {c["n"] for c in llm.calls} == {K} and len(llm.calls) == stats.turns
     for group in groups(rows).values():
