@@ -421,11 +421,6 @@ class TrainingSettings(_Strict):
         "complete, and a crash before that leaves the previous snapshot in force. inline: inside the update, in "
         "its update-<policy>/deepspeed/ folder (what a one-shot update process always does).",
     )
-    save_optimizer_state: bool | None = Field(
-        None,
-        description="Deprecated (runs stored before save_optimizer_every): true = a snapshot every update, "
-        "false = never. Overrides save_optimizer_every when set.",
-    )
     num_threads: int | None = Field(
         None,
         ge=1,
@@ -441,6 +436,18 @@ class TrainingSettings(_Strict):
         "(libtcmalloc-minimal4), else the system's; tcmalloc: required; system: glibc. A micro-batch's forward + "
         "backward took 0.82-0.89x the time with tcmalloc on a 2-core CPU (pettingflow/allocator.py).",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _stored_boolean_snapshot_setting(cls, data: Any) -> Any:
+        """Runs stored before ``save_optimizer_every`` existed say ``save_optimizer_state: true|false`` (a
+        snapshot every update, or never); read it as that cadence so their run.json still loads."""
+        if isinstance(data, dict) and "save_optimizer_state" in data:
+            data = dict(data)
+            stored = data.pop("save_optimizer_state")
+            if stored is not None:
+                data["save_optimizer_every"] = 1 if stored else 0
+        return data
 
     @model_validator(mode="after")
     def _check_batching_and_offload(self) -> TrainingSettings:
@@ -475,12 +482,6 @@ class TrainingSettings(_Strict):
         gets, in micro-batches. Ranks with less run zero-loss fillers so every rank steps together."""
         return micro_steps_per_rank(self.rows_per_step, self.micro_batch_size, world_size)
 
-    @property
-    def optimizer_snapshot_every(self) -> int:
-        """The snapshot cadence in force (the deprecated boolean wins when a stored run set it)."""
-        if self.save_optimizer_state is not None:
-            return 1 if self.save_optimizer_state else 0
-        return self.save_optimizer_every
 
 
 class InferenceSettings(_Strict):

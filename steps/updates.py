@@ -116,7 +116,7 @@ def update_step(
                 metrics = learner.update(spec, timeout_s=config.training.update_timeout_s)
             else:
                 metrics = run_update(spec, timeout_s=config.training.update_timeout_s)
-        metrics["servers_paused"] = servers_released  # (name kept for older reports) paused, asleep or stopped
+        metrics["servers_released"] = servers_released  # paused, asleep or stopped during the update
         metrics["between_updates"] = runtime.between_updates.mode if runtime is not None else "keep"
         metrics["behaviour_logprobs"] = "sampler" if spec.algorithm.use_sampler_logprobs else "recomputed"
         metrics["policy_lag_max"] = max(lags, default=0)

@@ -333,7 +333,7 @@ def test_restart_serves_the_new_weights(tmp_path, prefect_env, small_llama) -> N
         rows = read_step_trajectories(layout.step(k, "rollouts"))
         assert set(rows.column("policy_version").to_pylist()) == {k}  # iteration 1: the weights of update 0
         metrics = layout.step(k, "update-shared").manifest().metadata["metrics"]
-        assert metrics["servers_paused"] is True and metrics["between_updates"] == "restart"
+        assert metrics["servers_released"] is True and metrics["between_updates"] == "restart"
         synced = layout.step(k, "sync").read_json("sync.json")["shared"]["synced"]
         model = (layout.step(k, "update-shared").local_path / "model").resolve()
         assert [(s["via"], Path(s["path"]).resolve()) for s in synced] == [("restart", model)]  # no reload on top

@@ -183,3 +183,15 @@ def test_every_deployment_names_real_parameters_and_configs() -> None:
         overrides = params.get("overrides", [])
         for config in params.get("configs", [params["config"]] if "config" in params else []):
             load_config(config, overrides)
+
+
+def test_a_stored_run_with_the_old_boolean_snapshot_setting_still_loads() -> None:
+    """``training.save_optimizer_state`` was replaced by ``save_optimizer_every``; a run.json written before says
+    true (a snapshot every update) or false (never), and is read as that cadence."""
+    raw = load_config("code-env").model_dump(mode="json")
+    for stored, every in ((True, 1), (False, 0)):
+        old = {**raw, "training": {**raw["training"], "save_optimizer_state": stored}}
+        old["training"].pop("save_optimizer_every")
+        assert validate_config(old).training.save_optimizer_every == every
+    with pytest.raises(ConfigError, match="save_optimizer_stat"):
+        load_config("code-env", ["training.save_optimizer_stat=true"])  # a typo is still refused

@@ -374,7 +374,7 @@ def spec_from_config(
     lora = config.specialization is Spec.lora
     if save_optimizer is None:
         save_optimizer = optimizer_snapshot_due(
-            config.training.optimizer_snapshot_every, iteration, config.run.iterations
+            config.training.save_optimizer_every, iteration, config.run.iterations
         )
     return UpdateSpec(
         batch_uri=batch_uri,
