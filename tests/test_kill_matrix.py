@@ -491,8 +491,7 @@ def test_kill_matrix(stack, tmp_path, vllm_server, default_model_dir, restore_ba
             {
                 "point": "vLLM server SIGKILLed (iteration 1, requests running)",
                 "killed": "the vLLM server's process group (restarted on its port)",
-                "redone": f"rollouts attempts: {counts['rollouts']} (server back after "
-                f"{vllm_back_s:.0f} s)",
+                "redone": f"rollouts attempts: {counts['rollouts']} (server back after {vllm_back_s:.0f} s)",
                 "kept": f"iteration 0; {resumed} of {TASKS} groups of iteration 1 (committed before the kill)",
                 "result": "the task's retry completed the rollouts",
             }

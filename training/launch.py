@@ -373,9 +373,7 @@ def spec_from_config(
     settings = config.policy(policy)  # KeyError naming the defined policies
     lora = config.specialization is Spec.lora
     if save_optimizer is None:
-        save_optimizer = optimizer_snapshot_due(
-            config.training.save_optimizer_every, iteration, config.run.iterations
-        )
+        save_optimizer = optimizer_snapshot_due(config.training.save_optimizer_every, iteration, config.run.iterations)
     return UpdateSpec(
         batch_uri=batch_uri,
         policy=policy,

@@ -1,9 +1,9 @@
 """The resident learner of one policy: its training ranks as Ray actors that live for a whole run.
 
 Why: a cold update process per iteration spends most of its time starting Python, importing torch and
-DeepSpeed, loading the model, building the engine and saving an optimizer state it then throws away (≈45 s
-of a 58 s update here), and Adam restarts every iteration. verl and OpenRLHF keep the policy resident in Ray
-actors that host the training ranks; so does this module.
+DeepSpeed, loading the model, building the engine and saving an optimizer state it then throws away (most
+of a small model's update: docs/benchmarks.md), and Adam restarts every iteration. verl and OpenRLHF keep the
+policy resident in Ray actors that host the training ranks; so does this module.
 
 Process picture (one policy, ``training.num_processes = N``)::
 
