@@ -30,7 +30,7 @@ from pettingflow.inference.models import resolve_model
 from pettingflow.inference.server import server_from_settings
 from pettingflow.inference.weight_sync import base_model_name, fingerprint, load_lora_adapter, sync_full_weights
 from pettingflow.runs.endpoint import PolicyEndpoint
-from pettingflow.runs.weights import PolicyWeights
+from pettingflow.runs.lineage import PolicyWeights
 
 PROBE_TOLERANCE = 0.05  # largest |Δ log-prob| between replicas' greedy probes of the same weights
 
@@ -296,7 +296,7 @@ class PolicyService:
     def learner(self, ensure_ray: Any) -> Any:
         """The resident learner, started (again) when there is none or its ranks died. ``ensure_ray``: connects
         the run to Ray first (the runtime's)."""
-        from pettingflow.runs.weights import localize_start
+        from pettingflow.runs.lineage import localize_start
         from pettingflow.training.learner import Learner
 
         ensure_ray()

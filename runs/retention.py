@@ -16,7 +16,7 @@ import datetime as dt
 import shutil
 from dataclasses import dataclass
 
-from pettingflow.runs.weights import cached_copy_dir
+from pettingflow.runs.lineage import cached_copy_dir
 from pettingflow.storage import RunLayout, Step
 from pettingflow.storage.commits import Manifest
 from pettingflow.storage.layout import OPTIMIZER_STEP_PREFIX, UPDATE_STEP_PREFIX

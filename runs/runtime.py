@@ -48,8 +48,8 @@ from pettingflow.runs.between_updates import (
 )
 from pettingflow.runs.device_plan import DevicePlan, devices_overlap, plan_devices
 from pettingflow.runs.endpoint import PolicyEndpoint
+from pettingflow.runs.lineage import PolicyWeights, weights_before
 from pettingflow.runs.policy_service import SLEEP_LEVEL, PolicyService
-from pettingflow.runs.weights import PolicyWeights, weights_before
 from pettingflow.storage import RunLayout
 
 log = logging.getLogger(__name__)

@@ -28,7 +28,7 @@ from pettingflow.rl.filters import filter_samples
 from pettingflow.rl.rewards import discounted_returns, mix_rewards
 from pettingflow.rl.signal import GroupSpread, group_spread, zero_signal_message
 from pettingflow.runs.context import IterationContext
-from pettingflow.runs.weights import start_version
+from pettingflow.runs.lineage import start_version
 from pettingflow.steps.outcome import StepOutcome, already_done
 from pettingflow.storage import Manifest, read_step_trajectories, write_trajectories
 from pettingflow.storage.layout import StepName

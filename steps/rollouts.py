@@ -23,9 +23,9 @@ from pettingflow.rollout.records import EpisodeRecord, build_rows
 from pettingflow.rollout.runner import EpisodeRunner, LocalEpisodeRunner
 from pettingflow.runs.context import BASELINE_STEP, IterationContext
 from pettingflow.runs.endpoint import PolicyEndpoint
-from pettingflow.runs.weights import start_version
+from pettingflow.runs.lineage import stale_rollouts, start_version
 from pettingflow.steps.outcome import StepOutcome, already_done
-from pettingflow.storage import Step, TrajectoryShards, read_step_trajectories, write_trajectories
+from pettingflow.storage import Step, TrajectoryShards, write_trajectories
 from pettingflow.storage.fs import is_local
 
 if TYPE_CHECKING:
@@ -191,33 +191,6 @@ def baseline_step(ctx: IterationContext, config: ExperimentConfig, runtime: RunS
         step_name=BASELINE_STEP,
         policy_versions=runtime.served_versions(),
     )
-
-
-def stale_rollouts(ctx: IterationContext, config: ExperimentConfig, start_versions: dict[str, int]) -> str | None:
-    """Why the committed rollouts of this iteration may not be trained, or None when they may.
-
-    Rows may be at most ``rollout.max_policy_lag`` versions older than the weights their update starts from
-    (``start_versions``: policy -> version) with ``async_rollouts``, 0 without. Rows collected ahead before a
-    crash can fall outside that bound only if the run's history changed under them; they are then collected
-    again rather than trained on.
-    """
-    step = ctx.step("rollouts")
-    if not step.is_committed():
-        return None
-    allowed = config.rollout.max_policy_lag if config.rollout.async_rollouts else 0
-    table = read_step_trajectories(step, columns=["policy_name", "policy_version"])
-    oldest: dict[str, int] = {}
-    policies, versions = table.column("policy_name").to_pylist(), table.column("policy_version").to_pylist()
-    for policy, version in zip(policies, versions, strict=True):
-        oldest[policy] = min(version, oldest.get(policy, version))
-    for policy, version in sorted(oldest.items()):
-        start = start_versions.get(policy)
-        if start is not None and start - version > allowed:
-            return (
-                f"rollouts of iteration {ctx.iteration} hold {policy} rows of weights version {version}, but its "
-                f"update starts from version {start}: lag {start - version} > {allowed} allowed"
-            )
-    return None
 
 
 def set_aside(step: Step) -> str:

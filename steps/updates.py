@@ -15,25 +15,25 @@ import os
 import shutil
 import tempfile
 import time
-from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pettingflow.configs.settings import ExperimentConfig
 from pettingflow.faults import armed, crash_soon, hold, maybe_crash
 from pettingflow.runs.context import IterationContext
-from pettingflow.runs.weights import (
-    PolicyWeights,
-    base_model_dir,
-    update_step_name,
+from pettingflow.runs.lineage import (
+    allowed_policy_lag,
+    check_batch_lag,
+    optimizer_step_name,
+    policy_lags,
+    weights_after,
     weights_before,
-    weights_in_step,
 )
 from pettingflow.steps.batches import batch_file
 from pettingflow.steps.outcome import StepOutcome, already_done
 from pettingflow.storage.commits import FileEntry, Step
 from pettingflow.storage.fs import join, uri_of
-from pettingflow.storage.layout import OPTIMIZER_STEP_PREFIX, StepName
+from pettingflow.storage.layout import StepName
 from pettingflow.training.launch import METRICS_FILE, rebase_outputs, run_update, spec_from_config
 from pettingflow.training.learner import UPLOADED_KEY
 
@@ -47,7 +47,7 @@ def update_step(
     ctx: IterationContext, config: ExperimentConfig, policy: str, runtime: RunServices | None = None
 ) -> StepOutcome:
     """Train ``policy`` on its batch of this iteration; commit checkpoint + metrics."""
-    name = update_step_name(policy)
+    name = StepName.UPDATE.folder(policy)
     step = ctx.step(name)
     if done := already_done(step):
         if runtime is not None:
@@ -75,13 +75,7 @@ def update_step(
         step.commit(metrics)
         return StepOutcome(name, step.uri, 0, False, metrics)
     lags = policy_lags(batches.read_table(entry.name, columns=["policy_version"]), start.version)
-    allowed = config.rollout.max_policy_lag if config.rollout.async_rollouts else 0
-    if lags and max(lags) > allowed:
-        raise ValueError(
-            f"{policy}'s batch of iteration {ctx.iteration} holds rows {max(lags)} version(s) older than the weights "
-            f"the update starts from ({start.source}); at most {allowed} allowed (rollout.max_policy_lag, "
-            "rollout.async_rollouts). Collect the iteration's rollouts again (the rollouts task does so on resume)."
-        )
+    check_batch_lag(policy, ctx.iteration, lags, start, allowed_policy_lag(config))
     local = step.local_path
     out_dir = local if local is not None else Path(tempfile.mkdtemp(prefix="pettingflow-update-"))
     learner = runtime.learner(policy) if runtime is not None and config.training.learner == "resident" else None
@@ -147,10 +141,6 @@ def update_step(
     return StepOutcome(name, step.uri, manifest.rows, False, meta)
 
 
-def optimizer_step_name(policy: str) -> str:
-    return f"{OPTIMIZER_STEP_PREFIX}{policy}"
-
-
 def snapshot_in_background(
     ctx: IterationContext, policy: str, learner: Any, runtime: RunServices, version: str, timeout_s: float | None
 ) -> None:
@@ -213,13 +203,6 @@ def discard_lost_snapshot(step: Step, update: Step) -> bool:
     return True
 
 
-def policy_lags(table: Any, start_version: int) -> Counter[int]:
-    """Rows per lag: ``start_version - policy_version``, the iterations between the weights that generated a row
-    and the weights its update starts from (0: on-policy). Rows of files older than ``policy_version`` carry
-    their iteration, which can exceed an older start (updates skipped in between): counted as 0."""
-    return Counter(max(0, start_version - int(v)) for v in table.column("policy_version").to_pylist())
-
-
 def update_threads(config: ExperimentConfig, servers_released: bool) -> int | None:
     """torch threads per rank: ``training.num_threads``, or every core split over the ranks while the servers
     are paused, asleep or stopped (nothing else runs then), or None (the process default, ``OMP_NUM_THREADS``)."""
@@ -262,14 +245,6 @@ def _flat_timings(metrics: dict[str, Any]) -> dict[str, Any]:
 def _small(metrics: dict[str, Any]) -> dict[str, Any]:
     """Scalars only: the manifest and the Prefect result stay small."""
     return {k: v for k, v in metrics.items() if isinstance(v, int | float | str | bool) or v is None}
-
-
-def weights_after(ctx: IterationContext, config: ExperimentConfig, policy: str) -> PolicyWeights:
-    """The weights a policy has after this attempt's update (or before it, when the update was skipped)."""
-    step = ctx.step(update_step_name(policy))
-    if step.is_committed() and not step.manifest().metadata.get("skipped"):
-        return weights_in_step(step, policy, base_model_dir(config, policy), version=ctx.iteration + 1)
-    return weights_before(ctx.layout, config, policy, ctx.iteration)
 
 
 def sync_step(ctx: IterationContext, config: ExperimentConfig, runtime: RunServices) -> dict[str, Any]:

@@ -113,6 +113,15 @@ class Step:
     def is_committed(self) -> bool:
         return self.fs.exists(self.marker_path)
 
+    def is_skipped(self) -> bool:
+        """Committed without doing its work (e.g. an update with no rows after filtering: its metadata says
+        ``skipped``); False when not committed."""
+        return self.is_committed() and bool(self.manifest().metadata.get("skipped"))
+
+    def did_work(self) -> bool:
+        """Committed and not skipped: the step's outputs exist (an update step then holds new weights)."""
+        return self.is_committed() and not self.manifest().metadata.get("skipped")
+
     def manifest(self) -> Manifest:
         """The commit manifest; ``StepNotCommittedError`` if the step is not committed."""
         try:

@@ -162,8 +162,8 @@ def test_train_two_iterations_then_resume_then_rerun(tmp_path, prefect_env, tiny
     assert not any(f.name.startswith("deepspeed/") for f in layout.step(1, "update-shared").manifest().files)
     snapshot = layout.step(1, "optimizer-shared")
     assert snapshot.is_committed() and any(f.name.startswith("deepspeed/") for f in snapshot.manifest().files)
+    from pettingflow.runs.lineage import weights_before
     from pettingflow.runs.run import RunRef, load_run_config
-    from pettingflow.runs.weights import weights_before
 
     cfg = load_run_config(RunRef(root=str(tmp_path), run_id=run_id))
     start = weights_before(layout, cfg, "shared", 2)

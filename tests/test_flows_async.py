@@ -13,7 +13,7 @@ import pytest
 from test_flows import overrides, prefect_env, scripted, tiny_model  # noqa: F401 (module fixtures)
 
 from pettingflow.configs import load_config
-from pettingflow.runs.weights import weights_before
+from pettingflow.runs.lineage import weights_before
 from pettingflow.storage import RunLayout, read_step_trajectories
 
 ITERATIONS = 3

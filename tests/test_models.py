@@ -133,8 +133,8 @@ def test_a_hub_id_serves_tokenizes_and_trains_from_the_cache(hub_cache: Path, vl
 
     from pettingflow.configs import load_config
     from pettingflow.rollout.local import load_tokenizer
+    from pettingflow.runs.lineage import base_model_dir
     from pettingflow.runs.preflight import PreflightError, preflight
-    from pettingflow.runs.weights import base_model_dir
 
     assert vllm_server.model_path == hub_cache and vllm_server.served_model_name == DEFAULT_MODEL
     config = load_config("code-env", [f"policies.0.model={HUB_ID}"])

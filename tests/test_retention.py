@@ -10,8 +10,8 @@ from test_weights_before import commit_update, setup  # noqa: F401 (setup: a run
 from typer.testing import CliRunner
 
 from pettingflow.cli import app
+from pettingflow.runs.lineage import PrunedWeightsError, weights_before
 from pettingflow.runs.retention import kept_iterations, plan_prune, prune
-from pettingflow.runs.weights import PrunedWeightsError, weights_before
 from pettingflow.storage import RunLayout
 
 

@@ -8,7 +8,7 @@ import pytest
 from test_storage import s3_server  # noqa: F401 (module fixture: moto's S3 server on loopback)
 
 from pettingflow.configs.loader import load_config
-from pettingflow.runs.weights import start_version, weights_before
+from pettingflow.runs.lineage import start_version, weights_before
 from pettingflow.storage import RunLayout
 from pettingflow.training.checkpoint import BASE_VERSION, optimizer_snapshot_due
 
@@ -83,7 +83,7 @@ def test_snapshot_cadence() -> None:
 def test_weights_on_s3_are_downloaded_verified_and_cached(setup, s3_server, tmp_path, monkeypatch) -> None:  # noqa: F811
     """On S3 the starting weights are a verified local copy under ``$PETTINGFLOW_HOME/cache`` (vLLM and
     transformers need folders): never half-written, re-downloaded when the marker changes, refused when corrupt."""
-    from pettingflow.runs.weights import COMPLETE, local_copy
+    from pettingflow.runs.lineage import COMPLETE, local_copy
     from pettingflow.storage.commits import CorruptFileError
 
     _, config, base = setup
@@ -198,7 +198,7 @@ def test_a_rank_on_another_node_localizes_its_start_from_the_bucket(setup, s3_se
     """``localize_start``: the spec the flow built names the flow node's folders; a rank on another node (its own
     ``$PETTINGFLOW_HOME``) gets the same weights and snapshot as verified downloads into its own cache, from
     ``UpdateSpec.start_sources`` alone."""
-    from pettingflow.runs.weights import localize_start
+    from pettingflow.runs.lineage import localize_start
     from pettingflow.training.launch import spec_from_config
 
     _, config, base = setup

@@ -1,5 +1,5 @@
 """The layout of a policy checkpoint: one place for the writer (the update worker) and the readers
-(``runs/weights.py``, weight sync, evaluation).
+(``runs/lineage.py``, weight sync, evaluation).
 
 An update step's folder holds::
 

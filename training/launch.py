@@ -52,7 +52,7 @@ WORKER_MODULE = "pettingflow.training.worker"
 
 class StartSources(BaseModel):
     """Where an update's start weights live in storage rather than on one machine: a learner rank on another
-    node than the flow's makes its own local copies from these (``runs.weights.localize_start``), since the
+    node than the flow's makes its own local copies from these (``runs.lineage.localize_start``), since the
     folders in ``UpdateSpec`` (``init_model_dir``, ``resume_dir``, ...) are the flow node's."""
 
     model_config = ConfigDict(extra="forbid")

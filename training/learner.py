@@ -342,7 +342,7 @@ class Learner:
         A local Ray passes 127.0.0.1 so that training traffic stays on loopback. ``resources``: custom Ray
         resources every rank asks for (``training.rank_resources``), which place the ranks on the nodes that
         offer them. ``localize``: how a rank on another node than this one makes its own copies of an update's start
-        weights (``runs.weights.localize_start``). ``placement_wait_s``: how long a restart (after a rank or its
+        weights (``runs.lineage.localize_start``). ``placement_wait_s``: how long a restart (after a rank or its
         node was lost) waits for the cluster to offer the ranks' resources again."""
         self.resources = dict(resources or {})
         self.localize = localize

@@ -1,20 +1,29 @@
-"""Which weights a policy has at the start of an iteration, and where they are on this machine.
+"""Weights lineage: which weights each step of a run started from and produced, and how far behind them the
+rows it trains on may be.
 
 The truth is in storage: the weights after iteration k are the checkpoint in the committed
 ``update-<policy>`` step of iteration k (attempt 0). Iteration k therefore starts from the newest
 committed update before k, or from the base model. Because this is derived from committed files,
 a resumed run (new process, fresh vLLM server) serves and trains from exactly the right weights.
+
+Policy lag: every row records the version of the weights that generated it (``policy_version``: 0 the base, k + 1
+the update of iteration k). An update may train on rows at most ``allowed_policy_lag`` versions older than the
+weights it starts from: 0 for synchronous rollouts, ``rollout.max_policy_lag`` with ``async_rollouts``.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import replace
+from typing import Any
 
 from pettingflow.configs.settings import ExperimentConfig
 from pettingflow.inference.models import resolve_model
+from pettingflow.runs.context import IterationContext
 from pettingflow.storage import RunLayout, Step
-from pettingflow.storage.layout import OPTIMIZER_STEP_PREFIX, UPDATE_STEP_PREFIX
+from pettingflow.storage.layout import OPTIMIZER_STEP_PREFIX, StepName
 from pettingflow.storage.local_copy import COMPLETE, cached_copy_dir, local_copy
+from pettingflow.storage.trajectories import read_step_trajectories
 from pettingflow.training.checkpoint import ADAPTERS_SUBDIR, DEEPSPEED_SUBDIR, MODEL_SUBDIR, PolicyWeights
 from pettingflow.training.launch import UpdateSpec
 
@@ -22,19 +31,24 @@ __all__ = [
     "COMPLETE",
     "PolicyWeights",
     "PrunedWeightsError",
+    "allowed_policy_lag",
     "base_model_dir",
     "cached_copy_dir",
     "local_copy",
     "localize_start",
+    "optimizer_step_name",
+    "policy_lags",
+    "stale_rollouts",
     "start_version",
-    "update_step_name",
+    "weights_after",
     "weights_before",
     "weights_in_step",
 ]
 
 
-def update_step_name(policy: str) -> str:
-    return f"{UPDATE_STEP_PREFIX}{policy}"
+def optimizer_step_name(policy: str) -> str:
+    """The step holding the optimizer snapshot written after ``policy``'s update, off the critical path."""
+    return f"{OPTIMIZER_STEP_PREFIX}{policy}"
 
 
 def base_model_dir(config: ExperimentConfig, policy: str) -> str:
@@ -54,8 +68,8 @@ def weights_before(layout: RunLayout, config: ExperimentConfig, policy: str, ite
     weights: PolicyWeights | None = None
     age = 0
     for k in range(iteration - 1, -1, -1):
-        step = layout.step(k, update_step_name(policy))
-        if not step.is_committed() or step.manifest().metadata.get("skipped"):
+        step = layout.step(k, StepName.UPDATE.folder(policy))
+        if not step.did_work():
             continue
         if weights is None:
             weights = weights_in_step(step, policy, base, version=k + 1)
@@ -73,7 +87,7 @@ def weights_before(layout: RunLayout, config: ExperimentConfig, policy: str, ite
 def snapshot_of(layout: RunLayout, iteration: int, policy: str, update: Step) -> Step | None:
     """The step holding the optimizer snapshot of ``policy``'s update at ``iteration``, if one was committed: the
     update step itself, or the ``optimizer-<policy>`` step written after it in the background."""
-    for step in (update, layout.step(iteration, f"{OPTIMIZER_STEP_PREFIX}{policy}")):
+    for step in (update, layout.step(iteration, optimizer_step_name(policy))):
         if step is not update and not step.is_committed():
             continue
         if any(e.name.startswith(DEEPSPEED_SUBDIR + "/") for e in step.manifest().files):
@@ -91,8 +105,7 @@ def start_version(layout: RunLayout, policy: str, iteration: int) -> int:
     """The version of the weights ``policy`` starts ``iteration`` from (``weights_before(...).version``), read from
     the commit markers alone: no model folder is resolved or downloaded."""
     for k in range(iteration - 1, -1, -1):
-        step = layout.step(k, update_step_name(policy))
-        if step.is_committed() and not step.manifest().metadata.get("skipped"):
+        if layout.step(k, StepName.UPDATE.folder(policy)).did_work():
             return k + 1
     return 0
 
@@ -177,3 +190,60 @@ def localize_start(spec: UpdateSpec) -> UpdateSpec:
             "resume_dir": resume,
         }
     )
+
+
+def weights_after(ctx: IterationContext, config: ExperimentConfig, policy: str) -> PolicyWeights:
+    """The weights a policy has after this attempt's update (or before it, when the update was skipped)."""
+    step = ctx.step(StepName.UPDATE.folder(policy))
+    if step.did_work():
+        return weights_in_step(step, policy, base_model_dir(config, policy), version=ctx.iteration + 1)
+    return weights_before(ctx.layout, config, policy, ctx.iteration)
+
+
+# ------------------------------------------------------------------------------------------------ policy lag
+def allowed_policy_lag(config: ExperimentConfig) -> int:
+    """The most versions a row may lag behind the weights its update starts from."""
+    return config.rollout.max_policy_lag if config.rollout.async_rollouts else 0
+
+
+def policy_lags(table: Any, start_version: int) -> Counter[int]:
+    """Rows per lag: ``start_version - policy_version``, the iterations between the weights that generated a row
+    and the weights its update starts from (0: on-policy). Rows of files older than ``policy_version`` carry
+    their iteration, which can exceed an older start (updates skipped in between): counted as 0."""
+    return Counter(max(0, start_version - int(v)) for v in table.column("policy_version").to_pylist())
+
+
+def check_batch_lag(policy: str, iteration: int, lags: Counter[int], start: PolicyWeights, allowed: int) -> None:
+    """Refuse an update whose batch holds rows older than ``allowed`` (``ValueError`` saying how to recover)."""
+    if lags and max(lags) > allowed:
+        raise ValueError(
+            f"{policy}'s batch of iteration {iteration} holds rows {max(lags)} version(s) older than the weights "
+            f"the update starts from ({start.source}); at most {allowed} allowed (rollout.max_policy_lag, "
+            "rollout.async_rollouts). Collect the iteration's rollouts again (the rollouts task does so on resume)."
+        )
+
+
+def stale_rollouts(ctx: IterationContext, config: ExperimentConfig, start_versions: dict[str, int]) -> str | None:
+    """Why the committed rollouts of this iteration may not be trained, or None when they may.
+
+    Rows may be at most ``allowed_policy_lag`` versions older than the weights their update starts from
+    (``start_versions``: policy -> version). Rows collected ahead before a crash can fall outside that bound
+    only if the run's history changed under them; they are then collected again rather than trained on.
+    """
+    step = ctx.step(StepName.ROLLOUTS)
+    if not step.is_committed():
+        return None
+    allowed = allowed_policy_lag(config)
+    table = read_step_trajectories(step, columns=["policy_name", "policy_version"])
+    oldest: dict[str, int] = {}
+    policies, versions = table.column("policy_name").to_pylist(), table.column("policy_version").to_pylist()
+    for policy, version in zip(policies, versions, strict=True):
+        oldest[policy] = min(version, oldest.get(policy, version))
+    for policy, version in sorted(oldest.items()):
+        start = start_versions.get(policy)
+        if start is not None and start - version > allowed:
+            return (
+                f"rollouts of iteration {ctx.iteration} hold {policy} rows of weights version {version}, but its "
+                f"update starts from version {start}: lag {start - version} > {allowed} allowed"
+            )
+    return None
