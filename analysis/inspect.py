@@ -15,7 +15,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from pettingflow.runs.context import BASELINE_STEP, STEP_ORDER
+from pettingflow.runs.context import STEP_ORDER
 from pettingflow.runs.run import format_change
 from pettingflow.steps.report import REPORT_STEP, stored_warnings
 from pettingflow.storage import RunLayout, list_runs, read_step_trajectories
@@ -49,8 +49,8 @@ def step_status(layout: RunLayout, iteration: int) -> dict[str, str]:
     """Each step of an iteration (attempt 0): committed, or missing."""
     status = {}
     names = [n for n in STEP_ORDER if n is not StepName.UPDATE]
-    if layout.fs.exists(layout.step(iteration, BASELINE_STEP).path):  # iteration 0 with validation.at_start
-        names.insert(0, BASELINE_STEP)
+    if layout.fs.exists(layout.step(iteration, StepName.BASELINE).path):  # iteration 0 with validation.at_start
+        names.insert(0, StepName.BASELINE)
     names += layout.update_steps(iteration) + layout.optimizer_steps(iteration)
     for name in names:
         step = layout.step(iteration, name)

@@ -17,7 +17,6 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from pettingflow.runs.context import BASELINE_STEP
 from pettingflow.steps.report import REPORT_STEP, history, stored_warnings
 from pettingflow.storage import RunLayout, read_step_trajectories
 from pettingflow.storage.layout import UPDATE_STEP_PREFIX, StepName
@@ -131,7 +130,7 @@ def _heldout(layout: RunLayout, iterations: list[int]) -> tuple[HeldOut | None, 
     from pettingflow.analysis.stats import paired_bootstrap
     from pettingflow.configs.loader import validate_config
 
-    baseline = layout.step(0, BASELINE_STEP)
+    baseline = layout.step(0, StepName.BASELINE)
     if not baseline.is_committed():
         return None, "no baseline (validation.at_start is off, or validation.frequency is 0)"
     validated = [k for k in iterations if layout.step(k, StepName.VALIDATION).is_committed()]

@@ -194,7 +194,7 @@ def run_rollouts(config: Any, endpoints: dict[str, Any], tasks: list[dict[str, A
     """One engine round; returns (records, stats, wall seconds measured around ``run_episodes``)."""
     import asyncio
 
-    from pettingflow.steps.rollouts import run_episodes
+    from pettingflow.rollout.local import run_episodes
 
     with Timer() as t:
         records, stats = asyncio.run(

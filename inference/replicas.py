@@ -120,5 +120,5 @@ class ReplicaSet:
         }
 
     async def aclose(self) -> None:
-        """Nothing: the replicas' clients stay their owner's to close (``steps.rollouts.run_episodes`` keeps one
+        """Nothing: the replicas' clients stay their owner's to close (``rollout.local.run_episodes`` keeps one
         client per URL, shared by every set and binding that names it)."""

@@ -16,8 +16,7 @@ from pettingflow.storage.layout import step_kind
 #: the steps of an attempt, in order (``baseline`` is the run's, before iteration 0: a re-run never writes one and
 #: always reads the original's)
 STEP_ORDER = tuple(step for step in StepName if step is not StepName.BASELINE)
-BASELINE_STEP = StepName.BASELINE  # kept until steps/rollouts.py names StepName itself
-__all__ = ["BASELINE_STEP", "STEP_ORDER", "IterationContext", "step_kind"]
+__all__ = ["STEP_ORDER", "IterationContext", "step_kind"]
 
 
 @dataclass(frozen=True)

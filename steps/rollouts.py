@@ -18,14 +18,13 @@ from typing import TYPE_CHECKING, Any
 from pettingflow.configs.settings import ExperimentConfig
 from pettingflow.envs import EnvCache, load_tasks
 from pettingflow.rollout.engine import EngineStats
-from pettingflow.rollout.local import run_episodes as run_episodes  # re-exported: bench/common.py runs it
 from pettingflow.rollout.records import EpisodeRecord, build_rows
 from pettingflow.rollout.runner import EpisodeRunner, LocalEpisodeRunner
-from pettingflow.runs.context import BASELINE_STEP, IterationContext
+from pettingflow.runs.context import IterationContext
 from pettingflow.runs.endpoint import PolicyEndpoint
 from pettingflow.runs.lineage import stale_rollouts, start_version
 from pettingflow.steps.outcome import StepOutcome, already_done
-from pettingflow.storage import Step, TrajectoryShards, write_trajectories
+from pettingflow.storage import Step, StepName, TrajectoryShards, write_trajectories
 from pettingflow.storage.fs import is_local
 
 if TYPE_CHECKING:
@@ -181,14 +180,14 @@ def baseline_step(ctx: IterationContext, config: ExperimentConfig, runtime: RunS
     """``validation_step`` on the weights ``ctx.iteration`` starts from (the base model at iteration 0), before
     any update (``validation.at_start``): the first point of the run's validation curve, committed as
     ``baseline``."""
-    if not ctx.step(BASELINE_STEP).is_committed():
+    if not ctx.step(StepName.BASELINE).is_committed():
         runtime.serve_start_of(ctx.layout, ctx.iteration)
     return validation_step(
         ctx,
         config,
         runtime.endpoints(),
         env_cache=runtime.env_cache,
-        step_name=BASELINE_STEP,
+        step_name=StepName.BASELINE,
         policy_versions=runtime.served_versions(),
     )
 

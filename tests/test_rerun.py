@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from pettingflow.analysis.inspect import show_run
 from pettingflow.configs.loader import ConfigError, load_config
-from pettingflow.runs.context import BASELINE_STEP, IterationContext
+from pettingflow.runs.context import IterationContext
 from pettingflow.runs.run import (
     RerunOverrideError,
     RunRef,
@@ -20,7 +20,7 @@ from pettingflow.runs.run import (
     rerun_config,
     start_or_resume,
 )
-from pettingflow.storage import RunLayout
+from pettingflow.storage import RunLayout, StepName
 
 
 @pytest.fixture
@@ -130,7 +130,9 @@ def test_the_baseline_belongs_to_the_run_not_to_an_attempt(tmp_path) -> None:
     original = IterationContext(layout, 0)
     rerun = IterationContext(layout, 0, attempt=2, from_step="filtered")
     assert (
-        original.step(BASELINE_STEP).path == rerun.step(BASELINE_STEP).path == f"{tmp_path}/runs/run-b/iter-0/baseline"
+        original.step(StepName.BASELINE).path
+        == rerun.step(StepName.BASELINE).path
+        == f"{tmp_path}/runs/run-b/iter-0/baseline"
     )
     assert rerun.step("filtered").path.endswith("iter-0/attempt-2/filtered")
 
