@@ -76,6 +76,82 @@ def folder_graph(root: Path = ROOT) -> dict[str, set[str]]:
     return graph
 
 
+def module_name(path: Path, root: Path = ROOT) -> str:
+    """``pettingflow.<folder>.<module>`` of a project file (``pettingflow.<folder>`` for a package's __init__)."""
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    if parts and parts[0] == "pettingflow":
+        parts = parts[1:]
+    return ".".join(["pettingflow", *parts])
+
+
+def _runtime_imports(path: Path) -> set[str]:
+    """Every ``pettingflow.*`` module name a file imports, at its top or inside functions (run time), but not in
+    ``if TYPE_CHECKING:`` blocks; ``from a import b`` counts as ``a`` and ``a.b`` (b may be a module)."""
+    names: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and getattr(node.test, "id", getattr(node.test, "attr", None)) == "TYPE_CHECKING":
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+            names.update(f"{node.module}.{a.name}" for a in node.names)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(path.read_text(), filename=str(path)))
+    return {n for n in names if n.startswith("pettingflow")}
+
+
+def import_cycles(root: Path = ROOT) -> list[list[str]]:
+    """Groups of project modules that import each other, directly or around a loop, counting imports made inside
+    functions: each is a loop at run time (a lazy import that only hides it). Empty when the imports point one way."""
+    files = {module_name(p, root): p for folder in FOLDERS for p in sorted((root / folder).rglob("*.py"))}
+    graph: dict[str, set[str]] = {}
+    for name, path in files.items():
+        targets = set()
+        for imported in _runtime_imports(path):
+            while imported and imported not in files:
+                imported = imported.rpartition(".")[0]
+            if imported and imported != name:
+                targets.add(imported)
+        graph[name] = targets
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def strong(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                strong(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 10 * len(graph)))
+    for v in graph:
+        if v not in index:
+            strong(v)
+    return cycles
+
+
 def main() -> int:
     for folder, deps in folder_graph().items():
         print(f"{folder}: {', '.join(sorted(deps)) or '-'}")

@@ -30,6 +30,7 @@ from pettingflow.runs.run import RunRef, load_run_config
 from pettingflow.steps import batches, rollouts, updates
 from pettingflow.steps.outcome import StepOutcome
 from pettingflow.storage import StepName
+from pettingflow.tasks.report import publish_report
 
 
 @dataclass(frozen=True)
@@ -107,8 +108,6 @@ def _validation(call: StepCall) -> StepOutcome:
 
 
 def _report(call: StepCall) -> dict[str, Any]:
-    from pettingflow.tasks.report import publish_report  # Prefect artifacts: imported where they are made
-
     return publish_report(call)
 
 

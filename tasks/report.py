@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prefect import get_run_logger, task
 from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
@@ -13,7 +13,9 @@ from pettingflow.analysis.viewer import viewer_markdown
 from pettingflow.runs.run import RunRef
 from pettingflow.steps import report
 from pettingflow.storage import StepName
-from pettingflow.tasks.pipeline import StepCall
+
+if TYPE_CHECKING:  # the pipeline imports this module: its type only, no import loop
+    from pettingflow.tasks.pipeline import StepCall
 
 
 def artifact_key(*parts: str) -> str:

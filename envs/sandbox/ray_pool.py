@@ -27,7 +27,7 @@ class _SandboxWorker:
     the sandbox's own message ("apt-get install -y bubblewrap") rather than a bare ActorDiedError."""
 
     def __init__(self, settings: SandboxSettings):
-        from pettingflow.envs.sandbox import make_sandbox
+        from pettingflow.envs.sandbox.factory import make_sandbox
 
         self._sandbox = None
         self._error: str | None = None
