@@ -64,6 +64,7 @@ from typing import Any
 
 from bench import common
 from pettingflow.allocator import describe, preload_env
+from pettingflow.storage.layout import UPDATE_STEP_PREFIX, StepName
 
 GOAL = 0.45  # PettingFlow (sync, tuned) wall / TRL wall per warm iteration (was 0.5)
 DEFAULTS_GOAL = 1.05  # PettingFlow with the shipped defaults / tuned: within 5 %
@@ -179,17 +180,17 @@ def pettingflow_run(
     iterations = []
     previous = started
     for k in range(1 + args.iterations):
-        report = layout.step(k, "report")
+        report = layout.step(k, StepName.REPORT)
         metrics = report.read_json("metrics.json")
         committed = report.manifest().committed_at
         d = {key[len("duration/") : -2]: v for key, v in metrics.items() if key.startswith("duration/")}
         row: dict[str, Any] = {
             "iteration": k,
             "wall": committed - previous,
-            "gen": d.get("rollouts", 0.0),
-            "filter_adv": d.get("filtered", 0.0) + d.get("advantages", 0.0),
-            "update": sum(v for name, v in d.items() if name.startswith("update-")),
-            "sync": d.get("sync", 0.0),
+            "gen": d.get(StepName.ROLLOUTS, 0.0),
+            "filter_adv": d.get(StepName.FILTERED, 0.0) + d.get(StepName.ADVANTAGES, 0.0),
+            "update": sum(v for name, v in d.items() if name.startswith(UPDATE_STEP_PREFIX)),
+            "sync": d.get(StepName.SYNC, 0.0),
             "tokens": int(metrics.get("rollout/tokens_generated", 0)),
             "rows": int(metrics.get("update/shared/rows_used", metrics.get("filter/rows_kept", 0))),
             "optimizer_steps": metrics.get("update/shared/optimizer_steps"),
@@ -208,7 +209,7 @@ def pettingflow_run(
                 row["update_timings"] = timings
         iterations.append(row)
         previous = committed
-    rows = read_step_trajectories(layout.step(0, "rollouts")).to_pylist()
+    rows = read_step_trajectories(layout.step(0, StepName.ROLLOUTS)).to_pylist()
     prompts: dict[int, list[int]] = {}
     for r in rows:
         if r["agent_idx"] == 0 and r["turn_idx"] == 0:

@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     from pettingflow.envs import load_humaneval
     from pettingflow.flows.rerun import rerun
     from pettingflow.flows.train import train
-    from pettingflow.storage import RunLayout
+    from pettingflow.storage import RunLayout, StepName
 
     model = common.model_dir(args.model)
     tok = AutoTokenizer.from_pretrained(model, local_files_only=True)
@@ -171,13 +171,13 @@ def main(argv: list[str] | None = None) -> int:
                 run_id = state.result()["run_id"]
                 lib = dict(clock.library)
                 layout = RunLayout(str(root), run_id)
-                metrics = layout.step(0, "report").read_json("metrics.json")
+                metrics = layout.step(0, StepName.REPORT).read_json("metrics.json")
                 save_s = float(metrics.get("update/shared/timings/save_s", 0.0))
                 storage = clock.storage + save_s
                 # rerun from the stored trajectories
                 clock.reset()
                 with common.Timer() as rerun_t:
-                    rerun(run_id=run_id, iteration=0, from_step="filtered", root=str(root))
+                    rerun(run_id=run_id, iteration=0, from_step=StepName.FILTERED, root=str(root))
                 rerun_lib = sum(clock.library.values())
                 rows.append(
                     {

@@ -11,6 +11,7 @@ import typer
 
 from pettingflow.configs.loader import ConfigError, available_configs, dump_config, load_config
 from pettingflow.inference.cli import models_app
+from pettingflow.storage.layout import StepName
 
 if TYPE_CHECKING:
     from pettingflow.configs.settings import ExperimentConfig
@@ -383,7 +384,9 @@ def trajectories_show(
     iteration: Annotated[int, typer.Option("--iteration", "-k", help="Iteration to show.")] = 0,
     agent: Annotated[str | None, typer.Option("--agent", help="Only this agent's samples.")] = None,
     limit: Annotated[int, typer.Option("--limit", help="At most this many rows.")] = 20,
-    step: Annotated[str, typer.Option("--step", help="rollouts, filtered, validation or baseline.")] = "rollouts",
+    step: Annotated[
+        str, typer.Option("--step", help="rollouts, filtered, validation or baseline.")
+    ] = StepName.ROLLOUTS,
     root: RootOpt = "",
 ) -> None:
     """A readable table of an iteration's samples."""
@@ -407,7 +410,7 @@ def trajectories_episode(
     iteration: Annotated[int, typer.Option("--iteration", "-k", help="Iteration.")] = 0,
     step: Annotated[
         str, typer.Option("--step", help="rollouts, filtered, advantages (with each row's advantage), validation.")
-    ] = "rollouts",
+    ] = StepName.ROLLOUTS,
     prompts: Annotated[bool, typer.Option("--prompts/--no-prompts", help="Print each turn's prompt.")] = True,
     root: RootOpt = "",
 ) -> None:
@@ -487,7 +490,7 @@ def hardware_probe_cmd(
 def rerun(
     run_id: Annotated[str, typer.Argument(help="A run id.")],
     iteration: Annotated[int, typer.Option("--iteration", "-k", help="Iteration to re-run.")],
-    from_step: Annotated[str, typer.Option("--from-step", help="filtered, advantages or update.")] = "filtered",
+    from_step: Annotated[str, typer.Option("--from-step", help="filtered, advantages or update.")] = StepName.FILTERED,
     validate: Annotated[
         bool, typer.Option("--validate", help="Also sync and validate (starts a vLLM server).")
     ] = False,

@@ -97,7 +97,7 @@ def collect_step(
     ``rollout.workers: ray``: the groups run in Ray actors (``EpisodeRunner.for_config``); this process commits
     each group the moment an actor returns it, so the shards, the resume and the rows are the same as above.
     """
-    step = ctx.step("rollouts")
+    step = ctx.step(StepName.ROLLOUTS)
     if done := already_done(step):
         return done
     started_at = time.time()
@@ -164,7 +164,7 @@ def rollouts_step(
     their version). Rollouts committed earlier that are too old for ``rollout.max_policy_lag`` (possible
     only after a crash) are set aside, said through ``warn``, and collected again.
     """
-    step = ctx.step("rollouts")
+    step = ctx.step(StepName.ROLLOUTS)
     if not ahead and step.is_committed():  # the start versions (commit markers, S3 reads) only when there is a verdict
         starts = {p: start_version(ctx.layout, p, ctx.iteration) for p in runtime.policies}
         if reason := stale_rollouts(ctx, config, starts):
@@ -217,7 +217,7 @@ def validation_step(
     endpoints: dict[str, PolicyEndpoint],
     *,
     env_cache: EnvCache | None = None,
-    step_name: str = "validation",
+    step_name: str = StepName.VALIDATION,
     show_progress: bool = True,
     policy_versions: dict[str, int] | None = None,
 ) -> StepOutcome:
