@@ -16,6 +16,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pettingflow.configs.addresses import is_loopback
+from pettingflow.rl.advantages import ADVANTAGE_ESTIMATORS
+from pettingflow.rl.filters import FILTER_METHODS
 
 
 def micro_steps_per_rank(rows_per_step: int, micro_batch_size: int, world_size: int) -> int:
@@ -250,16 +252,24 @@ class RolloutSettings(_Strict):
 # --------------------------------------------------------------------------------------------------
 # algorithm and training
 # --------------------------------------------------------------------------------------------------
+#: The names the registries of ``rl/`` hold, read from them: a new estimator or filter is one decorated function in
+#: ``rl/advantages.py`` or ``rl/filters.py`` (docs/rl.md). Those modules load numpy only (no torch), so a config
+#: still loads fast. KL estimators and loss aggregations live beside torch code (``rl/losses.py``): their names are
+#: written below and tests/test_rl_registries.py checks them against the registries.
+AdvantageEstimatorName = Literal[ADVANTAGE_ESTIMATORS.names()]  # type: ignore[valid-type]
+FilterMethodName = Literal[FILTER_METHODS.names()]  # type: ignore[valid-type]
+
+
 class AlgorithmSettings(_Strict):
     """RL objective: advantages, filters and the clipped surrogate."""
 
-    advantage_estimator: Literal["grpo", "grpo_no_std", "rloo", "reinforce_pp"] = Field(
+    advantage_estimator: AdvantageEstimatorName = Field(
         "grpo",
         description="grpo: (r - group mean) / group std; grpo_no_std: r - group mean; rloo: r - mean of the group's "
         "other samples; reinforce_pp: r - group mean, divided by the std of those centred values over the whole "
         "batch (rl/advantages.py, docs/rl.md).",
     )
-    filter_method: Literal["none", "mean", "std", "dapo", "uid"] = Field(
+    filter_method: FilterMethodName = Field(
         "none",
         description="Drop samples before the advantages. mean / std: the filter_ratio share of UID groups with the "
         "lowest mean reward / range-normalised variance; dapo: groups whose rewards are all equal; uid: in each "

@@ -3,47 +3,42 @@
 See docs/rl.md for every formula, its source and where it deviates from PettingLLMs and verl. What the config
 selects by name (advantage estimator, filter method, KL estimator, loss aggregation mode) is looked up in a
 ``Registry`` (``registry.py``), to which each implementation adds itself with one decorator.
+
+The names below load their module on first use: ``configs`` imports ``rl.advantages`` and ``rl.filters`` (numpy
+only) to validate names against the registries, and must not pull in torch through ``rl.losses``.
 """
 
-from pettingflow.rl.advantages import (
-    ADVANTAGE_ESTIMATORS,
-    broadcast_advantages,
-    compute_advantages,
-)
-from pettingflow.rl.filters import FILTER_METHODS, FilterResult, filter_samples, range_normalized_variance
-from pettingflow.rl.losses import (
-    KL_ESTIMATORS,
-    LOSS_AGG_MODES,
-    LossAggMode,
-    entropy_from_logits,
-    kl_penalty,
-    loss_denominator,
-    masked_aggregate,
-    policy_loss,
-    total_loss,
-)
-from pettingflow.rl.registry import Registry
-from pettingflow.rl.uids import PETTINGFLOW_UID_NAMESPACE, assign_uids, group_indices
+from __future__ import annotations
 
-__all__ = [
-    "ADVANTAGE_ESTIMATORS",
-    "FILTER_METHODS",
-    "KL_ESTIMATORS",
-    "LOSS_AGG_MODES",
-    "PETTINGFLOW_UID_NAMESPACE",
-    "FilterResult",
-    "LossAggMode",
-    "Registry",
-    "assign_uids",
-    "broadcast_advantages",
-    "compute_advantages",
-    "entropy_from_logits",
-    "filter_samples",
-    "group_indices",
-    "kl_penalty",
-    "loss_denominator",
-    "masked_aggregate",
-    "policy_loss",
-    "range_normalized_variance",
-    "total_loss",
-]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "advantages": ("ADVANTAGE_ESTIMATORS", "broadcast_advantages", "compute_advantages"),
+    "filters": ("FILTER_METHODS", "FilterResult", "filter_samples", "range_normalized_variance"),
+    "losses": (
+        "KL_ESTIMATORS",
+        "LOSS_AGG_MODES",
+        "LossAggMode",
+        "entropy_from_logits",
+        "kl_penalty",
+        "loss_denominator",
+        "masked_aggregate",
+        "policy_loss",
+        "total_loss",
+    ),
+    "registry": ("Registry",),
+    "uids": ("PETTINGFLOW_UID_NAMESPACE", "assign_uids", "group_indices"),
+}
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+__all__ = sorted(_MODULE_OF)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _MODULE_OF:
+        raise AttributeError(f"module 'pettingflow.rl' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"pettingflow.rl.{_MODULE_OF[name]}"), name)
+
+
+def __dir__() -> list[str]:
+    return __all__

@@ -21,12 +21,15 @@ values already have mean 0 up to rounding), so zero-variance groups stay exactly
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from pettingflow.rl.registry import Registry
 from pettingflow.rl.uids import check_rewards, group_indices
+
+if TYPE_CHECKING:  # torch loads where tensors are made: configs import this module for its names
+    import torch
 
 # (rewards [N] float64, index lists of the UID groups whose rewards differ, eps) -> advantages [N]
 AdvantageEstimator = Callable[[np.ndarray, list[list[int]], float], np.ndarray]
@@ -109,4 +112,6 @@ def _check_pair(values: torch.Tensor, mask: torch.Tensor, name: str) -> None:
 def broadcast_advantages(adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """``[B] -> [B, T]``: ``adv[b] * mask[b, t]`` (every model token of a sample shares its advantage)."""
     _check_pair(adv, mask, "adv")
+    import torch
+
     return torch.where(mask != 0, adv.unsqueeze(1), torch.zeros((), dtype=adv.dtype, device=adv.device))

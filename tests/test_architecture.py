@@ -42,7 +42,7 @@ def test_the_folder_map_lists_every_import_between_folders():
 
 def test_the_pure_layers_import_nothing_from_the_project_and_only_the_prefect_layer_knows_prefect():
     graph = _graph_module().folder_graph()
-    assert graph["rl"] == set() and graph["configs"] == set()
+    assert graph["rl"] == set() and graph["configs"] == {"rl"}  # configs: the registries' names only
     knows_prefect = {
         path.relative_to(ROOT).parts[0]
         for folder in _graph_module().FOLDERS
@@ -65,3 +65,21 @@ def test_the_graph_reader_sees_lazy_and_aliased_imports(tmp_path):
 def test_no_two_modules_import_each_other_even_inside_functions() -> None:
     """A lazy import inside a function only hides a loop: every import, at run time too, points one way."""
     assert _graph_module().import_cycles() == []
+
+
+def test_loading_a_config_imports_no_torch() -> None:
+    """configs read the advantage estimators' and filters' names from rl's registries; those modules must stay
+    numpy-only, so the CLI and the flows' config checks do not pay for importing torch."""
+    import subprocess
+    import sys
+
+    code = "\n".join(
+        [
+            "import sys",
+            "from pettingflow.configs import load_config",
+            "load_config('code-env')",
+            "print('torch' in sys.modules)",
+        ]
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert done.stdout.strip() == "False", done.stdout + done.stderr[-2000:]
