@@ -22,7 +22,7 @@ from pettingflow.runs.context import IterationContext
 from pettingflow.runs.run import RunRef, load_run_config
 from pettingflow.runs.runtime import Runtime, active_runtime
 from pettingflow.storage import StepName
-from pettingflow.tasks.pipeline import PIPELINE, TASKS, StepDef, task_run_name, value
+from pettingflow.tasks.pipeline import PIPELINE, TASKS, StepDef, context, task_run_name, value
 
 
 def validation_due(frequency: int, iteration: int, iterations: int, schedule: str = "periodic") -> bool:
@@ -116,7 +116,7 @@ def iteration(
     flow_started = time.perf_counter()
     logger = get_run_logger()
     config = load_run_config(run, iteration, attempt)
-    ctx = IterationContext(run.layout(), iteration, attempt, from_step if attempt else StepName.ROLLOUTS)
+    ctx = context(run, iteration, attempt, from_step)
     due = validation_due(config.validation.frequency, iteration, config.run.iterations, config.validation.schedule)
     validate_now = due if validate_now is None else validate_now
     policies = list(dict.fromkeys(a.policy for a in config.agents))
