@@ -17,7 +17,7 @@ from rich.table import Table
 
 from pettingflow.runs.context import STEP_ORDER
 from pettingflow.runs.run import format_change
-from pettingflow.steps.report import REPORT_STEP, stored_warnings
+from pettingflow.steps.report import CURVE_FAMILIES, REPORT_STEP, read_metrics, stored_warnings
 from pettingflow.storage import RunLayout, list_runs, read_step_trajectories
 from pettingflow.storage.layout import StepName
 
@@ -110,7 +110,7 @@ def attempt_metrics(layout: RunLayout, iteration: int) -> dict[int, dict[str, fl
     for attempt in layout.attempts(iteration):
         report = layout.step(iteration, REPORT_STEP, attempt=attempt or None)
         if report.is_committed():
-            out[attempt] = report.read_json("metrics.json")
+            out[attempt] = read_metrics(report)
     return out
 
 
@@ -159,9 +159,9 @@ HEADLINE_UPDATE = (
 
 def _headline(metric: str) -> bool:
     """The metrics `runs show` prints: rewards and success, and the main update numbers."""
-    if metric.startswith(("rollout/", "validation/", "baseline/")):
+    if metric.startswith(CURVE_FAMILIES):
         return metric.endswith(("/reward_mean", "/success_rate"))
-    if metric.startswith("signal/"):  # non-zero advantage rows; zero_signal 1 = nothing to learn from
+    if metric.startswith(f"{StepName.ADVANTAGES}/"):  # non-zero advantage rows; zero_signal 1 = nothing to learn from
         return metric.endswith(("/nonzero_advantage_rows", "/zero_signal"))
     return metric.startswith("update/") and metric.rsplit("/", 1)[-1] in HEADLINE_UPDATE
 
@@ -296,7 +296,7 @@ def timeline_spans(layout: RunLayout) -> list[Span]:
     spans: list[Span] = []
     for k in layout.iterations():
         report = layout.step(k, REPORT_STEP)
-        metrics = report.read_json("metrics.json") if report.is_committed() else {}
+        metrics = read_metrics(report) if report.is_committed() else {}
         previous = layout.step(k - 1, REPORT_STEP) if k else None
         ahead = bool(
             previous and previous.is_committed() and "async/next_rollouts_s" in previous.read_json("metrics.json")
@@ -356,7 +356,7 @@ def timeline_text(layout: RunLayout, width: int = 64) -> str:
         lines.append(f"{f'iter-{s.iteration} {s.label}':<32}|{bar:<{width}}| {s.start - t0:7.1f} - {s.end - t0:7.1f} s")
     for k in layout.iterations():
         report = layout.step(k, REPORT_STEP)
-        metrics = report.read_json("metrics.json") if report.is_committed() else {}
+        metrics = read_metrics(report) if report.is_committed() else {}
         if "async/next_rollouts_s" in metrics:
             lines.append(
                 f"iter-{k}: rollouts of iter-{k + 1} collected ahead in {metrics['async/next_rollouts_s']:.1f} s, "

@@ -62,12 +62,12 @@ def run_curve(layout: RunLayout, agent: str = HEADLINE_AGENT) -> list[dict[str, 
     for report in history(layout):
         point = {"iteration": float(report["iteration"])}
         for key, name in (
-            (f"rollout/{agent}/reward_mean", "train_reward"),
-            (f"rollout/{agent}/success_rate", "train_success"),
+            (f"{StepName.ROLLOUTS}/{agent}/reward_mean", "train_reward"),
+            (f"{StepName.ROLLOUTS}/{agent}/success_rate", "train_success"),
             (f"validation/{agent}/success_rate", "heldout_success"),
             (f"validation/{agent}/reward_mean", "heldout_reward"),
-            ("rollout/tokens_generated", "tokens_generated"),
-            ("filter/rows_kept", "rows_trained"),
+            (f"{StepName.ROLLOUTS}/tokens_generated", "tokens_generated"),
+            (f"{StepName.FILTERED}/rows_kept", "rows_trained"),
         ):
             if key in report:
                 point[name] = float(report[key])

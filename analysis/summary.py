@@ -83,9 +83,10 @@ def summarize_run(layout: RunLayout) -> RunSummary:
     warnings: list[str] = []
     for report in reports:
         k = int(report["iteration"])
-        agents = sorted({key.split("/")[1] for key in report if key.startswith("rollout/") and key.count("/") == 2})
-        rewards = {a: report[f"rollout/{a}/reward_mean"] for a in agents if f"rollout/{a}/reward_mean" in report}
-        success = {a: report[f"rollout/{a}/success_rate"] for a in agents if f"rollout/{a}/success_rate" in report}
+        rollouts = StepName.ROLLOUTS
+        agents = sorted({key.split("/")[1] for key in report if key.startswith(f"{rollouts}/") and key.count("/") == 2})
+        rewards = {a: report[key] for a in agents if (key := f"{rollouts}/{a}/reward_mean") in report}
+        success = {a: report[key] for a in agents if (key := f"{rollouts}/{a}/success_rate") in report}
         zero = sorted(
             key.split("/")[1] for key, value in report.items() if key.endswith("/zero_signal") and value >= 1.0
         )
@@ -94,8 +95,8 @@ def summarize_run(layout: RunLayout) -> RunSummary:
                 k,
                 rewards,
                 success,
-                int(report.get("rollout/tokens_generated", 0)),
-                int(report.get("filter/rows_kept", 0)),
+                int(report.get(f"{rollouts}/tokens_generated", 0)),
+                int(report.get(f"{StepName.FILTERED}/rows_kept", 0)),
                 zero,
             )
         )

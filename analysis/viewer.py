@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pettingflow.analysis.inspect import episode_outcome
-from pettingflow.steps.report import REPORT_STEP
+from pettingflow.steps.report import REPORT_STEP, read_metrics
 from pettingflow.storage import RunLayout, read_step_trajectories
 from pettingflow.storage.layout import StepName
 
@@ -240,7 +240,7 @@ def attempt_summary(layout: RunLayout, iteration: int, attempt: int) -> dict[str
     """An attempt's overrides (a re-run's ``attempt.json``) and its report metrics (empty before its report)."""
     info = layout.read_attempt_info(iteration, attempt) or {}
     report = layout.step(iteration, REPORT_STEP, attempt)
-    metrics = report.read_json("metrics.json") if report.is_committed() else {}
+    metrics = read_metrics(report) if report.is_committed() else {}
     return {
         "attempt": attempt,
         "overrides": info.get("overrides") or [],

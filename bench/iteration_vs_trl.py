@@ -64,6 +64,7 @@ from typing import Any
 
 from bench import common
 from pettingflow.allocator import describe, preload_env
+from pettingflow.steps.report import read_metrics
 from pettingflow.storage.layout import UPDATE_STEP_PREFIX, StepName
 
 GOAL = 0.45  # PettingFlow (sync, tuned) wall / TRL wall per warm iteration (was 0.5)
@@ -181,7 +182,7 @@ def pettingflow_run(
     previous = started
     for k in range(1 + args.iterations):
         report = layout.step(k, StepName.REPORT)
-        metrics = report.read_json("metrics.json")
+        metrics = read_metrics(report)
         committed = report.manifest().committed_at
         d = {key[len("duration/") : -2]: v for key, v in metrics.items() if key.startswith("duration/")}
         row: dict[str, Any] = {
@@ -191,8 +192,8 @@ def pettingflow_run(
             "filter_adv": d.get(StepName.FILTERED, 0.0) + d.get(StepName.ADVANTAGES, 0.0),
             "update": sum(v for name, v in d.items() if name.startswith(UPDATE_STEP_PREFIX)),
             "sync": d.get(StepName.SYNC, 0.0),
-            "tokens": int(metrics.get("rollout/tokens_generated", 0)),
-            "rows": int(metrics.get("update/shared/rows_used", metrics.get("filter/rows_kept", 0))),
+            "tokens": int(metrics.get(f"{StepName.ROLLOUTS}/tokens_generated", 0)),
+            "rows": int(metrics.get("update/shared/rows_used", metrics.get(f"{StepName.FILTERED}/rows_kept", 0))),
             "optimizer_steps": metrics.get("update/shared/optimizer_steps"),
             "update_job_wall": metrics.get("update/shared/wall_s"),
             "durations": d,

@@ -138,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     from pettingflow.envs import load_humaneval
     from pettingflow.flows.rerun import rerun
     from pettingflow.flows.train import train
+    from pettingflow.steps.report import read_metrics
     from pettingflow.storage import RunLayout, StepName
 
     model = common.model_dir(args.model)
@@ -171,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
                 run_id = state.result()["run_id"]
                 lib = dict(clock.library)
                 layout = RunLayout(str(root), run_id)
-                metrics = layout.step(0, StepName.REPORT).read_json("metrics.json")
+                metrics = read_metrics(layout.step(0, StepName.REPORT))
                 save_s = float(metrics.get("update/shared/timings/save_s", 0.0))
                 storage = clock.storage + save_s
                 # rerun from the stored trajectories

@@ -26,6 +26,33 @@ log = logging.getLogger(__name__)
 
 REPORT_STEP = StepName.REPORT
 
+# A metric's family is the step that measured it (``rollouts/<agent>/reward_mean``, ``filtered/rows_kept``,
+# ``advantages/<policy>/zero_signal``, ``update/<policy>/loss``, ``validation/...``). Runs stored before the
+# families took the step names used ``rollout/``, ``filter/`` and ``signal/``; they are read under today's names,
+# so curves, comparisons and learning reports span old and new runs alike.
+RENAMED_FAMILIES = {
+    "rollout/": f"{StepName.ROLLOUTS}/",
+    "filter/": f"{StepName.FILTERED}/",
+    "signal/": f"{StepName.ADVANTAGES}/",
+}
+
+
+CURVE_FAMILIES = (f"{StepName.ROLLOUTS}/", f"{StepName.VALIDATION}/", f"{StepName.BASELINE}/")  # per-agent scores
+
+
+def current_names(metrics: Mapping[str, Any]) -> dict[str, Any]:
+    """``metrics`` with families of older runs renamed to today's (see ``RENAMED_FAMILIES``)."""
+    out = {}
+    for key, value in metrics.items():
+        old = next((prefix for prefix in RENAMED_FAMILIES if key.startswith(prefix)), None)
+        out[RENAMED_FAMILIES[old] + key.removeprefix(old) if old else key] = value
+    return out
+
+
+def read_metrics(report: Any) -> dict[str, Any]:
+    """A committed report step's ``metrics.json``, under today's metric names (``current_names``)."""
+    return current_names(report.read_json("metrics.json"))
+
 
 def flatten(prefix: str, value: Any, out: dict[str, float]) -> None:
     """Nested metrics -> ``a/b/c: float`` (non-numeric leaves are skipped)."""
@@ -47,21 +74,21 @@ def iteration_metrics(
     flat: dict[str, float] = {}
     rollout = (outcomes.get(StepName.ROLLOUTS) or {}).get("metrics") or {}
     for agent, values in (rollout.get("agents") or {}).items():
-        flatten(f"rollout/{agent}", values, flat)
+        flatten(f"{StepName.ROLLOUTS}/{agent}", values, flat)
     for key in ("tokens_generated", "tokens_per_s", "episodes", "wall_s", "llm_s", "env_s"):
         if key in rollout:
-            flat[f"rollout/{key}"] = float(rollout[key])
+            flat[f"{StepName.ROLLOUTS}/{key}"] = float(rollout[key])
     filtered = (outcomes.get(StepName.FILTERED) or {}).get("metrics") or {}
     for key in ("rows_in", "rows_kept", "removed_samples", "removed_groups"):
         if key in filtered:
-            flat[f"filter/{key}"] = float(filtered[key])
+            flat[f"{StepName.FILTERED}/{key}"] = float(filtered[key])
     advantages = (outcomes.get(StepName.ADVANTAGES) or {}).get("metrics") or {}
     for policy, values in (advantages.get("policies") or {}).items():  # is there anything to learn from?
         for key in ("nonzero_advantage_rows", "groups", "groups_varied"):
             if key in values:
-                flat[f"signal/{policy}/{key}"] = float(values[key])
+                flat[f"{StepName.ADVANTAGES}/{policy}/{key}"] = float(values[key])
         if "nonzero_advantage_rows" in values:
-            flat[f"signal/{policy}/zero_signal"] = float(bool(values.get("zero_signal")))
+            flat[f"{StepName.ADVANTAGES}/{policy}/zero_signal"] = float(bool(values.get("zero_signal")))
     for name, outcome in outcomes.items():
         if name.startswith("update-") and outcome:
             flatten(name.replace("update-", "update/", 1), (outcome.get("metrics") or {}).get("metrics", {}), flat)
@@ -122,14 +149,14 @@ def history(layout: RunLayout) -> list[dict[str, Any]]:
     for k in layout.iterations():
         step = layout.step(k, REPORT_STEP)
         if step.is_committed():
-            out.append({"iteration": k, **step.read_json("metrics.json")})
+            out.append({"iteration": k, **read_metrics(step)})
     return out
 
 
 def generated_tokens(layout: RunLayout) -> int:
     """Tokens the policies generated in the run's training rollouts so far (committed reports): the
     budget ``run.max_generated_tokens`` counts, so arms are compared at equal generation."""
-    return int(sum(report.get("rollout/tokens_generated", 0.0) for report in history(layout)))
+    return int(sum(report.get(f"{StepName.ROLLOUTS}/tokens_generated", 0.0) for report in history(layout)))
 
 
 def curve_png(points: list[dict[str, Any]]) -> bytes:
@@ -147,7 +174,7 @@ def curve_png(points: list[dict[str, Any]]) -> bytes:
     for point in points:
         for key, value in point.items():
             for kind, suffix in (("reward", "/reward_mean"), ("success", "/success_rate")):
-                if key.endswith(suffix) and key.startswith(("rollout/", "validation/", "baseline/")):
+                if key.endswith(suffix) and key.startswith(CURVE_FAMILIES):
                     x = point["iteration"]
                     if key.startswith("baseline/"):
                         key, x = "validation/" + key.removeprefix("baseline/"), x - 1
@@ -249,7 +276,7 @@ def write_report(
     contents."""
     step = ctx.step(REPORT_STEP)
     if step.is_committed():
-        metrics = step.read_json("metrics.json")
+        metrics = read_metrics(step)
         return {"uri": step.uri, "skipped": True, "metrics": metrics, "warnings": stored_warnings(step)}
     samples = sample_markdown(ctx)
     points = [p for p in history(ctx.layout) if p["iteration"] != ctx.iteration] + [
@@ -315,11 +342,11 @@ def roofline_metrics(config: Any, metrics: Mapping[str, float], probe: Mapping[s
         achieved, fraction = update_fraction(shape, tokens_per_s, peak, head, config.training.gradient_checkpointing)
         out[f"roofline/update/{name}/tflops"] = round(achieved / 1e12, 4)
         out[f"roofline/update/{name}/fraction_of_peak"] = round(fraction, 4)
-    generated = metrics.get("rollout/tokens_per_s")
+    generated = metrics.get(f"{StepName.ROLLOUTS}/tokens_per_s")
     if generated and shapes:
         shape = next(iter(shapes.values()))
         serve = server_dtype(config.inference.dtype)  # bfloat16 | float32, as a managed server resolves it
-        streams = int(min(config.rollout.max_concurrent_requests, metrics.get("rollout/episodes") or 1))
+        streams = int(min(config.rollout.max_concurrent_requests, metrics.get(f"{StepName.ROLLOUTS}/episodes") or 1))
         bound = decode_bound(shape, serve, float(probe["bandwidth"]), streams)
         out["roofline/generation/bound_tokens_per_s"] = round(bound, 1)
         out["roofline/generation/fraction_of_bound"] = round(generated / bound, 4)

@@ -138,7 +138,7 @@ def test_train_two_iterations_then_resume_then_rerun(tmp_path, prefect_env, tiny
     assert [m["learner_loaded"] for m in upd] == [True, False]
     # the report holds metrics for every agent and the update
     metrics = layout.step(1, "report").read_json("metrics.json")
-    assert "rollout/code_generator/reward_mean" in metrics and "validation/code_generator/success_rate" in metrics
+    assert "rollouts/code_generator/reward_mean" in metrics and "validation/code_generator/success_rate" in metrics
     assert "baseline/code_generator/success_rate" in layout.step(0, "report").read_json("metrics.json")
     assert "baseline/code_generator/success_rate" not in metrics
     assert any(k.startswith("update/shared/") for k in metrics)
@@ -150,7 +150,7 @@ def test_train_two_iterations_then_resume_then_rerun(tmp_path, prefect_env, tiny
     events = EventAccumulator(str(tmp_path / "runs" / run_id / "tensorboard"))
     events.Reload()
     reported = [layout.step(k, "report").read_json("metrics.json") for k in (0, 1)]
-    for tag in ("rollout/code_generator/reward_mean", "update/shared/loss"):
+    for tag in ("rollouts/code_generator/reward_mean", "update/shared/loss"):
         got = [(e.step, round(e.value, 5)) for e in events.Scalars(tag)]
         assert got == [(k, round(reported[k][tag], 5)) for k in (0, 1)], tag
     # the run's summary (make run's last lines, the last artifact): held-out before -> after with an interval
@@ -200,7 +200,7 @@ def test_train_two_iterations_then_resume_then_rerun(tmp_path, prefect_env, tiny
     stored = layout.read_attempt_info(0, 1)
     assert stored["overrides"] == overrides_ and stored["config"]["training"]["lr"] == 1e-6
     assert layout.read_run_info()["config"]["training"]["lr"] == 1e-5  # the run's config is untouched
-    assert layout.step(0, "report", attempt=1).read_json("metrics.json")["filter/rows_kept"] == filtered["rows_kept"]
+    assert layout.step(0, "report", attempt=1).read_json("metrics.json")["filtered/rows_kept"] == filtered["rows_kept"]
     assert layout.step(0, "update-shared", attempt=1).is_committed()
     assert layout.step(0, "report", attempt=1).is_committed()
     # env, agents, policies, ...: the stored trajectories were made under them; refused before anything is written

@@ -207,7 +207,8 @@ def test_a_batch_without_signal_is_flagged_in_the_metrics_report_and_warnings(tm
     assert "every reward of its 2 groups was 0" in shared["signal_message"]
     assert "the filter (dapo) kept none of its 4 rows" in shared["signal_message"]
     metrics = iteration_metrics(outcomes, {})
-    assert metrics["signal/shared/zero_signal"] == 1.0 and metrics["signal/shared/nonzero_advantage_rows"] == 0.0
+    assert metrics["advantages/shared/zero_signal"] == 1.0
+    assert metrics["advantages/shared/nonzero_advantage_rows"] == 0.0
     assert iteration_warnings(outcomes) == [shared["signal_message"]]
 
 
@@ -219,5 +220,5 @@ def test_a_batch_with_signal_is_not_flagged(layout: RunLayout) -> None:
     outcomes = {"filtered": vars(filter_step(ctx, config)), "advantages": vars(advantage_step(ctx, config))}
     shared = outcomes["advantages"]["metrics"]["policies"]["shared"]
     assert "zero_signal" not in shared and (shared["groups"], shared["groups_varied"]) == (3, 2)
-    assert iteration_metrics(outcomes, {})["signal/shared/zero_signal"] == 0.0
+    assert iteration_metrics(outcomes, {})["advantages/shared/zero_signal"] == 0.0
     assert iteration_warnings(outcomes) == []

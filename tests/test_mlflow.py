@@ -68,8 +68,8 @@ def test_one_mlflow_run_per_training_run_across_iterations_resume_and_reruns(mlf
     overrides = [f"run.storage_root={tmp_path}", f"run.mlflow_tracking_uri={mlflow_server}", "training.lr=2e-6"]
     ref, _ = start_or_resume(load_config("code-env", overrides), "code-env", overrides, "run-ml", {})
     layout = ref.layout()
-    log_metrics(layout, 0, {"update/shared/loss": 0.5, "rollout/code_generator/reward_mean": 0.1}, mlflow_server)
-    log_metrics(layout, 1, {"update/shared/loss": 0.25, "rollout/code_generator/reward_mean": 0.3}, mlflow_server)
+    log_metrics(layout, 0, {"update/shared/loss": 0.5, "rollouts/code_generator/reward_mean": 0.1}, mlflow_server)
+    log_metrics(layout, 1, {"update/shared/loss": 0.25, "rollouts/code_generator/reward_mean": 0.3}, mlflow_server)
     # a resumed run is another process: it finds the same MLflow run by its tag
     code = (
         "from pettingflow.storage import RunLayout\nfrom pettingflow.steps.report import log_metrics\n"

@@ -64,8 +64,8 @@ def test_report_metrics_from_a_cached_probe(tmp_path) -> None:
     metrics = {
         "update/shared/tokens_per_s": 400.0,
         "update/shared/model_tokens_per_s": 100.0,
-        "rollout/tokens_per_s": 50.0,
-        "rollout/episodes": 16.0,
+        "rollouts/tokens_per_s": 50.0,
+        "rollouts/episodes": 16.0,
     }
     out = roofline_metrics(config, metrics, probe)
     flops = train_flops(shape, 400.0, 100.0)  # an update that reports no computed tokens: its padded rows' tokens

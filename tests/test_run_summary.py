@@ -43,3 +43,41 @@ def test_a_run_without_baseline_says_why_there_is_no_heldout_change():
     summary = _summary((0.0, 0.0))
     summary.heldout, summary.heldout_missing = None, "no baseline (validation.at_start is off)"
     assert "held-out success: not measured (no baseline (validation.at_start is off))" in summary_lines(summary)[4]
+
+
+def test_a_run_stored_with_the_old_metric_names_reads_under_the_step_names(tmp_path) -> None:
+    """Reports written before the metric families took the step names (rollout/, filter/, signal/) still
+    summarize: their rewards, tokens, rows and zero-signal flags are read as rollouts/, filtered/, advantages/."""
+    from pettingflow.analysis.summary import summarize_run
+    from pettingflow.steps.report import current_names, history
+    from pettingflow.storage import RunLayout
+
+    layout = RunLayout(str(tmp_path), "run-old")
+    old = {
+        "rollout/code_generator/reward_mean": 0.5,
+        "rollout/code_generator/success_rate": 0.25,
+        "rollout/tokens_generated": 1200.0,
+        "filter/rows_kept": 12.0,
+        "signal/shared/zero_signal": 1.0,
+        "update/shared/loss": 0.1,
+    }
+    report = layout.step(0, "report").begin()
+    report.write_json("metrics.json", old)
+    report.commit()
+    assert history(layout)[0] == {"iteration": 0, **current_names(old)}
+    assert set(current_names(old)) == {
+        "rollouts/code_generator/reward_mean",
+        "rollouts/code_generator/success_rate",
+        "rollouts/tokens_generated",
+        "filtered/rows_kept",
+        "advantages/shared/zero_signal",
+        "update/shared/loss",
+    }
+    line = summarize_run(layout).iterations[0]
+    assert (line.rewards, line.success, line.tokens, line.rows_trained) == (
+        {"code_generator": 0.5},
+        {"code_generator": 0.25},
+        1200,
+        12,
+    )
+    assert line.zero_signal == ["shared"]
