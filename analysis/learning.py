@@ -64,8 +64,8 @@ def run_curve(layout: RunLayout, agent: str = HEADLINE_AGENT) -> list[dict[str, 
         for key, name in (
             (f"{StepName.ROLLOUTS}/{agent}/reward_mean", "train_reward"),
             (f"{StepName.ROLLOUTS}/{agent}/success_rate", "train_success"),
-            (f"validation/{agent}/success_rate", "heldout_success"),
-            (f"validation/{agent}/reward_mean", "heldout_reward"),
+            (f"{StepName.VALIDATION}/{agent}/success_rate", "heldout_success"),
+            (f"{StepName.VALIDATION}/{agent}/reward_mean", "heldout_reward"),
             (f"{StepName.ROLLOUTS}/tokens_generated", "tokens_generated"),
             (f"{StepName.FILTERED}/rows_kept", "rows_trained"),
         ):

@@ -176,14 +176,14 @@ def curve_png(points: list[dict[str, Any]]) -> bytes:
             for kind, suffix in (("reward", "/reward_mean"), ("success", "/success_rate")):
                 if key.endswith(suffix) and key.startswith(CURVE_FAMILIES):
                     x = point["iteration"]
-                    if key.startswith("baseline/"):
-                        key, x = "validation/" + key.removeprefix("baseline/"), x - 1
+                    if key.startswith(f"{StepName.BASELINE}/"):
+                        key, x = f"{StepName.VALIDATION}/" + key.removeprefix(f"{StepName.BASELINE}/"), x - 1
                     series[kind].setdefault(key[: -len(suffix)], []).append((x, value))
     with_base = any(x < 0 for lines in series.values() for values in lines.values() for x, _ in values)
     for ax, (kind, lines) in zip(axes, series.items(), strict=True):
         for label, values in sorted(lines.items()):
             xs, ys = zip(*sorted(values), strict=True)
-            ax.plot(xs, ys, marker="o", label=label, linestyle="--" if label.startswith("validation") else "-")
+            ax.plot(xs, ys, marker="o", label=label, linestyle="--" if label.startswith(StepName.VALIDATION) else "-")
         ax.set_title("reward mean" if kind == "reward" else "success rate")
         ax.set_xlabel("iteration")
         if with_base:
