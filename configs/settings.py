@@ -201,6 +201,25 @@ class EnvSettings(_Strict):
     )
 
 
+class TreeSettings(_Strict):
+    """Tree rollouts (``rollout.mode: tree``): how each candidate of a turn is credited with the team's outcome."""
+
+    team_credit: Literal["shared", "step", "round", "episode"] = Field(
+        "shared",
+        description="The team term of each candidate's row (what algorithm.team_reward_weight mixes in). shared: the "
+        "episode's team reward, the same for all K candidates of a turn, so it cancels in their group. step: the "
+        "team outcome reached right after the candidate's own action, on its fork (Env.team_outcome). round: its "
+        "fork goes on with the other agents acting once each (lookahead), and the team outcome reached there is its "
+        "term. episode: the lookahead goes on until the episode ends. Lookahead tokens count toward every token "
+        "budget and are stored in the row's info_json, never trained on (docs/rl.md).",
+    )
+    lookahead_temperature: float = Field(
+        0.0,
+        ge=0.0,
+        description="Sampling temperature of the lookahead turns (round, episode); 0 = greedy.",
+    )
+
+
 class RolloutSettings(_Strict):
     """How rollouts are executed."""
 
@@ -247,6 +266,16 @@ class RolloutSettings(_Strict):
         description="Which candidate a tree episode continues from: best = highest reward (ties: lowest branch "
         "index); sample = drawn with probability softmax(rewards), seeded per task and turn.",
     )
+    tree: TreeSettings = Field(default_factory=TreeSettings, description="Team credit of tree candidates.")
+
+    @model_validator(mode="after")
+    def _team_credit_needs_tree(self) -> RolloutSettings:
+        if self.tree.team_credit != "shared" and self.mode != "tree":
+            raise ValueError(
+                f"rollout.tree.team_credit={self.tree.team_credit} credits the candidates of a tree turn, but "
+                f"rollout.mode={self.mode}; set rollout.mode=tree, or leave team_credit at shared"
+            )
+        return self
 
 
 # --------------------------------------------------------------------------------------------------

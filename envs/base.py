@@ -89,6 +89,20 @@ class Env:
         """Whether the task is solved; a solved episode ends before ``max_turns``."""
         return False
 
+    def team_outcome(self) -> float | None:
+        """The team reward the episode would get if it ended now; None: this env has no team reward.
+
+        Why: tree rollouts with ``rollout.tree.team_credit`` other than ``shared`` credit each candidate with the
+        team outcome reached on its own fork (right after its action, or after a lookahead), so siblings whose
+        actions move the team differently differ. The default reads ``episode_info()["team_reward"]`` where the env
+        defines ``episode_info``; an env whose team reward is cheaper or richer mid-episode overrides this.
+        """
+        episode_info = getattr(self, "episode_info", None)
+        if not callable(episode_info):
+            return None
+        value = episode_info().get("team_reward")
+        return None if value is None else float(value)
+
     @classmethod
     def validate_task(cls, task: Mapping[str, Any], config: EnvConfig) -> None:
         """Raise ``TaskDataError`` if ``task`` cannot start an episode under ``config``; the base accepts any.

@@ -23,6 +23,13 @@ GRPO group.
 An independent episode is the same turn loop with one candidate per turn that acts on the episode itself
 (no fork, nothing to choose): ``run_episode`` has one path for both.
 
+Team credit of tree candidates (``team_credit``, ``rollout.tree.team_credit``): the K candidates of a turn share
+the episode, so its team reward (``shared``) is the same for all of them and cancels in their group. ``step``
+credits each with ``Env.team_outcome()`` on its own fork right after its action; ``round`` and ``episode`` first
+let the other agents act on a further fork of it (a lookahead: once each, or until the episode ends; greedy by
+default) and credit the team outcome reached there. Lookahead calls are stored with the candidate and count
+toward the token budgets; they are never training rows.
+
 The engine never looks inside env state; it only records what each agent saw and produced.
 Episodes of all groups run concurrently on one event loop; the inference client bounds concurrent
 requests and the sandbox (local or a Ray pool) bounds concurrent code executions.
@@ -128,6 +135,7 @@ def _derive_seed(*parts: Any) -> int:
 
 
 TREE_SELECT = ("best", "sample")
+TEAM_CREDIT = ("shared", "step", "round", "episode")
 
 
 def select_branch(rewards: Sequence[float], how: str, rng: random.Random | None = None) -> int:
@@ -162,6 +170,33 @@ def _fork(obj: Any, what: str) -> Any:
     return fork()
 
 
+def _team_outcome(env: Any, mode: str) -> float:
+    """``env.team_outcome()``, or the ``team_reward`` of ``episode_info()`` for envs without it; an env with
+    neither cannot credit candidates by the team's outcome."""
+    outcome = getattr(env, "team_outcome", None)
+    if callable(outcome):
+        value = outcome()
+    else:
+        info = getattr(env, "episode_info", None)
+        value = info().get("team_reward") if callable(info) else None
+    if value is None:
+        raise ValueError(
+            f"rollout.tree.team_credit={mode} credits each candidate with the team outcome on its fork, but "
+            f"{type(env).__name__} reports none (Env.team_outcome() / episode_info()['team_reward']); give the env a "
+            "team reward or use team_credit=shared"
+        )
+    return float(value)
+
+
+@dataclass
+class TeamCredit:
+    """One candidate's team term (None: ``shared``, the episode's team reward applies) and its lookahead calls."""
+
+    value: float | None = None
+    calls: list[dict[str, Any]] = field(default_factory=list)
+    tokens: int = 0
+
+
 @dataclass
 class EngineStats:
     """Per-round totals the iteration report shows."""
@@ -169,6 +204,7 @@ class EngineStats:
     episodes: int = 0
     turns: int = 0
     tokens_generated: int = 0
+    lookahead_tokens: int = 0  # of tokens_generated: tree team credit's lookahead calls (never trained)
     wall_s: float = 0.0
     llm_s: float = 0.0
     env_s: float = 0.0
@@ -195,19 +231,29 @@ class ExecutionEngine:
         show_progress: bool = True,
         tree_branches: int | None = None,
         tree_select: str = "best",
+        team_credit: str = "shared",
+        lookahead_temperature: float = 0.0,
     ):
         """``tree_branches``: None for independent episodes; K >= 1 for tree episodes (K candidates per turn,
-        continued from the one ``tree_select`` picks: ``best`` or ``sample``)."""
+        continued from the one ``tree_select`` picks: ``best`` or ``sample``). ``team_credit``: how each tree
+        candidate's row gets its team term (module docstring); ``lookahead_temperature``: the lookahead's sampling
+        temperature (0 = greedy)."""
         if layout not in ("per_turn", "per_episode"):
             raise ValueError(f"unknown sample layout {layout!r}; use per_turn or per_episode")
         if tree_branches is not None and tree_branches < 1:
             raise ValueError(f"tree_branches must be >= 1 (the candidates per turn), got {tree_branches}")
         if tree_select not in TREE_SELECT:
             raise ValueError(f"unknown tree selection {tree_select!r}; use one of {TREE_SELECT}")
+        if team_credit not in TEAM_CREDIT:
+            raise ValueError(f"unknown team credit {team_credit!r}; use one of {TEAM_CREDIT}")
+        if team_credit != "shared" and tree_branches is None:
+            raise ValueError(f"team_credit={team_credit!r} credits tree candidates; it needs tree_branches (tree mode)")
         # independent episodes are tree episodes of one candidate per turn that acts on the episode itself
         self.branches = 1 if tree_branches is None else tree_branches
         self.fork = tree_branches is not None
         self.tree_select = tree_select
+        self.team_credit = team_credit
+        self.lookahead_temperature = lookahead_temperature
         self.make_agents = make_agents
         self.bindings = bindings
         self.max_turns = max_turns
@@ -242,7 +288,7 @@ class ExecutionEngine:
         missing = [a.name for a in agents if a.name not in self.bindings]
         if missing:
             raise KeyError(f"no inference binding for agents {missing}; bound: {sorted(self.bindings)}")
-        record = EpisodeRecord(spec.id, tree=self.fork)
+        record = EpisodeRecord(spec.id, tree=self.fork, team_credit=self.team_credit if self.fork else "shared")
         # per_episode: each agent's growing sequence and the messages behind it
         seq: dict[str, list[int]] = {}
         last_messages: dict[str, list[dict[str, str]]] = {}
@@ -271,6 +317,10 @@ class ExecutionEngine:
             for (b_agent, b_env), completion in zip(branches, completions, strict=True):
                 b_agent.update_from_model(turn, b_env, completion.text)
             await self._step(branches)
+            credits = await self._team_credits(branches, completions, agents, position, turn, spec, path_tokens)
+            lookahead_tokens = sum(c.tokens for c in credits)
+            record.tokens_generated += lookahead_tokens
+            record.lookahead_tokens += lookahead_tokens
             chosen = self._choose(branches, spec, turn)
             agent, env = branches[chosen]
             agents[position] = agent  # tree: the episode goes on with the chosen candidate's fork
@@ -295,8 +345,10 @@ class ExecutionEngine:
                     continued=k == chosen,
                     sampling_seed=None if seed is None else int(seed) + k,
                     server=getattr(completion, "server", ""),
+                    team_credit=credit.value,
+                    lookahead=credit.calls,
                 )
-                for k, ((b_agent, _), completion) in enumerate(zip(branches, completions, strict=True))
+                for k, ((b_agent, _), completion, credit) in enumerate(zip(branches, completions, credits, strict=True))
             ]
             record.turns.extend(turn_records)
             path_tokens += len(completions[chosen].token_ids)
@@ -315,16 +367,17 @@ class ExecutionEngine:
         record.truncated = out_of_budget or bool(getattr(env, "truncated", False)) or not env.done
         return record
 
-    async def _generate(self, binding: AgentBinding, prompt_ids: list[int], sampling: dict[str, Any]) -> list[Any]:
+    async def _generate(
+        self, binding: AgentBinding, prompt_ids: list[int], sampling: dict[str, Any], n: int | None = None
+    ) -> list[Any]:
         """The turn's candidates: one request for all K (vLLM seeds choice k with seed + k, so each candidate is
-        reproducible); a single candidate through ``complete_one``."""
+        reproducible); a single candidate (``n`` = 1: also a lookahead call) through ``complete_one``."""
+        n = self.branches if n is None else n
         started = time.perf_counter()
-        if self.branches == 1:
+        if n == 1:
             completions = [await binding.client.complete_one(prompt_ids, model=binding.served_model, **sampling)]
         else:
-            completions = await binding.client.complete(
-                prompt_ids, model=binding.served_model, n=self.branches, **sampling
-            )
+            completions = await binding.client.complete(prompt_ids, model=binding.served_model, n=n, **sampling)
         ended = time.perf_counter()
         self._llm_s += ended - started
         self._llm_spans.append((started - self._t0, ended - self._t0))
@@ -344,6 +397,80 @@ class ExecutionEngine:
         ended = time.perf_counter()
         self._env_s += ended - started
         self._env_spans.append((started - self._t0, ended - self._t0))
+
+    async def _team_credits(
+        self,
+        branches: list[tuple[Any, Any]],
+        completions: list[Any],
+        agents: list[Any],
+        position: int,
+        turn: int,
+        spec: EpisodeSpec,
+        path_tokens: int,
+    ) -> list[TeamCredit]:
+        """Each candidate's team term (``team_credit``): none (``shared``), the team outcome on its fork right
+        after its action (``step``), or after a lookahead on a further fork (``round``, ``episode``)."""
+        if self.team_credit == "shared":
+            return [TeamCredit() for _ in branches]
+        if self.team_credit == "step":
+            return [TeamCredit(_team_outcome(b_env, self.team_credit)) for _, b_env in branches]
+        return list(
+            await asyncio.gather(
+                *(
+                    self._lookahead(branches[k], agents, position, turn, spec, path_tokens + len(c.token_ids), k)
+                    for k, c in enumerate(completions)
+                )
+            )
+        )
+
+    async def _lookahead(
+        self,
+        candidate: tuple[Any, Any],
+        agents: list[Any],
+        position: int,
+        turn: int,
+        spec: EpisodeSpec,
+        used_tokens: int,
+        branch: int,
+    ) -> TeamCredit:
+        """Play on from one candidate, on forks of its agent, its env and the other agents (nothing here touches
+        the episode or another candidate): the other agents act once each (``round``) or until the episode ends
+        (``episode``), within ``max_turns``, the model context and the episode's token budget (``used_tokens``:
+        the path so far and the candidate's own reply). Returns the team outcome reached and the calls made."""
+        b_agent, b_env = candidate
+        env = _fork(b_env, "env")
+        team = [_fork(b_agent if i == position else a, "agent") for i, a in enumerate(agents)]
+        limit = len(agents) - 1 if self.team_credit == "round" else self.max_turns
+        calls: list[dict[str, Any]] = []
+        tokens = 0
+        t = turn + 1
+        while not env.done and t < self.max_turns and len(calls) < limit:
+            agent = team[t % len(agents)]
+            binding = self.bindings[agent.name]
+            prompt_ids = list(agent.update_from_env(t, env).token_ids)
+            max_tokens = min(agent.sampling.max_tokens, self.token_budget - used_tokens - tokens)
+            if self.max_model_len is not None:
+                max_tokens = min(max_tokens, self.max_model_len - len(prompt_ids))
+            if max_tokens <= 0:
+                break
+            sampling = self._sampling(agent, max_tokens, spec, t)
+            sampling["temperature"] = self.lookahead_temperature
+            sampling["seed"] = _derive_seed(spec.id.seed, spec.id.sample_idx, turn, "lookahead", branch, t)
+            (completion,) = await self._generate(binding, prompt_ids, sampling, n=1)
+            agent.update_from_model(t, env, completion.text)
+            await self._step([(agent, env)])
+            tokens += len(completion.token_ids)
+            calls.append(
+                {
+                    "turn": t,
+                    "agent": agent.name,
+                    "response_ids": list(completion.token_ids),
+                    "response_text": completion.text,
+                    "finish_reason": completion.finish_reason,
+                }
+            )
+            t += 1
+        return TeamCredit(_team_outcome(env, self.team_credit), calls, tokens)
 
     def _choose(self, branches: list[tuple[Any, Any]], spec: EpisodeSpec, turn: int) -> int:
         """The candidate the episode continues from: the only one, or ``select_branch`` over their rewards
@@ -480,6 +607,7 @@ def summarize(records: Sequence[EpisodeRecord]) -> EngineStats:
     for rec in records:
         stats.turns += sum(t.continued for t in rec.turns)  # the episode's length (tree: its path)
         stats.tokens_generated += rec.tokens_generated
+        stats.lookahead_tokens += rec.lookahead_tokens
         for name in dict.fromkeys(t.agent_name for t in rec.turns):
             finals.setdefault(name, []).append((rec.final_reward(name), rec.final_success(name)))
     for name, values in finals.items():

@@ -170,6 +170,8 @@ async def run_episodes(
         show_progress=show_progress,
         tree_branches=tree_branches,
         tree_select=config.rollout.tree_select,
+        team_credit=config.rollout.tree.team_credit if tree_branches is not None else "shared",
+        lookahead_temperature=config.rollout.tree.lookahead_temperature,
     )
     specs = [
         s

@@ -58,6 +58,10 @@ class TurnRecord:
     sampling_seed: int | None = None
     # the inference server (replica) that generated it; "" when the client does not say
     server: str = ""
+    # tree team credit (``rollout.tree.team_credit`` other than shared): this candidate's own team term, and the
+    # lookahead calls behind it (stored in info_json, never trained on)
+    team_credit: float | None = None
+    lookahead: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -89,6 +93,9 @@ class EpisodeRecord:
     info: dict[str, Any] = field(default_factory=dict)
     # a tree episode: ``turns`` holds K candidates per turn, of which one per turn is ``continued``
     tree: bool = False
+    # how tree candidates got their team term (``rollout.tree.team_credit``); of ``tokens_generated``, the lookahead's
+    team_credit: str = "shared"
+    lookahead_tokens: int = 0
 
     def path(self) -> list[TurnRecord]:
         """The turns the episode actually took (tree: the continued candidates; otherwise every turn)."""
@@ -154,6 +161,7 @@ def per_turn_rows(episodes: list[EpisodeRecord], run_id: str, iteration: int, gr
                         **({"sampling_seed": turn.sampling_seed} if turn.sampling_seed is not None else {}),
                         **ep.info,
                         **({"turn": turn.info} if turn.info else {}),
+                        **_team_credit_info(ep, turn),
                     },
                     default=str,
                 ),
@@ -161,6 +169,19 @@ def per_turn_rows(episodes: list[EpisodeRecord], run_id: str, iteration: int, gr
             rows.append(row)
     _attach_uids(rows, group_size, namespace=f"{run_id}/{iteration}")
     return rows
+
+
+def _team_credit_info(ep: EpisodeRecord, turn: TurnRecord) -> dict[str, Any]:
+    """A tree candidate's own team term replaces the episode's ``team_reward`` (kept as ``episode_team_reward``),
+    so reward mixing (``steps/batches.py``) credits each candidate with what it led to; its lookahead is stored."""
+    if turn.team_credit is None:
+        return {}
+    return {
+        "team_reward": turn.team_credit,
+        "episode_team_reward": ep.info.get("team_reward"),
+        "team_credit": ep.team_credit,
+        **({"lookahead": turn.lookahead} if turn.lookahead else {}),
+    }
 
 
 def per_episode_rows(

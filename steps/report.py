@@ -75,7 +75,7 @@ def iteration_metrics(
     rollout = (outcomes.get(StepName.ROLLOUTS) or {}).get("metrics") or {}
     for agent, values in (rollout.get("agents") or {}).items():
         flatten(f"{StepName.ROLLOUTS}/{agent}", values, flat)
-    for key in ("tokens_generated", "tokens_per_s", "episodes", "wall_s", "llm_s", "env_s"):
+    for key in ("tokens_generated", "lookahead_tokens", "tokens_per_s", "episodes", "wall_s", "llm_s", "env_s"):
         if key in rollout:
             flat[f"{StepName.ROLLOUTS}/{key}"] = float(rollout[key])
     filtered = (outcomes.get(StepName.FILTERED) or {}).get("metrics") or {}

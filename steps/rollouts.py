@@ -71,6 +71,7 @@ def stats_metrics(stats: EngineStats) -> dict[str, Any]:
         "env_s": round(stats.env_s, 3),
         "tokens_per_s": round(stats.tokens_generated / stats.wall_s, 2) if stats.wall_s else 0.0,
         "agents": stats.per_agent,
+        **({"lookahead_tokens": stats.lookahead_tokens} if stats.lookahead_tokens else {}),
     }
 
 
