@@ -3,7 +3,9 @@
 For each config (default: the code agent alone, then the two-agent team, on the same tasks, seeds and
 budget) it runs three subflows against one shared vLLM server:
 
-1. ``evaluate`` on the base model (the held-out split; sampled as the config says, and greedy),
+1. ``evaluate`` on the base model (the held-out split; sampled as the config says, and greedy), once per study
+   for configs that score the base model identically (``base_evaluation_key``: e.g. a tree arm and an
+   independent arm of one team), so arms compared at one seed share one "before",
 2. ``train`` for ``run.iterations`` iterations (the same flow ``prefect deployment run train/...`` runs),
 3. ``evaluate`` on the weights after the last iteration (the same two views, the same seeds),
 
@@ -19,7 +21,10 @@ what it needs (the trained weights for the final evaluation).
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -65,6 +70,47 @@ def _shared_model(names: list[str], overrides: list[str]) -> tuple[Path, list[An
     return models.pop(), configs
 
 
+#: What a base evaluation does not depend on: how a config trains. Validation runs independent episodes of the base
+#: weights on the held-out split with seeds from run.seed, so two configs equal but for these keys score the base
+#: model identically and ``learn`` evaluates it once. Everything else (agents, env, validation, inference, the
+#: rollout's concurrency, which shapes the server's batches) stays in the key.
+TRAINING_ONLY: dict[str, tuple[str, ...] | None] = {
+    "run": ("name", "iterations", "max_generated_tokens", "mlflow_tracking_uri"),
+    "rollout": ("mode", "tree_select", "tree", "async_rollouts", "max_policy_lag"),
+    "env": ("group_size", "tasks_per_iteration"),
+    "algorithm": None,  # the whole section
+    "training": None,
+}
+
+
+def base_evaluation_key(config: Any) -> str:
+    """A digest of what ``config``'s base evaluation depends on (``TRAINING_ONLY`` left out)."""
+    data = config.model_dump(mode="json")
+    for section, keys in TRAINING_ONLY.items():
+        if keys is None:
+            data.pop(section, None)
+        else:
+            for key in keys:
+                data.get(section, {}).pop(key, None)
+    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def base_evaluations(
+    name: str,
+    overrides: list[str],
+    done: dict[str, tuple[str, dict[str, Any]]],
+    evaluate_fn: Callable[..., dict[str, Any]] = evaluate,
+) -> tuple[dict[str, Any], str | None]:
+    """The base model's held-out scores for config ``name`` (every view of ``EVAL_VIEWS``), and the config whose
+    identical evaluation was reused (None: evaluated now). ``done``: key -> (config, evaluations), filled here."""
+    key = base_evaluation_key(load_config(name, overrides))
+    if key in done:
+        return done[key][1], done[key][0]
+    before = {view: evaluate_fn(name, [*overrides, *extra]) for view, extra in EVAL_VIEWS.items()}
+    done[key] = (name, before)
+    return before, None
+
+
 def _scores(evaluations: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """view -> agent -> metrics, from ``evaluate`` results (for the log)."""
     return {view: result["agents"] for view, result in evaluations.items()}
@@ -102,6 +148,7 @@ def learn(
     shared = shared_service(model, first, url, f"learn-{stamp}")
     server = shared.server
     arms: list[ArmResult] = []
+    base_done: dict[str, tuple[str, dict[str, Any]]] = {}
     if not url:
         logger.info("starting one vLLM server for %s (1-2 minutes on CPU; log %s)", model, server.log_path)
     with server:
@@ -112,8 +159,10 @@ def learn(
             run_overrides = [*attach, f"run.seed={seed}"] if seed is not None else attach
             label = name if seed is None else f"{name} (seed {seed})"
             shared.serve_base()  # whatever an earlier config left on the server
-            logger.info("%s: evaluating the base model on the held-out split", label)
-            before = {view: evaluate(name, [*run_overrides, *extra]) for view, extra in EVAL_VIEWS.items()}
+            logger.info("%s: the base model on the held-out split", label)
+            before, reused = base_evaluations(name, run_overrides, base_done)
+            if reused:
+                logger.info("%s: the base model scores as for %s (same agents, env, validation, seed)", label, reused)
             logger.info("%s: held-out before training: %s", label, _scores(before))
             trained = train(name, run_overrides)
             after = {

@@ -180,3 +180,34 @@ def test_outcome_agent_is_the_role_whose_last_turn_is_the_result():
     cfg.agents = cfg.agents[:1]  # the planner alone never moves
     with pytest.raises(ValueError, match="decides_outcome"):
         outcome_agent(cfg)
+
+
+def test_arms_that_score_the_base_model_alike_share_one_base_evaluation() -> None:
+    """A tree arm and an independent arm of one team score the base model identically (validation runs independent
+    episodes, same seeds): the study evaluates it once. Agents, seed or validation settings that differ do not."""
+    from pettingflow.configs import load_config
+    from pettingflow.flows.learn import base_evaluation_key, base_evaluations
+
+    team, tree = load_config("plan-path-learn"), load_config("plan-path-learn-tree")
+    assert team.rollout.mode != tree.rollout.mode
+    assert base_evaluation_key(team) == base_evaluation_key(tree)
+    assert base_evaluation_key(team) != base_evaluation_key(load_config("plan-path-learn-solo"))
+    assert base_evaluation_key(team) != base_evaluation_key(load_config("plan-path-learn", ["run.seed=7"]))
+    assert base_evaluation_key(team) != base_evaluation_key(load_config("plan-path-learn", ["validation.num_tasks=3"]))
+    assert base_evaluation_key(team) == base_evaluation_key(
+        load_config("plan-path-learn", ["algorithm.filter_method=mean", "rollout.mode=tree"])
+    )
+
+    calls = []
+
+    def fake_evaluate(name, overrides):
+        calls.append((name, tuple(overrides)))
+        return {"run_id": f"eval-{len(calls)}", "agents": {}}
+
+    done: dict = {}
+    first, reused = base_evaluations("plan-path-learn", [], done, fake_evaluate)
+    assert reused is None and len(calls) == 2  # the sampled and the greedy view
+    again, reused = base_evaluations("plan-path-learn-tree", [], done, fake_evaluate)
+    assert reused == "plan-path-learn" and again is first and len(calls) == 2
+    base_evaluations("plan-path-learn-solo", [], done, fake_evaluate)
+    assert len(calls) == 4
