@@ -108,13 +108,40 @@ def _list_index(items: list[Any], part: str, path: str) -> int:
 def load_config(name_or_path: str, overrides: list[str] | tuple[str, ...] = ()) -> ExperimentConfig:
     """Read, override and validate a config; raise ``ConfigError`` naming the file and key paths."""
     path = resolve_config_path(name_or_path)
+    return validate_config(read_config_mapping(path), source=str(path), overrides=overrides)
+
+
+def read_config_mapping(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """A config file's mapping, with ``extends: <config name or path>`` resolved.
+
+    Why: the arms of a study differ in one or two settings; ``extends`` lets an arm's file say only those, so
+    the arms cannot drift apart in the rest. The parent is read first, then this file's keys are merged over it
+    (maps key by key, lists and scalars replaced whole); a parent may extend another, a cycle is an error.
+    """
     try:
         raw = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as exc:
         raise ConfigError(str(path), [("", f"not valid YAML: {exc}")]) from exc
     if not isinstance(raw, dict):
         raise ConfigError(str(path), [("", f"top level must be a mapping, got {type(raw).__name__}")])
-    return validate_config(raw, source=str(path), overrides=overrides)
+    parent_name = raw.pop("extends", None)
+    if parent_name is None:
+        return raw
+    if not isinstance(parent_name, str):
+        raise ConfigError(str(path), [("extends", f"must name one config, got {parent_name!r}")])
+    relative = path.parent / parent_name
+    parent = resolve_config_path(str(relative) if relative.suffix in {".yaml", ".yml"} else parent_name)
+    if parent.resolve() in seen or parent.resolve() == path.resolve():
+        chain = " -> ".join(str(p) for p in (*seen, path.resolve(), parent.resolve()))
+        raise ConfigError(str(path), [("extends", f"configs extend each other in a cycle: {chain}")])
+    return _merged(read_config_mapping(parent, (*seen, path.resolve())), raw)
+
+
+def _merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(base)
+    for key, value in over.items():
+        out[key] = _merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
 
 
 def validate_config(

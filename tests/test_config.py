@@ -195,3 +195,22 @@ def test_a_stored_run_with_the_old_boolean_snapshot_setting_still_loads() -> Non
         assert validate_config(old).training.save_optimizer_every == every
     with pytest.raises(ConfigError, match="save_optimizer_stat"):
         load_config("code-env", ["training.save_optimizer_stat=true"])  # a typo is still refused
+
+
+def test_a_config_extends_another_and_says_only_what_differs(tmp_path: Path) -> None:
+    """``extends``: the parent's keys, this file's merged over them (maps key by key, lists replaced whole);
+    a chain works, a cycle fails naming the files."""
+    (tmp_path / "parent.yaml").write_text("extends: code-env\nrun: {name: parent, iterations: 5}\n")
+    (tmp_path / "child.yaml").write_text(
+        "extends: parent.yaml\nrun: {name: child}\nrollout: {mode: tree, tree: {team_credit: round}}\n"
+    )
+    child, base = load_config(str(tmp_path / "child.yaml")), load_config("code-env")
+    assert (child.run.name, child.run.iterations) == ("child", 5)  # from the child, then the parent
+    assert child.rollout.tree.team_credit == "round" and child.agents == base.agents  # the rest from code-env
+    (tmp_path / "a.yaml").write_text("extends: b.yaml\n")
+    (tmp_path / "b.yaml").write_text("extends: a.yaml\n")
+    with pytest.raises(ConfigError, match="cycle"):
+        load_config(str(tmp_path / "a.yaml"))
+    (tmp_path / "bad.yaml").write_text("extends: [code-env]\n")
+    with pytest.raises(ConfigError, match="must name one config"):
+        load_config(str(tmp_path / "bad.yaml"))

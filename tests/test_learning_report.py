@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from pettingflow.analysis.figures import learning_png, markdown_table
 from pettingflow.analysis.learning import ArmResult, final_successes, results_table
 from pettingflow.analysis.stats import first_last_mean, paired_bootstrap, smooth
@@ -211,3 +213,28 @@ def test_arms_that_score_the_base_model_alike_share_one_base_evaluation() -> Non
     assert reused == "plan-path-learn" and again is first and len(calls) == 2
     base_evaluations("plan-path-learn-solo", [], done, fake_evaluate)
     assert len(calls) == 4
+
+
+def test_the_role_swap_control_gives_each_agent_the_other_agents_weights() -> None:
+    """lora: the adapters change hands; full: the policies do; one shared model has no roles to swap."""
+    from pettingflow.configs import load_config
+    from pettingflow.flows.evaluate import swap_roles
+    from pettingflow.runs.endpoint import PolicyEndpoint
+
+    lora = load_config("plan-path-learn", ["specialization=lora"])
+    adapters = {"planner": "lora-planner", "executor": "lora-executor"}
+    endpoints = {"shared": PolicyEndpoint("shared", "http://x", "m", "/m", adapters=adapters)}
+    config, swapped = swap_roles(lora, endpoints)
+    assert config is lora and swapped["shared"].adapters == {"planner": "lora-executor", "executor": "lora-planner"}
+    assert endpoints["shared"].adapters == adapters  # the runtime's endpoints are left alone
+
+    two = [
+        "specialization=full",
+        "policies=[{name: p, model: smollm2-135m-instruct}, {name: e, model: smollm2-135m-instruct}]",
+        "agents.planner.policy=p",
+        "agents.executor.policy=e",
+    ]
+    config, _ = swap_roles(load_config("plan-path-learn", two), {})
+    assert {a.name: a.policy for a in config.agents} == {"planner": "e", "executor": "p"}
+    with pytest.raises(ValueError, match="two agents with weights of their own"):
+        swap_roles(load_config("plan-path-learn"), {})
