@@ -63,9 +63,17 @@ def comparison_table(comparisons: Sequence[Mapping[str, Any]]) -> str:
 
     lines = [
         "| A vs B | seeds | A held-out before → after (%, per seed) | B before → after | A change − B change "
-        "(95 % CI over tasks) | per seed | tokens generated in training, A / B (k) |",
-        "|---|---|---|---|---|---|---|",
+        "(95 % CI over tasks) | per seed | 95 % CI over seeds | detectable (80 % power): seeds, tasks | "
+        "tokens generated in training, A / B (k) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
+
+    def interval(values: Sequence[float] | None) -> str:
+        return "n/a (1 seed)" if not values else f"[{100 * values[0]:+.1f}, {100 * values[1]:+.1f}]"
+
+    def pts(value: float | None) -> str:
+        return "n/a" if value is None else f"{100 * value:.1f} pts"
+
     for c in comparisons:
         tokens = ", ".join(
             f"{x / 1000:.1f} / {y / 1000:.1f}" for x, y in zip(c["a_tokens"], c["b_tokens"], strict=True)
@@ -74,7 +82,8 @@ def comparison_table(comparisons: Sequence[Mapping[str, Any]]) -> str:
             f"| `{c['a']}` vs `{c['b']}` | {', '.join(map(str, c['seeds']))} | "
             f"{pcts(c['a_before'])} → {pcts(c['a_after'])} | {pcts(c['b_before'])} → {pcts(c['b_after'])} | "
             f"{100 * c['delta']:+.1f} pts [{100 * c['ci95_low']:+.1f}, {100 * c['ci95_high']:+.1f}] | "
-            f"{', '.join(f'{100 * d:+.1f}' for d in c['per_seed'])} | {tokens} |"
+            f"{', '.join(f'{100 * d:+.1f}' for d in c['per_seed'])} | {interval(c.get('ci95_seeds'))} | "
+            f"{pts(c.get('detectable_seeds'))}, {pts(c.get('detectable_tasks'))} | {tokens} |"
         )
     return "\n".join(lines)
 

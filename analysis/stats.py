@@ -42,6 +42,40 @@ def _task_bootstrap(diffs: Any, n_boot: int, seed: int) -> tuple[float, float]:
     return float(low), float(high)
 
 
+#: Student-t quantiles by degrees of freedom (standard tables), for intervals and power over a few seeds, where the
+#: normal approximation is far off (df 2: 4.30 vs 1.96). Between listed df the smaller df is used (conservative).
+T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
+         12: 2.179, 15: 2.131, 20: 2.086, 30: 2.042}  # fmt: skip
+T_80 = {1: 1.376, 2: 1.061, 3: 0.978, 4: 0.941, 5: 0.920, 6: 0.906, 7: 0.896, 8: 0.889, 9: 0.883, 10: 0.879,
+        12: 0.873, 15: 0.866, 20: 0.860, 30: 0.854}  # fmt: skip
+Z_975, Z_80 = 1.960, 0.842
+
+
+def t_quantile(table: Mapping[int, float], df: int, normal: float) -> float:
+    """The quantile for ``df`` degrees of freedom from ``table`` (the nearest listed df below; ``normal`` past 30)."""
+    if df < 1:
+        raise ValueError(f"a t quantile needs at least 1 degree of freedom, got {df}")
+    if df > max(table):
+        return normal
+    return table[max(k for k in table if k <= df)]
+
+
+def detectable_effect(sd: float, n: int) -> float:
+    """The smallest true mean difference that ``n`` paired units with spread ``sd`` detect with 80 % power at a
+    two-sided 5 % level: ``(t_.975 + t_.80) * sd / sqrt(n)`` with ``n - 1`` degrees of freedom."""
+    if n < 2:
+        raise ValueError(f"a detectable effect needs at least 2 units to estimate their spread, got {n}")
+    df = n - 1
+    return (t_quantile(T_975, df, Z_975) + t_quantile(T_80, df, Z_80)) * sd / n**0.5
+
+
+def units_needed(sd: float, effect: float, most: int = 1000) -> int:
+    """How many paired units (seeds) it takes for ``detectable_effect`` to reach ``effect``; ``most`` if none do."""
+    if effect <= 0:
+        raise ValueError(f"the effect to detect must be positive, got {effect}")
+    return next((n for n in range(2, most + 1) if detectable_effect(sd, n) <= effect), most)
+
+
 def paired_arm_difference(
     a: Sequence[tuple[Mapping[int, Sequence[bool]], Mapping[int, Sequence[bool]]]],
     b: Sequence[tuple[Mapping[int, Sequence[bool]], Mapping[int, Sequence[bool]]]],
@@ -53,8 +87,10 @@ def paired_arm_difference(
     ``a[s]`` and ``b[s]`` are the (before, after) successes (task -> samples) of the two arms trained
     with the same seed ``s``. Per seed and task: ``(after_A - before_A) - (after_B - before_B)``; the
     seeds are averaged per task, and tasks are resampled (the task is the unit, as in ``paired_bootstrap``).
-    Why the per-seed numbers too: with two or three seeds an interval over seeds means little, so the
-    spread between training runs is shown as it is, next to the interval that covers tasks and sampling.
+    Why the per-seed numbers too: with two or three seeds an interval over seeds is wide, so the spread between
+    training runs is shown as it is, next to the interval that covers tasks and sampling. ``ci95_seeds`` is the
+    t-interval over the seeds' differences (the training run as the unit), and ``detectable_seeds`` /
+    ``detectable_tasks`` the smallest effect the design detects with 80 % power over seeds / over tasks.
     """
     import numpy as np
 
@@ -70,11 +106,23 @@ def paired_arm_difference(
     per_seed = np.stack([change(*pa) - change(*pb) for pa, pb in zip(a, b, strict=True)])  # seeds x tasks
     diffs = per_seed.mean(axis=0)
     low, high = _task_bootstrap(diffs, n_boot, seed)
+    seed_means = per_seed.mean(axis=1)
+    over_seeds: dict[str, Any] = {"ci95_seeds": None, "detectable_seeds": None, "seed_sd": None}
+    if len(seed_means) >= 2:  # training-run variance: the seed is the unit
+        sd = float(seed_means.std(ddof=1))
+        half = t_quantile(T_975, len(seed_means) - 1, Z_975) * sd / len(seed_means) ** 0.5
+        over_seeds = {
+            "ci95_seeds": [float(seed_means.mean() - half), float(seed_means.mean() + half)],
+            "detectable_seeds": detectable_effect(sd, len(seed_means)),
+            "seed_sd": sd,
+        }
     return {
         "delta": float(diffs.mean()),
         "ci95_low": low,
         "ci95_high": high,
-        "per_seed": [float(d) for d in per_seed.mean(axis=1)],
+        **over_seeds,
+        "detectable_tasks": detectable_effect(float(diffs.std(ddof=1)), len(diffs)) if len(diffs) >= 2 else None,
+        "per_seed": [float(d) for d in seed_means],
         "tasks": len(tasks),
         "tasks_better": int((diffs > 0).sum()),
         "tasks_worse": int((diffs < 0).sum()),

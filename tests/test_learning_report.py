@@ -162,11 +162,28 @@ def test_compare_arms_pairs_configs_seed_by_seed_and_prints_the_table():
     assert c["per_seed"] == [0.5, 0.0]  # seed 0: tree gained 1.0 on task 0, indep nothing; seed 1: both did
     assert c["delta"] == 0.25 and c["a_tokens"] == [1000, 1100] and c["b_tokens"] == [1200, 900]
     assert "| `tree` (seed 1) | 25.0 % | 75.0 % |" in markdown_table(results_table(arms))
+    # over seeds (the training run as the unit): differences 0.5 and 0.0, sd/sqrt(2) = 0.25, t(.975, 1 df) = 12.706
+    assert c["ci95_seeds"] == pytest.approx([0.25 - 12.706 * 0.25, 0.25 + 12.706 * 0.25])
+    assert c["detectable_seeds"] == pytest.approx((12.706 + 1.376) * 0.25)  # two seeds see only huge effects
     line = comparison_table([c]).splitlines()[-1]
     assert line == (
         "| `tree` vs `indep` | 0, 1 | 25.0, 25.0 → 75.0, 75.0 | 25.0, 25.0 → 25.0, 75.0 | +25.0 pts "
-        f"[{100 * c['ci95_low']:+.1f}, {100 * c['ci95_high']:+.1f}] | +50.0, +0.0 | 1.0 / 1.2, 1.1 / 0.9 |"
+        f"[{100 * c['ci95_low']:+.1f}, {100 * c['ci95_high']:+.1f}] | +50.0, +0.0 | [-292.6, +342.6] | "
+        f"352.1 pts, {100 * c['detectable_tasks']:.1f} pts | 1.0 / 1.2, 1.1 / 0.9 |"
     )
+
+
+def test_detectable_effect_and_seeds_needed_follow_the_t_distribution():
+    from pettingflow.analysis.stats import T_975, Z_975, detectable_effect, t_quantile, units_needed
+
+    assert t_quantile(T_975, 2, Z_975) == 4.303 and t_quantile(T_975, 11, Z_975) == 2.228  # 11 df -> 10's value
+    assert t_quantile(T_975, 500, Z_975) == Z_975
+    assert detectable_effect(0.1, 3) == pytest.approx((4.303 + 1.061) * 0.1 / 3**0.5)
+    # a run-to-run spread of 5 pts per seed needs about (1.96 + 0.84)^2 ~ 8 seeds (more with t) to see 5 pts
+    n = units_needed(0.05, 0.05)
+    assert detectable_effect(0.05, n) <= 0.05 < detectable_effect(0.05, n - 1) and 9 <= n <= 12
+    with pytest.raises(ValueError, match="at least 2"):
+        detectable_effect(0.1, 1)
 
 
 def test_outcome_agent_is_the_role_whose_last_turn_is_the_result():
