@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import common
+from pettingflow.agents.base import chat_token_ids
 
 ARMS = {"default": {}, "batch_invariant": {"VLLM_BATCH_INVARIANT": "1"}}
 
@@ -43,7 +44,7 @@ def prompts(tokenizer: Any, count: int, offset: int) -> list[list[int]]:
     for i in range(count):
         k = offset + i
         text = f"Write {k % 5 + 1} sentences about the number {k}. " + "Be precise and brief. " * (k % 7)
-        out.append(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True))
+        out.append(chat_token_ids(tokenizer, [{"role": "user", "content": text}]))
     return out
 
 
