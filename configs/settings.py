@@ -110,6 +110,13 @@ class SamplingSettings(_Strict):
     top_k: int = Field(-1, ge=-1, description="-1 disables top-k.")
     max_tokens: int = Field(256, ge=1, description="New tokens per call (the episode budget may cap it lower).")
     stop: list[str] = Field(default_factory=list, description="Strings that end a generation (not included in it).")
+    eval_temperature: float | None = Field(
+        None,
+        ge=0.0,
+        description="This agent's temperature in evaluations (validation, the learn flow's before/after scores), "
+        "whatever validation.temperature says; null: validation.temperature. E.g. a tool-writing agent kept greedy "
+        "while the reasoner is scored sampled.",
+    )
 
 
 class AgentSettings(_Strict):

@@ -233,11 +233,13 @@ class ExecutionEngine:
         tree_select: str = "best",
         team_credit: str = "shared",
         lookahead_temperature: float = 0.0,
+        agent_temperatures: dict[str, float] | None = None,
     ):
         """``tree_branches``: None for independent episodes; K >= 1 for tree episodes (K candidates per turn,
         continued from the one ``tree_select`` picks: ``best`` or ``sample``). ``team_credit``: how each tree
         candidate's row gets its team term (module docstring); ``lookahead_temperature``: the lookahead's sampling
-        temperature (0 = greedy)."""
+        temperature (0 = greedy). ``agent_temperatures``: agent -> temperature, over ``sampling_overrides`` (an
+        evaluation: the agents' own ``eval_temperature``)."""
         if layout not in ("per_turn", "per_episode"):
             raise ValueError(f"unknown sample layout {layout!r}; use per_turn or per_episode")
         if tree_branches is not None and tree_branches < 1:
@@ -261,6 +263,7 @@ class ExecutionEngine:
         self.layout = layout
         self.max_model_len = max_model_len
         self.sampling_overrides = sampling_overrides or {}
+        self.agent_temperatures = agent_temperatures or {}
         self.show_progress = show_progress
         self._llm_s = 0.0
         self._env_s = 0.0
@@ -521,6 +524,8 @@ class ExecutionEngine:
             "seed": _derive_seed(spec.id.seed, spec.id.sample_idx, turn),
         }
         params.update(self.sampling_overrides)
+        if agent.name in self.agent_temperatures:
+            params["temperature"] = self.agent_temperatures[agent.name]
         return params
 
     # ------------------------------------------------------------------ many episodes

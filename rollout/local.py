@@ -101,6 +101,11 @@ def bindings(
     return out
 
 
+def evaluation_temperatures(config: ExperimentConfig) -> dict[str, float]:
+    """Agent -> its own evaluation temperature (``sampling.eval_temperature``), for the agents that set one."""
+    return {a.name: a.sampling.eval_temperature for a in config.agents if a.sampling.eval_temperature is not None}
+
+
 def episode_specs(
     config: ExperimentConfig, tasks: list[dict[str, Any]], group_size: int, seed_namespace: str, env_cache: EnvCache
 ) -> list[EpisodeSpec]:
@@ -167,6 +172,7 @@ async def run_episodes(
         layout=config.env.sample_layout,
         max_model_len=config.inference.max_model_len,
         sampling_overrides={"temperature": temperature} if temperature is not None else None,
+        agent_temperatures=evaluation_temperatures(config) if temperature is not None else None,
         show_progress=show_progress,
         tree_branches=tree_branches,
         tree_select=config.rollout.tree_select,

@@ -178,3 +178,21 @@ def test_rows_write_and_read_back(tmp_path) -> None:
 def test_unknown_layout_is_rejected() -> None:
     with pytest.raises(ValueError, match="per_turn or per_episode"):
         make_engine(ScriptedLLM(TOK), layout="per_token")
+
+
+def test_an_agents_own_evaluation_temperature_beats_the_evaluation_default() -> None:
+    """Evaluation runs at validation.temperature (sampling_overrides), except for an agent with its own
+    sampling.eval_temperature; training rollouts use each agent's sampling.temperature."""
+    from pettingflow.configs import load_config
+    from pettingflow.rollout.local import evaluation_temperatures
+
+    config = load_config("code-env", ["agents.test_generator.sampling.eval_temperature=0.0"])
+    assert evaluation_temperatures(config) == {"test_generator": 0.0}
+    llm = ScriptedLLM(TOK)
+    engine, make_env, _ = make_engine(llm, max_turns=2)
+    engine.sampling_overrides, engine.agent_temperatures = {"temperature": 1.0}, {"tester": 0.0}
+    run(engine, group_specs(["T"], 1, 0, "toy", make_env))
+    assert [(c["model"], c["temperature"]) for c in llm.calls] == [("m-coder", 1.0), ("m-tester", 0.0)]
+    training, _, _ = make_engine(llm := ScriptedLLM(TOK), max_turns=2)
+    run(training, group_specs(["T"], 1, 0, "toy", make_env))
+    assert [c["temperature"] for c in llm.calls] == [0.7, 0.7]  # ToyAgent's own sampling.temperature
