@@ -15,7 +15,11 @@ config without regenerating a file. A task may also give its grid explicitly (``
 
 Rewards are per turn (process rewards) so that later reward mixing can combine them with the team
 reward: ``TurnOutcome.info`` holds ``progress`` and ``local_reward`` of the turn, and
-``PlanPathEnv.episode_info()`` the episode's ``team_reward`` (1 when the goal was reached).
+``PlanPathEnv.episode_info()`` the episode's ``team_reward``. Two reward modes (``PlanPathConfig.reward``):
+``progress`` (normalised distance decrease per turn; team reward 1 when the goal was reached) and
+``shaped`` (the reference's dense per-move reward: step cost, blocked-move cost, potential-based shaping
+on the BFS distance, goal and optimal-path bonuses; team reward = the episode's cumulative shaped reward).
+``PlanPathEnv.team_outcome()`` is the team reward the episode would get if it ended now.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import re
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -64,6 +68,28 @@ class PlanPathConfig(EnvConfig):
     )
     show_offset: bool = Field(
         True, description="Also tell both agents how many rows/columns the goal is away (an easier board reading)."
+    )
+    reward: Literal["progress", "shaped"] = Field(
+        "progress",
+        description="progress: a turn earns its normalised distance decrease, the team 1 if the goal is reached; "
+        "shaped: a turn earns the sum of its moves' shaped rewards (the coefficients below), the team the "
+        "episode's cumulative shaped reward (docs/plan-path.md).",
+    )
+    step_cost: float = Field(0.01, ge=0.0, description="shaped: subtracted for every move that was made.")
+    blocked_move_cost: float = Field(
+        0.1, ge=0.0, description="shaped: subtracted for a move into a wall or off the board (it ends the walk)."
+    )
+    shaping_gamma: float = Field(
+        0.99, gt=0.0, le=1.0, description="shaped: discount of the potential-based shaping, gamma in (0, 1]."
+    )
+    shaping_lambda: float = Field(
+        1.0, ge=0.0, description="shaped: weight of the shaping term lambda * (gamma * phi(next) - phi(cur))."
+    )
+    goal_reward: float = Field(1.0, ge=0.0, description="shaped: added to the move that reaches the goal.")
+    optimal_bonus: float = Field(
+        0.5,
+        ge=0.0,
+        description="shaped: also added when the goal is reached after exactly the shortest number of moves tried.",
     )
 
     @model_validator(mode="after")
@@ -339,8 +365,67 @@ def progress(distance_before: int, distance_after: int, start_distance: int) -> 
 
 
 def team_reward(goal_reached: bool) -> float:
-    """The team reward at the end of an episode: 1 when the goal was reached, else 0."""
+    """The team reward of the ``progress`` mode at the end of an episode: 1 when the goal was reached, else 0."""
     return 1.0 if goal_reached else 0.0
+
+
+def potential_shaping(distance_before: int, distance_after: int, gamma: float, lam: float) -> float:
+    """Potential-based shaping of one move with phi(p) = -d(p), the BFS distance to the goal:
+
+    ``lam * (gamma * phi(p') - phi(p)) = lam * (d(p) - gamma * d(p'))``.
+
+    A blocked move (p' = p) earns ``lam * (1 - gamma) * d(p)``, a small positive amount: as in the reference,
+    the blocked-move cost is what makes it a loss.
+    """
+    return lam * (distance_before - gamma * distance_after)
+
+
+def shaped_move_reward(
+    moved: bool,
+    distance_before: int,
+    distance_after: int,
+    *,
+    reached_goal: bool,
+    optimal: bool,
+    config: PlanPathConfig,
+) -> float:
+    """The ``shaped`` reward of one tried move (``config`` holds the coefficients):
+
+    ``r = -(step_cost if moved else blocked_move_cost) + lam * (d(p) - gamma * d(p'))
+    + goal_reward * [p' is the goal] + optimal_bonus * [p' is the goal and optimal]``,
+
+    where ``optimal`` means the moves tried in the episode so far, this one included, number exactly the
+    start's shortest-path length (so no move was blocked or wasted).
+    """
+    base = -config.step_cost if moved else -config.blocked_move_cost
+    reward = base + potential_shaping(distance_before, distance_after, config.shaping_gamma, config.shaping_lambda)
+    if reached_goal:
+        reward += config.goal_reward + (config.optimal_bonus if optimal else 0.0)
+    return reward
+
+
+def shaped_walk_rewards(
+    w: Walk, distances: Mapping[Cell, int], moves_before: int, start_distance: int, config: PlanPathConfig
+) -> list[float]:
+    """The shaped reward of every tried move of ``w`` (``shaped_move_reward``), in order; ``moves_before``
+    counts the moves tried earlier in the episode (for the optimal-path bonus). Moves that were not
+    tried (after a blocked move or the goal) earn nothing. A turn's shaped reward is the sum."""
+    out = []
+    here = w.start
+    for i, step in enumerate(w.steps):
+        goal = step.outcome == "moved" and distances[step.position] == 0
+        out.append(
+            shaped_move_reward(
+                step.outcome == "moved",
+                distances[here],
+                distances[step.position],
+                reached_goal=goal,
+                optimal=goal and moves_before + i + 1 == start_distance,
+                config=config,
+            )
+        )
+        here = step.position
+    return out
 
 
 @dataclass(frozen=True)
@@ -367,6 +452,8 @@ class PlanPathState:
     plan: ParsedMoves | None = None  # the latest plan (None before the planner's first turn)
     last_walk: Walk | None = None  # the executor's latest moves and what happened
     last_invalid: str | None = None  # which role's latest reply held no move ("planner"/"executor")
+    moves_tried: int = 0  # moves the executor tried so far (made or blocked), for the optimal-path bonus
+    shaped_return: float = 0.0  # the cumulative shaped reward of the executor's tried moves (``shaped`` mode)
     events: list[dict[str, Any]] = field(default_factory=list)  # one per turn, for prompts and debugging
 
     @property
@@ -415,11 +502,24 @@ class PlanPathEnv(Env):
         """BFS distance from ``cell`` to the goal (cells the walker can stand on are always reachable)."""
         return self._distances[cell]
 
+    def _shaped(self, w: Walk | None) -> list[float]:
+        """The shaped reward of each move ``w`` tried from the current position (none without a walk)."""
+        if w is None:
+            return []
+        return shaped_walk_rewards(w, self._distances, self.state.moves_tried, self.state.start_distance, self.config)
+
     def _turn_info(
-        self, role: str, parsed: ParsedMoves, walk_: Walk | None, before: int, credited: float
+        self,
+        role: str,
+        parsed: ParsedMoves,
+        walk_: Walk | None,
+        before: int,
+        credited: float,
+        move_rewards: list[float] | None = None,
     ) -> dict[str, Any]:
         """The row's ``info_json["turn"]``: ``progress`` is the distance decrease this turn actually made
-        (0 on planner turns), ``local_reward`` the acting agent's reward (``credited`` minus the penalty)."""
+        (0 on planner turns), ``local_reward`` the acting agent's reward (``credited`` minus the penalty).
+        In ``shaped`` mode also ``move_rewards`` (each tried move's shaped reward) and ``shaped_reward`` (their sum)."""
         s = self.state
         invalid = not parsed.valid
         info = {
@@ -433,45 +533,71 @@ class PlanPathEnv(Env):
             "progress": progress(before, s.distance, s.start_distance),
             "local_reward": credited - (self.config.invalid_penalty if invalid else 0.0),
         }
+        if move_rewards is not None:
+            info["move_rewards"] = move_rewards
+            info["shaped_reward"] = sum(move_rewards)
         s.events.append({"turn": self.current_turn, **info, "position": list(s.position)})
         return info
 
     def submit_plan(self, parsed: ParsedMoves) -> TurnOutcome:
         """The planner's turn: store the plan for the executor; nothing moves.
 
-        Reward: ``plan_progress``, the progress the plan would make if executed as written from the
-        current position (same rules as a real walk); success: that walk would reach the goal.
+        Reward (``progress``): ``plan_progress``, the progress the plan would make if executed as written
+        from the current position (same rules as a real walk). Reward (``shaped``): the shaped reward that
+        simulated walk would earn. Success: that walk would reach the goal.
         """
         s = self.state
         s.plan = parsed
         s.last_invalid = "planner" if not parsed.valid else None
         simulated = walk(s.grid, s.position, parsed.moves)
         planned = progress(s.distance, self.distance(simulated.end), s.start_distance)
-        info = self._turn_info("planner", parsed, simulated, s.distance, planned)
+        if self.config.reward == "shaped":
+            move_rewards = self._shaped(simulated)
+            info = self._turn_info("planner", parsed, simulated, s.distance, sum(move_rewards), move_rewards)
+        else:
+            info = self._turn_info("planner", parsed, simulated, s.distance, planned)
         info["plan_progress"] = planned
         return TurnOutcome(info["local_reward"], simulated.reached_goal, info)
 
     def execute(self, parsed: ParsedMoves) -> TurnOutcome:
-        """The executor's turn: make the moves. Reward: the normalised progress actually made;
-        success: the goal is reached."""
+        """The executor's turn: make the moves. Reward (``progress``): the normalised progress actually
+        made; (``shaped``): the shaped reward of the moves made, which also adds to the team's
+        ``shaped_return``. Success: the goal is reached."""
         s = self.state
         before = s.distance
+        move_rewards: list[float] = []
         if parsed.valid:
             result = walk(s.grid, s.position, parsed.moves)
+            move_rewards = self._shaped(result)  # before the position and move count change
             s.position, s.distance, s.last_walk = result.end, self.distance(result.end), result
+            s.moves_tried += len(result.steps)
+            s.shaped_return += sum(move_rewards)
             s.last_invalid = None
         else:
             result = None
             s.last_walk, s.last_invalid = None, "executor"
-        info = self._turn_info("executor", parsed, result, before, progress(before, s.distance, s.start_distance))
+        if self.config.reward == "shaped":
+            info = self._turn_info("executor", parsed, result, before, sum(move_rewards), move_rewards)
+        else:
+            info = self._turn_info("executor", parsed, result, before, progress(before, s.distance, s.start_distance))
         return TurnOutcome(info["local_reward"], self.solved(), info)
 
+    def team_outcome(self) -> float:
+        """The team reward the episode would get if it ended now: ``progress`` mode 1.0 when the walker
+        stands on the goal, else 0.0; ``shaped`` mode the cumulative shaped reward of the executor's moves
+        so far (goal and optimal bonus included; the reply-without-moves penalty is an agent's, not the team's).
+        Tree rollouts credit each candidate with this value on its own fork."""
+        if self.config.reward == "shaped":
+            return self.state.shaped_return
+        return team_reward(self.solved())
+
     def episode_info(self) -> dict[str, Any]:
-        """Per-episode values every row of the episode carries (``info_json``): the team reward and
-        the distances it came from. The engine reads this once the episode is over."""
+        """Per-episode values every row of the episode carries (``info_json``): the team reward
+        (``team_outcome()`` at the end) and the distances it came from. The engine reads this once the
+        episode is over."""
         s = self.state
         return {
-            "team_reward": team_reward(self.solved()),
+            "team_reward": self.team_outcome(),
             "goal_reached": self.solved(),
             "start_distance": s.start_distance,
             "final_distance": s.distance,

@@ -27,6 +27,8 @@ from pettingflow.envs.plan_path import (
     generate_grid,
     load_plan_path_tasks,
     parse_moves,
+    potential_shaping,
+    shaped_move_reward,
     walk,
 )
 
@@ -38,6 +40,8 @@ KNOBS = [
     {"rows": 2, "cols": 2, "wall_density": 0.0, "min_path_len": 1, "max_path_len": 1},
     {"rows": 8, "cols": 8, "wall_density": 0.35, "min_path_len": 6, "max_path_len": 10},
 ]
+# the board of the plan-path-learn* configs (docs/plan-path.md, "Sizes for SmolLM2-135M")
+LEARN_BOARD = {"rows": 5, "cols": 5, "wall_density": 0.2, "min_path_len": 1, "max_path_len": 6, "max_moves_per_turn": 4}
 # a hand-made board: S at (0, 0), G at (0, 3), a wall column at 1 with a gap in row 2
 BOARD = ["S#.G", ".#..", "...."]
 
@@ -143,8 +147,10 @@ def test_prefect_deployment_train_plan_path() -> None:
     assert set(by_flow) == {"flows/train.py:train", "flows/learn.py:learn"}
     assert by_flow["flows/train.py:train"]["parameters"]["config"] == "plan-path"
     learn = by_flow["flows/learn.py:learn"]["parameters"]  # the AT-GRPO evidence of docs/results.md
-    assert learn["configs"] == ["plan-path-learn-tree", "plan-path-learn", "plan-path-learn-solo"]
-    assert learn["seeds"] == [0, 1]
+    # the study's arms (the list grows with new arms): the three plan-path-learn* configs at least, all loadable
+    assert {"plan-path-learn-tree", "plan-path-learn", "plan-path-learn-solo"} <= set(learn["configs"])
+    assert all(load_config(name).env.class_path == "plan-path" for name in learn["configs"])
+    assert len(learn["seeds"]) >= 2
 
 
 # --------------------------------------------------------------------------------------------------
@@ -399,3 +405,163 @@ def test_solo_walker_moves_alone_with_the_executor_rules() -> None:
             assert "Last turn your reply had no moves" in walker.turn_prompt(env)
     assert rewards == [3 / 7, -0.5, 3 / 7]
     assert env.done and env.truncated and env.episode_info()["final_distance"] == 1
+
+
+# --------------------------------------------------------------------------------------------------
+# the shaped reward (the reference's dense per-move reward), the team outcome, forks
+# --------------------------------------------------------------------------------------------------
+def shaped_env(**config) -> PlanPathEnv:
+    return env_of(reward="shaped", **config)
+
+
+def test_shaped_reward_arithmetic_on_the_hand_made_board() -> None:
+    """BFS distances on BOARD: (0,0) 7, (1,0) 6, (2,0) 5, (2,1) 4, (2,2) 3, (1,2) 2, (0,2) 1, (0,3) 0.
+    A made move from d to d - 1 earns -0.01 + (d - 0.99 (d - 1)) = 0.98 + 0.01 d; a blocked one at d earns
+    -0.1 + 0.01 d; the goal adds 1, the optimal path 0.5."""
+    config = PlanPathConfig(reward="shaped")
+    assert potential_shaping(7, 6, 0.99, 1.0) == pytest.approx(1.06)
+    assert potential_shaping(7, 7, 0.99, 1.0) == pytest.approx(0.07)  # a blocked move: (1 - gamma) d
+    assert potential_shaping(3, 4, 1.0, 2.0) == pytest.approx(-2.0)  # walking away, lambda 2, no discount
+    assert shaped_move_reward(True, 7, 6, reached_goal=False, optimal=False, config=config) == pytest.approx(1.05)
+    assert shaped_move_reward(False, 7, 7, reached_goal=False, optimal=False, config=config) == pytest.approx(-0.03)
+    assert shaped_move_reward(True, 1, 0, reached_goal=True, optimal=False, config=config) == pytest.approx(1.99)
+    assert shaped_move_reward(True, 1, 0, reached_goal=True, optimal=True, config=config) == pytest.approx(2.49)
+
+    env = shaped_env(max_moves_per_turn=7)
+    out = env.execute(parse_moves("Moves: D D R", 7))  # step cost + shaping, three moves
+    assert out.info["move_rewards"] == pytest.approx([1.05, 1.04, 1.03])
+    assert out.reward == out.info["local_reward"] == out.info["shaped_reward"] == pytest.approx(3.12)
+    assert env.team_outcome() == pytest.approx(3.12)
+
+    env = shaped_env(max_moves_per_turn=7)  # the whole shortest path in one reply: goal + optimal bonus
+    out = env.execute(parse_moves("D D R R U U R", 7))
+    # shaping telescopes: sum(d_i) - 0.99 sum(d_{i+1}) = 28 - 20.79; 7 step costs; goal 1; optimal 0.5
+    assert out.reward == pytest.approx(28 - 20.79 - 0.07 + 1.0 + 0.5) == pytest.approx(8.64)
+    assert out.success and env.team_outcome() == pytest.approx(8.64)
+
+    env = shaped_env(max_moves_per_turn=7)  # a blocked move first: the same path later is not optimal any more
+    blocked = env.execute(parse_moves("R D", 7))  # R into the wall ends the walk; D is not tried
+    assert blocked.info["outcomes"] == ["wall"] and blocked.reward == pytest.approx(-0.03)
+    out = env.execute(parse_moves("D D R R U U R", 7))
+    assert out.reward == pytest.approx(8.64 - 0.5)  # goal, no optimal bonus (8 moves tried for a 7-move path)
+    assert env.team_outcome() == pytest.approx(8.64 - 0.5 - 0.03)
+
+    env = shaped_env()  # a reply without moves: the turn's penalty, nothing for the team
+    out = env.execute(parse_moves("no idea", 3))
+    assert out.reward == pytest.approx(-0.5) and out.info["shaped_reward"] == 0.0 and env.team_outcome() == 0.0
+
+    env = shaped_env(step_cost=0.0, blocked_move_cost=1.0, shaping_gamma=1.0, shaping_lambda=0.5, goal_reward=2.0)
+    assert env.execute(parse_moves("R", 3)).reward == pytest.approx(-1.0)  # gamma 1: a blocked move shapes 0
+    assert env.execute(parse_moves("D", 3)).reward == pytest.approx(0.5)  # lambda * (7 - 6)
+
+
+def test_shaped_planner_reward_is_the_simulated_walk_and_moves_nothing() -> None:
+    env = shaped_env()
+    planner, executor = PlannerAgent(tokenizer=TOK), ExecutorAgent(tokenizer=TOK, agent_idx=1)
+    rewards = []
+    script = ["Plan: D D R", "Moves: D D R", "Plan: R U U", "Moves: R U U", "Plan: R", "R"]
+    for turn, text in enumerate(script):
+        agent = (planner, executor)[turn % 2]
+        agent.update_from_env(turn, env)
+        agent.update_from_model(turn, env, text)
+        run(agent.step(env))
+        rewards.append(agent.agent_reward)
+        if agent is planner:  # the plan's shaped reward is not the team's
+            assert env.team_outcome() == pytest.approx(sum(rewards[1::2]))
+    # plan and execution of the same moves earn the same; the last move reaches the goal on the optimal path
+    assert rewards == pytest.approx([3.12, 3.12, 3.03, 3.03, 2.49, 2.49])
+    assert env.done and not env.truncated
+    assert env.team_outcome() == env.episode_info()["team_reward"] == pytest.approx(8.64)
+    assert [e["progress"] for e in env.state.events] == pytest.approx([0, 3 / 7, 0, 3 / 7, 0, 1 / 7])  # actual moves
+
+
+def test_progress_mode_is_unchanged_and_its_team_outcome_is_goal_reached() -> None:
+    env = env_of()
+    assert PlanPathConfig().reward == "progress" and env.team_outcome() == 0.0
+    out = env.execute(parse_moves("D D R", 3))
+    assert out.reward == pytest.approx(3 / 7) and "shaped_reward" not in out.info and env.team_outcome() == 0.0
+    env.execute(parse_moves("R U U", 3))
+    env.execute(parse_moves("R", 3))
+    assert env.solved() and env.team_outcome() == env.episode_info()["team_reward"] == 1.0
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 10_000),
+    mode=st.sampled_from(["progress", "shaped"]),
+    script=st.lists(st.one_of(move_lists, no_move_text), min_size=1, max_size=8),
+)
+def test_team_outcome_is_the_episode_team_reward_at_the_end(seed: int, mode: str, script: list) -> None:
+    """Random replies in both modes: at the end ``team_outcome()`` equals ``episode_info()["team_reward"]``;
+    in shaped mode it is the sum of the executor's move rewards, and every turn's local reward is its moves'
+    shaped reward minus the penalty of a reply without moves."""
+    env = PlanPathEnv({"task_id": "p", "seed": seed}, {"max_turns": 6, "reward": mode, **LEARN_BOARD})
+    agents = (PlannerAgent(tokenizer=TOK), ExecutorAgent(tokenizer=TOK, agent_idx=1))
+    executed = 0.0
+    turn = 0
+    while not env.done:
+        agent = agents[turn % 2]
+        agent.update_from_env(turn, env)
+        reply = script[turn % len(script)]
+        action = agent.update_from_model(turn, env, " ".join(reply) if isinstance(reply, list) else reply)
+        run(agent.step(env))
+        info = agent.turn_info
+        if mode == "shaped":
+            penalty = 0.0 if action.valid else 0.5
+            assert info["local_reward"] == pytest.approx(sum(info["move_rewards"]) - penalty)
+            if agent is agents[1]:
+                executed += info["shaped_reward"]
+            assert env.team_outcome() == pytest.approx(executed)
+        turn += 1
+    assert env.team_outcome() == env.episode_info()["team_reward"]
+    if mode == "progress":
+        assert env.team_outcome() == (1.0 if env.solved() else 0.0)
+
+
+def test_forks_are_independent_in_shaped_mode() -> None:
+    env = shaped_env()
+    env.execute(parse_moves("D D", 3))
+    env.finish_turn()
+    before = (env.state.position, env.state.moves_tried, env.team_outcome(), len(env.state.events))
+    twin = env.fork()
+    out = twin.execute(parse_moves("R R U", 3))
+    twin.finish_turn()
+    assert out.reward > 0 and twin.state.moves_tried == 5 and twin.team_outcome() > before[2]
+    assert (env.state.position, env.state.moves_tried, env.team_outcome(), len(env.state.events)) == before
+    assert env.current_turn == 1 and twin.current_turn == 2
+    other = env.fork()  # a second candidate from the same state scores on its own copy
+    assert other.execute(parse_moves("L", 3)).info["outcomes"] == ["out_of_bounds"]
+    assert other.team_outcome() == pytest.approx(before[2] - 0.1 + 0.05)  # blocked at d = 5: -0.1 + 0.01 * 5
+    assert env.team_outcome() == before[2] and env.state.grid == twin.state.grid == other.state.grid
+
+
+@pytest.mark.parametrize(
+    ("bad", "match"),
+    [
+        ({"reward": "dense"}, "reward"),
+        ({"shaping_gamma": 0.0}, "shaping_gamma"),
+        ({"shaping_gamma": 1.5}, "shaping_gamma"),
+        ({"step_cost": -0.01}, "step_cost"),
+        ({"blocked_move_cost": -1}, "blocked_move_cost"),
+        ({"shaping_lambda": -1}, "shaping_lambda"),
+        ({"goal_reward": -1}, "goal_reward"),
+        ({"optimal_bonus": -0.5}, "optimal_bonus"),
+        ({"max_moves_per_turn": 0}, "max_moves_per_turn"),
+    ],
+)
+def test_bad_reward_knobs_are_config_errors_naming_the_knob(bad, match) -> None:
+    with pytest.raises(EnvConfigError, match=match):
+        PlanPathEnv.validate_config(bad)
+
+
+@pytest.mark.parametrize("name", ["plan-path-learn", "plan-path-learn-tree", "plan-path-learn-solo"])
+def test_learn_configs_share_one_board_and_the_prompts_state_its_move_limit(name) -> None:
+    config = load_config(name)
+    options = config.env.options
+    assert {k: options[k] for k in LEARN_BOARD} == LEARN_BOARD
+    knobs = PlanPathEnv.validate_config({"max_turns": config.env.max_turns, **options})
+    env = PlanPathEnv({"task_id": "plan-path/7", "seed": 7}, knobs)
+    limit = knobs.max_moves_per_turn
+    for agent in [resolve_agent_class(a.class_path)(tokenizer=TOK) for a in config.agents]:
+        assert f" {limit} moves" in agent.turn_prompt(env)  # "at most 4 moves", "the next 4 moves at most"
+        assert agent.parse_response("Moves: " + "R " * (limit + 2), env).moves == ("R",) * limit
