@@ -61,6 +61,8 @@ class ChatTokenizer(Protocol):
 
     def apply_chat_template(self, conversation: Any, **kwargs: Any) -> Any: ...
 
+    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
+
 
 def chat_token_ids(tokenizer: ChatTokenizer, messages: Sequence[Mapping[str, str]]) -> list[int]:
     """Prompt token ids of ``messages`` with the generation prompt appended.
@@ -132,6 +134,7 @@ class Agent(ABC):
         self.reward_history: list[float] = []
         self.turn_info: dict[str, Any] = {}
         self._conversation: list[dict[str, str]] = []
+        self._prefix = ""  # this turn's answer_prefix
         self._awaiting: Literal["prompt", "response", "step"] = "prompt"
 
     # ----------------------------------------------------------------------------------------------
@@ -140,6 +143,16 @@ class Agent(ABC):
     @abstractmethod
     def turn_prompt(self, env: Env) -> str:
         """The user message built from the full current state (per_turn, and the first per_episode call)."""
+
+    def answer_prefix(self, env: Env) -> str:
+        """Text the reply starts with, written into the prompt after the assistant header (a prefill): the model
+        continues it, and ``parse_response`` sees prefix + reply. Default: none.
+
+        Why: a small model asked for "Moves: R D" often answers with prose; starting its reply with "Moves:" puts
+        it where a move list comes next. The prefix is prompt (mask 0), never trained as the model's tokens.
+        Only the per_turn layout (a per_episode sequence would have to carry it between turns).
+        """
+        return ""
 
     def observation(self, env: Env) -> str:
         """The user message appended in per_episode mode after this agent's previous response:
@@ -175,7 +188,16 @@ class Agent(ABC):
             if self.system_prompt:
                 messages.insert(0, {"role": "system", "content": self.system_prompt})
         self._conversation = [dict(m) for m in messages]
-        self.current_prompt = AgentPrompt(messages=messages, token_ids=chat_token_ids(self.tokenizer, messages))
+        token_ids = chat_token_ids(self.tokenizer, messages)
+        self._prefix = self.answer_prefix(env)
+        if self._prefix:
+            if self.layout != "per_turn":
+                raise ValueError(
+                    f"agent {self.name!r} starts its replies with {self._prefix!r}, which needs "
+                    "env.sample_layout=per_turn (a per_episode sequence cannot carry the prefix between turns)"
+                )
+            token_ids = token_ids + list(self.tokenizer.encode(self._prefix, add_special_tokens=False))
+        self.current_prompt = AgentPrompt(messages=messages, token_ids=token_ids)
         self._awaiting = "response"
         return self.current_prompt
 
@@ -184,7 +206,7 @@ class Agent(ABC):
         self._check_turn(turn, env)
         if self._awaiting != "response":
             raise RuntimeError(f"agent {self.name!r}: update_from_env must come before update_from_model")
-        action = self.parse_response(response_text, env)
+        action = self.parse_response(self._prefix + response_text, env)
         self.answer_history.append(response_text)
         self.action_history.append(action)
         self.current_action = action

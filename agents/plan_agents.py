@@ -95,6 +95,12 @@ def board_parts(env: Env, mover: str = "the executor") -> list[str]:
 class _GridAgent(Agent):
     """A plan-path role: replies are move lists (at most ``max_moves_per_turn``); ``_submit`` hands them to the env."""
 
+    #: the answer format's label ("Plan" / "Moves"); with the env's ``answer_prefix`` the reply starts with it
+    label: str = "Moves"
+
+    def answer_prefix(self, env: Env) -> str:
+        return f"{self.label}:" if plan_env(env).config.answer_prefix else ""
+
     def parse_response(self, response_text: str, env: Env) -> ParsedMoves:
         return parse_moves(response_text, plan_env(env).config.max_moves_per_turn)
 
@@ -111,6 +117,7 @@ class PlannerAgent(_GridAgent):
     """Proposes the next moves (``plan-path-planner``). Reward: the progress its plan would make."""
 
     default_name = "planner"
+    label = "Plan"
     system_prompt = (
         "You are the planner of a team that walks a grid to a goal. You plan the moves; a partner makes them."
     )

@@ -66,6 +66,11 @@ class PlanPathConfig(EnvConfig):
     invalid_penalty: float = Field(
         0.5, ge=0.0, description="Subtracted from a turn's reward when its reply holds no move at all."
     )
+    answer_prefix: bool = Field(
+        False,
+        description="Start each reply with its label ('Plan:' / 'Moves:') in the prompt, so the model continues a "
+        "move list instead of writing prose (agents' answer_prefix; needs env.sample_layout=per_turn).",
+    )
     show_offset: bool = Field(
         True, description="Also tell both agents how many rows/columns the goal is away (an easier board reading)."
     )

@@ -310,6 +310,21 @@ def test_prompts_show_board_plan_and_what_happened() -> None:
     assert "It is" not in PlannerAgent(tokenizer=TOK).turn_prompt(env_of(show_offset=False))
 
 
+def test_answer_prefix_starts_the_reply_in_the_prompt_and_is_parsed_with_it() -> None:
+    """answer_prefix: the prompt ends with 'Plan:' / 'Moves:' after the assistant header; the model's continuation
+    ' R R' is parsed as 'Plan: R R'; off, prompts are unchanged; the per_episode layout refuses it."""
+    env = env_of(answer_prefix=True)
+    planner, executor = PlannerAgent(tokenizer=TOK), ExecutorAgent(tokenizer=TOK, agent_idx=1)
+    prompt = planner.update_from_env(0, env)
+    assert TOK.decode(prompt.token_ids).endswith("<assistant>Plan:")
+    assert prompt.token_ids == PlannerAgent(tokenizer=TOK).update_from_env(0, env_of()).token_ids + TOK.encode("Plan:")
+    assert planner.update_from_model(0, env, " R R").moves == ("R", "R")
+    run(planner.step(env))
+    assert TOK.decode(executor.update_from_env(1, env).token_ids).endswith("<assistant>Moves:")
+    with pytest.raises(ValueError, match="per_turn"):
+        PlannerAgent(tokenizer=TOK, layout="per_episode").update_from_env(0, env_of(answer_prefix=True))
+
+
 # --------------------------------------------------------------------------------------------------
 # through the real rollout engine
 # --------------------------------------------------------------------------------------------------
