@@ -99,6 +99,9 @@ class Agent(ABC):
     #: True for the role whose final turn *is* the episode's outcome (the code writer, the plan-path
     #: executor or walker): learning reports score a run by that agent's last-turn success.
     decides_outcome: ClassVar[bool] = False
+    #: True for an agent that does not generate (a tool, an environment-side role): the engine takes its reply
+    #: from ``scripted_reply`` instead of the model, and its turns are never training rows.
+    scripted: ClassVar[bool] = False
     # env classes this agent takes turns in (config ``agents[].envs``); empty: every env. A dataset that mixes
     # envs gives each env its own team: the engine skips agents that do not act in an episode's env.
     env_classes: tuple[type[Env], ...] = ()
@@ -143,6 +146,10 @@ class Agent(ABC):
     @abstractmethod
     def turn_prompt(self, env: Env) -> str:
         """The user message built from the full current state (per_turn, and the first per_episode call)."""
+
+    def scripted_reply(self, turn: int, env: Env) -> str:
+        """A scripted agent's reply (``scripted = True``), in place of a model's; then parsed and stepped as usual."""
+        raise NotImplementedError(f"agent {self.name!r} is scripted but does not implement scripted_reply()")
 
     def answer_prefix(self, env: Env) -> str:
         """Text the reply starts with, written into the prompt after the assistant header (a prefill): the model

@@ -188,6 +188,17 @@ def _team_outcome(env: Any, mode: str) -> float:
     return float(value)
 
 
+@dataclass(frozen=True)
+class ScriptedReply:
+    """A scripted agent's reply in the shape of a completion: text, and no tokens of any model."""
+
+    text: str
+    token_ids: tuple[int, ...] = ()
+    logprobs: tuple[float, ...] = ()
+    finish_reason: str = "scripted"
+    server: str = ""
+
+
 @dataclass
 class TeamCredit:
     """One candidate's team term (None: ``shared``, the episode's team reward applies) and its lookahead calls."""
@@ -310,17 +321,26 @@ class ExecutionEngine:
             max_tokens = min(agent.sampling.max_tokens, self.token_budget - path_tokens)
             if self.max_model_len is not None:
                 max_tokens = min(max_tokens, self.max_model_len - len(prompt_ids))
-            if max_tokens <= 0:  # token budget or context exhausted
+            scripted = bool(getattr(agent, "scripted", False))
+            if max_tokens <= 0 and not scripted:  # token budget or context exhausted
                 out_of_budget = True
                 break
             sampling = self._sampling(agent, max_tokens, spec, turn)
-            completions = await self._generate(binding, prompt_ids, sampling)
+            if scripted:  # no model call: one reply, acted on the episode itself (nothing to sample or compare)
+                completions = [ScriptedReply(agent.scripted_reply(turn, env))]
+                branches = [(agent, env)]
+            else:
+                completions = await self._generate(binding, prompt_ids, sampling)
+                branches = self._candidates(agent, env, len(completions))
             record.tokens_generated += sum(len(c.token_ids) for c in completions)
-            branches = self._candidates(agent, env, len(completions))
             for (b_agent, b_env), completion in zip(branches, completions, strict=True):
                 b_agent.update_from_model(turn, b_env, completion.text)
             await self._step(branches)
-            credits = await self._team_credits(branches, completions, agents, position, turn, spec, path_tokens)
+            credits = (
+                [TeamCredit()]
+                if scripted  # its turn is never a row: nothing to credit
+                else await self._team_credits(branches, completions, agents, position, turn, spec, path_tokens)
+            )
             lookahead_tokens = sum(c.tokens for c in credits)
             record.tokens_generated += lookahead_tokens
             record.lookahead_tokens += lookahead_tokens
@@ -350,6 +370,7 @@ class ExecutionEngine:
                     server=getattr(completion, "server", ""),
                     team_credit=credit.value,
                     lookahead=credit.calls,
+                    scripted=scripted,
                 )
                 for k, ((b_agent, _), completion, credit) in enumerate(zip(branches, completions, credits, strict=True))
             ]

@@ -62,6 +62,8 @@ class TurnRecord:
     # lookahead calls behind it (stored in info_json, never trained on)
     team_credit: float | None = None
     lookahead: list[dict[str, Any]] = field(default_factory=list)
+    # a scripted agent's turn (``Agent.scripted``): no model tokens; on the episode's path, never a training row
+    scripted: bool = False
 
 
 @dataclass(frozen=True)
@@ -135,6 +137,8 @@ def per_turn_rows(episodes: list[EpisodeRecord], run_id: str, iteration: int, gr
     rows: list[dict[str, Any]] = []
     for ep in episodes:
         for turn in ep.turns:
+            if turn.scripted:
+                continue
             row = _base_row(run_id, iteration, ep)
             row.update(
                 turn_idx=turn.turn_idx,
@@ -192,7 +196,8 @@ def per_episode_rows(
     for ep in episodes:
         agents: dict[str, list[TurnRecord]] = {}
         for turn in ep.path():
-            agents.setdefault(turn.agent_name, []).append(turn)
+            if not turn.scripted:
+                agents.setdefault(turn.agent_name, []).append(turn)
         for name, turns in agents.items():
             response_ids: list[int] = []
             mask: list[int] = []

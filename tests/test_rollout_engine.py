@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 from collections import Counter
 
 import pytest
@@ -196,3 +197,58 @@ def test_an_agents_own_evaluation_temperature_beats_the_evaluation_default() -> 
     training, _, _ = make_engine(llm := ScriptedLLM(TOK), max_turns=2)
     run(training, group_specs(["T"], 1, 0, "toy", make_env))
     assert [c["temperature"] for c in llm.calls] == [0.7, 0.7]  # ToyAgent's own sampling.temperature
+
+
+class ForkingToyAgent(ToyAgent):
+    def fork(self):
+        twin = copy.copy(self)
+        twin.messages, twin.seen_boards = list(self.messages), list(self.seen_boards)
+        return twin
+
+
+class ForkingToyEnv(ToyEnv):
+    def fork(self):
+        twin = copy.copy(self)
+        twin.state, twin.history = copy.deepcopy(self.state), list(self.history)
+        return twin
+
+
+class ScriptedTester(ForkingToyAgent):
+    """A tool-like role: its reply comes from code, not a model (``scripted``)."""
+
+    scripted = True
+
+    def scripted_reply(self, turn, env) -> str:
+        return f"checked-{turn}"
+
+
+@pytest.mark.parametrize("tree", [None, 3])
+def test_a_scripted_agent_acts_without_the_model_and_is_never_a_training_row(tree) -> None:
+    llm = ScriptedLLM(TOK, reply=lambda model, prompt, p: "code")
+    bindings = {
+        n: AgentBinding(client=llm, served_model=f"m-{n}", tokenizer=TOK, policy_name="shared")
+        for n in ("coder", "tester")
+    }
+    envs: list[ToyEnv] = []
+
+    def make_env(spec):
+        envs.append(ForkingToyEnv(spec.task, 4))
+        return envs[-1]
+
+    engine = ExecutionEngine(
+        lambda: [ForkingToyAgent("coder", TOK, "per_turn"), ScriptedTester("tester", TOK, "per_turn")],
+        bindings,
+        max_turns=4,
+        token_budget=1000,
+        show_progress=False,
+        tree_branches=tree,
+    )
+    (rec,), stats = run(engine, group_specs(["T"], 1, 0, "toy", make_env))
+    assert {c["model"] for c in llm.calls} == {"m-coder"} and len(llm.calls) == 2  # the tester never asks the model
+    path = rec.path()
+    assert [(t.agent_name, t.response_text) for t in path][1::2] == [("tester", "checked-1"), ("tester", "checked-3")]
+    assert sum(t.agent_name == "tester" for t in rec.turns) == 2  # one reply per scripted turn, even in tree mode
+    rows = build_rows([rec], "per_turn", "run", 0, group_size=tree or 1)
+    assert {r["agent_name"] for r in rows} == {"coder"}
+    assert stats.tokens_generated == sum(len(r["response_ids"]) for r in rows)
+    assert "tester:checked-1" in llm.calls[1]["prompt"]  # the coder reads the scripted reply through the env
