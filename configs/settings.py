@@ -141,10 +141,11 @@ class AgentSettings(_Strict):
 class DatasetSettings(_Strict):
     """Which tasks the env draws from."""
 
-    source: Literal["humaneval", "basic-python", "plan-path", "file"] = Field(
+    source: Literal["humaneval", "basic-python", "plan-path", "math-tool", "file"] = Field(
         "humaneval",
         description="humaneval (164 problems), basic-python (100 one-line tasks, envs/basic_python.py), "
-        "plan-path (generated grids, one seed per task, envs/plan_path.py) or file.",
+        "plan-path (generated grids, one seed per task, envs/plan_path.py), math-tool (generated math problems, "
+        "envs/math_tool.py) or file.",
     )
     path: str | None = Field(
         None,
@@ -206,6 +207,23 @@ class EnvSettings(_Strict):
         description="Env-specific settings passed to the env class's own Config (validated there), "
         "e.g. case_timeout_s or catch_bonus_weight for code-env.",
     )
+    server: str | list[str] | None = Field(
+        None,
+        description="Run episodes on env services (`pettingflow env serve NAME`, docs/env-service.md) at this URL "
+        "or these URLs instead of in this process: each env class goes to the services that serve it, a task's "
+        "group to one of them. A service beyond loopback needs its token in $PETTINGFLOW_ENV_TOKEN. None: "
+        "in-process envs.",
+    )
+
+    @model_validator(mode="after")
+    def _server_urls(self) -> EnvSettings:
+        urls = [self.server] if isinstance(self.server, str) else self.server or []
+        if self.server is not None and not urls:
+            raise ValueError("env.server is an empty list; give a URL, a list of URLs, or null for in-process envs")
+        bad = [u for u in urls if not u.startswith(("http://", "https://")) or len(u.split("://", 1)[1]) == 0]
+        if bad:
+            raise ValueError(f"env.server: {bad} are not URLs like http://127.0.0.1:8780")
+        return self
 
 
 class TreeSettings(_Strict):

@@ -17,6 +17,7 @@ from pettingflow.agents import build_agent
 from pettingflow.configs.settings import ExperimentConfig, Specialization
 from pettingflow.envs import EnvCache, EnvSpec, TaskSpec, env_spec_from_settings, task_specs_from_rows
 from pettingflow.envs.registry import ENV_REGISTRY
+from pettingflow.envs.service.client import RemoteEnvs
 from pettingflow.inference import auth
 from pettingflow.inference.client import InferenceClient
 from pettingflow.inference.replicas import ReplicaSet
@@ -111,12 +112,18 @@ def episode_specs(
 ) -> list[EpisodeSpec]:
     """G episodes per task. A task row may name its own env class and config
     (``{"env_class_path", "env_config", "task_data"}``), so one batch can mix envs; each distinct
-    (class, config) gets one cached factory."""
+    (class, config) gets one cached factory. ``env.server`` set: the episodes live on env services instead
+    (``RemoteEnvs``, docs/env-service.md) and ``env_cache`` is not used."""
     default_env: EnvSpec = env_spec_from_settings(config.env)
     task_specs = task_specs_from_rows(tasks, default_env)
+    remote = RemoteEnvs(config.env.server) if config.env.server else None
 
     def make_env(spec: EpisodeSpec) -> Any:
         ts: TaskSpec = spec.task
+        if remote is not None:
+            return remote.create(
+                ts.env, ts.task, env_idx=spec.id.env_idx, rollout_idx=spec.id.rollout_idx, seed=spec.id.seed
+            )
         factory = env_cache.get(ts.env)
         return factory.create(ts.task, env_idx=spec.id.env_idx, rollout_idx=spec.id.rollout_idx, seed=spec.id.seed)
 
