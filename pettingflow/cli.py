@@ -25,11 +25,13 @@ config_app = typer.Typer(no_args_is_help=True, help="Inspect experiment configs.
 runs_app = typer.Typer(no_args_is_help=True, help="Inspect stored runs.")
 traj_app = typer.Typer(no_args_is_help=True, help="Inspect stored trajectories.")
 hardware_app = typer.Typer(no_args_is_help=True, help="This machine's measured peaks (the roofline's ceiling).")
+env_app = typer.Typer(no_args_is_help=True, help="Environments as services (docs/env-service.md).")
 app.add_typer(config_app, name="config")
 app.add_typer(models_app, name="models")
 app.add_typer(runs_app, name="runs")
 app.add_typer(traj_app, name="trajectories")
 app.add_typer(hardware_app, name="hardware")
+app.add_typer(env_app, name="env")
 
 Overrides = Annotated[list[str] | None, typer.Argument(help="Config overrides like algorithm.filter_ratio=0.25.")]
 RootOpt = Annotated[
@@ -483,6 +485,48 @@ def hardware_probe_cmd(
         fail(f"cannot read the shapes of {model}: {exc}")
     result = hardware_probe.probe(shape, threads or None, progress=typer.echo)
     typer.echo(f"saved {hardware_probe.save(result)}")
+
+
+# ------------------------------------------------------------------------------------------ env
+@env_app.command("serve")
+def env_serve(
+    name: Annotated[str, typer.Argument(help="A registered env (plan-path, code-env) or 'package.module:Class'.")],
+    host: Annotated[
+        str, typer.Option("--host", help="Address to listen on; beyond loopback only with a token.")
+    ] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", help="Port to listen on.", min=1, max=65535)] = 8780,
+    token: Annotated[
+        str,
+        typer.Option(
+            "--token",
+            help="Bearer token every request must carry (default: $PETTINGFLOW_ENV_TOKEN; the variable keeps it out "
+            "of the process list). Required when --host is not loopback.",
+        ),
+    ] = "",
+    idle_timeout_s: Annotated[
+        float, typer.Option("--idle-timeout-s", help="Forget an episode nobody touched for this long.", min=1.0)
+    ] = 600.0,
+    max_episodes: Annotated[
+        int, typer.Option("--max-episodes", help="Episodes held at once; more are refused (503).", min=1)
+    ] = 10_000,
+) -> None:
+    """Serve an env's episodes over HTTP+JSON (create, observe, step, fork, close; docs/env-service.md); a run
+    with env.server=http://HOST:PORT runs its episodes here. Runs until interrupted."""
+    from pettingflow.envs.registry import ENV_REGISTRY, RegistryError
+    from pettingflow.envs.service.protocol import PROTOCOL, TOKEN_ENV
+    from pettingflow.envs.service.server import check_bind, serve
+
+    token = token or os.environ.get(TOKEN_ENV, "")
+    try:
+        class_path = ENV_REGISTRY.class_path(name)
+        check_bind(host, token or None)
+    except (RegistryError, ValueError) as exc:
+        fail(str(exc))
+    where = f"http://{host}:{port}"
+    auth = "bearer token required" if token else "no token (loopback)"
+    typer.echo(f"env service {name} ({class_path}) on {where}, protocol {PROTOCOL}, {auth}; Ctrl-C stops it")
+    sys.stdout.flush()
+    serve(name, host, port, token=token or None, idle_timeout_s=idle_timeout_s, max_episodes=max_episodes)
 
 
 # ------------------------------------------------------------------------------------------ rerun
