@@ -83,3 +83,20 @@ def test_loading_a_config_imports_no_torch() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert done.stdout.strip() == "False", done.stdout + done.stderr[-2000:]
+
+
+def test_every_package_folder_ships_in_the_wheel() -> None:
+    """A folder with an __init__.py that pyproject.toml does not list works in the editable install and is missing
+    from a built wheel; the list and the mapping must name every such folder."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    setuptools_cfg = project["tool"]["setuptools"]
+    listed, mapped = set(setuptools_cfg["packages"]), setuptools_cfg["package-dir"]
+    assert listed == set(mapped), f"packages and package-dir differ: {sorted(listed ^ set(mapped))}"
+    folders = {mapped[name]: name for name in mapped}
+    for init in ROOT.glob("*/**/__init__.py"):
+        folder = init.parent.relative_to(ROOT).as_posix()
+        if folder.split("/")[0] in {"tests", "bench", "scripts", ".venv", "docs"} or folder.startswith("."):
+            continue
+        assert folder in folders, f"{folder}/ is a package but pyproject.toml does not ship it (packages, package-dir)"
