@@ -149,6 +149,10 @@ def load_tasks(settings: DatasetSettings, default_env: str | None = None) -> Tas
         from pettingflow.envs.plan_path import load_plan_path_tasks
 
         tasks = load_plan_path_tasks(settings.num_tasks)
+    elif settings.source == "math-tool":
+        from pettingflow.envs.math_tool import load_math_tool_tasks
+
+        tasks = load_math_tool_tasks(settings.num_tasks)
     else:
         if not settings.path:
             raise TaskFileError(
