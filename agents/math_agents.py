@@ -23,7 +23,7 @@ from pettingflow.envs.math_tool import (
     parse_answer,
 )
 
-TOOL_PREFIX = "```python\n"
+TOOL_PREFIX = "```python\nprint("
 REASONER_PREFIX = "Answer:"
 
 
@@ -69,15 +69,16 @@ class ToolAgent(Agent):
             parts.append(f"The reasoner answered: {s.answers[-1] or '(no number)'}, which was not accepted.")
         parts += [
             turns_left(env),
-            "Write a short Python program that computes the answer and prints it. "
-            "Reply with the code in a block like:\n```python\nprint(3 + 4)\n```",
+            "Write a short Python program that computes the answer from the numbers of the problem and prints it, "
+            "in a ```python block.",
         ]
         return "\n".join(parts)
 
     def parse_response(self, response_text: str, env: Env) -> str | None:
         """The program in the reply; a reply that opens its own fence after the prefilled one is read alone."""
-        if response_text.startswith(TOOL_PREFIX) and response_text[len(TOOL_PREFIX) :].lstrip().startswith("```"):
-            response_text = response_text[len(TOOL_PREFIX) :].lstrip()
+        reply = response_text.removeprefix(TOOL_PREFIX)
+        if reply is not response_text and reply.lstrip().startswith("```"):
+            response_text = reply.lstrip()
         return extract_program(response_text, math_env(env).config.max_program_chars)
 
     async def apply_action(self, env: Env) -> tuple[float, bool]:
@@ -103,8 +104,8 @@ class ReasonerAgent(Agent):
             parts.append(f"Your last answer, {s.answers[-1] or '(no number)'}, was not accepted.")
         parts += [
             turns_left(env),
-            "Check the program's output against the problem and give the final answer as a number "
-            "(a fraction like 7/2 if needed). Reply with one line like: Answer: 42",
+            "Check the program's output against the problem; if it is right, repeat it as the final answer. "
+            "Reply with one line: Answer: followed by the number.",
         ]
         return "\n".join(parts)
 

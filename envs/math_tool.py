@@ -76,8 +76,8 @@ class MathToolConfig(EnvConfig):
     )
     answer_prefix: bool = Field(
         False,
-        description="Start each reply in the prompt: the tool's with a ```python fence, the reasoner's with "
-        "'Answer:' (agents' answer_prefix; needs env.sample_layout=per_turn).",
+        description="Start each reply in the prompt: the tool's with a ```python fence and 'print(', the reasoner's "
+        "with 'Answer:' (agents' answer_prefix; needs env.sample_layout=per_turn).",
     )
 
     @model_validator(mode="after")
