@@ -288,13 +288,13 @@ def test_answer_prefix_starts_replies_in_the_prompt() -> None:
     env = env_of(answer_prefix=True)
     tool, reasoner = ToolAgent(tokenizer=TOK), ReasonerAgent(tokenizer=TOK, agent_idx=1)
     prompt = tool.update_from_env(0, env)
-    assert TOK.decode(prompt.token_ids).endswith("<assistant>```python\n")
-    assert tool.update_from_model(0, env, "print(3 + 4)\n```") == "print(3 + 4)"
+    assert TOK.decode(prompt.token_ids).endswith("<assistant>```python\nprint(")
+    assert tool.update_from_model(0, env, "3 + 4)\n```") == "print(3 + 4)"
     run(tool.step(env))
     assert TOK.decode(reasoner.update_from_env(1, env).token_ids).endswith("<assistant>Answer:")
     assert reasoner.update_from_model(1, env, " 7") == 7
     # a reply that opens its own fence after the prefilled one is read alone
-    assert ToolAgent(tokenizer=TOK).parse_response("```python\n```python\nprint(1)\n```", env) == "print(1)"
+    assert ToolAgent(tokenizer=TOK).parse_response("```python\nprint(```python\nprint(1)\n```", env) == "print(1)"
 
 
 def test_forks_are_independent_and_team_outcome_is_per_fork() -> None:
@@ -364,8 +364,8 @@ def scripted_team(model, prompt, params) -> str:
             return "I am not sure."
         q = prompt.split("Problem: ", 1)[1].split("\n", 1)[0]
         code = f"print({q[8:-1]})" if q.startswith("Compute ") else "print(0)"
-        # the config prefills the fence (answer_prefix): the reply continues it
-        return f"{code}\n```" if prompt.endswith("```python\n") else f"```python\n{code}\n```"
+        # the config prefills the fence and 'print(' (answer_prefix): the reply continues it
+        return f"{code[6:]}\n```" if prompt.endswith("```python\nprint(") else f"```python\n{code}\n```"
     m = re.search(r"The program printed:\n(.*)", prompt)
     answer = m.group(1) if m else "0"
     return f" {answer}" if prompt.endswith("Answer:") else f"Answer: {answer}"
