@@ -273,6 +273,8 @@ AGENT_REGISTRY.register("unit-test-generator", "pettingflow.agents.code_agents:U
 AGENT_REGISTRY.register("plan-path-planner", "pettingflow.agents.plan_agents:PlannerAgent")
 AGENT_REGISTRY.register("plan-path-executor", "pettingflow.agents.plan_agents:ExecutorAgent")
 AGENT_REGISTRY.register("plan-path-walker", "pettingflow.agents.plan_agents:WalkerAgent")
+AGENT_REGISTRY.register("sudoku-proposer", "pettingflow.agents.sudoku_agents:ProposerAgent")
+AGENT_REGISTRY.register("sudoku-filler", "pettingflow.agents.sudoku_agents:FillerAgent")
 AGENT_REGISTRY.register("math-tool-tool", "pettingflow.agents.math_agents:ToolAgent")
 AGENT_REGISTRY.register("math-tool-reasoner", "pettingflow.agents.math_agents:ReasonerAgent")
 

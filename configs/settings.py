@@ -141,11 +141,11 @@ class AgentSettings(_Strict):
 class DatasetSettings(_Strict):
     """Which tasks the env draws from."""
 
-    source: Literal["humaneval", "basic-python", "plan-path", "math-tool", "file"] = Field(
+    source: Literal["humaneval", "basic-python", "plan-path", "math-tool", "sudoku", "file"] = Field(
         "humaneval",
         description="humaneval (164 problems), basic-python (100 one-line tasks, envs/basic_python.py), "
         "plan-path (generated grids, one seed per task, envs/plan_path.py), math-tool (generated math problems, "
-        "envs/math_tool.py) or file.",
+        "envs/math_tool.py), sudoku (generated 4x4 puzzles, envs/sudoku.py) or file.",
     )
     path: str | None = Field(
         None,

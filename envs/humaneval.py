@@ -153,6 +153,10 @@ def load_tasks(settings: DatasetSettings, default_env: str | None = None) -> Tas
         from pettingflow.envs.math_tool import load_math_tool_tasks
 
         tasks = load_math_tool_tasks(settings.num_tasks)
+    elif settings.source == "sudoku":
+        from pettingflow.envs.sudoku import load_sudoku_tasks
+
+        tasks = load_sudoku_tasks(settings.num_tasks)
     else:
         if not settings.path:
             raise TaskFileError(

@@ -123,6 +123,7 @@ def _import_path(path: str, kind: str) -> Any:
 ENV_REGISTRY: Registry[Env] = Registry("env", Env)
 ENV_REGISTRY.register("code-env", "pettingflow.envs.code_env:CodeEnv")
 ENV_REGISTRY.register("plan-path", "pettingflow.envs.plan_path:PlanPathEnv")
+ENV_REGISTRY.register("sudoku", "pettingflow.envs.sudoku:SudokuEnv")
 ENV_REGISTRY.register("math-tool", "pettingflow.envs.math_tool:MathToolEnv")
 
 

@@ -1,0 +1,89 @@
+"""The agents of ``sudoku``: a proposer that suggests cell fills and a filler that commits them.
+
+Neither agent sees the other's reply: the proposal and what the env did live in ``env.state``.
+Replies are fills ``row col digit`` (0-based row/column); parsing is ``envs.sudoku.parse_fills``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pettingflow.agents.base import Agent
+from pettingflow.envs.base import Env
+from pettingflow.envs.sudoku import ParsedFills, SudokuEnv, SudokuState, parse_fills, render
+
+RULES = (
+    "Fill the 4x4 grid with digits 1-4 so every row, column and 2x2 box holds each digit once. "
+    ". is an empty cell. Rows and columns are numbered 0-3 from the top left."
+)
+
+
+def sudoku_env(env: Env) -> SudokuEnv:
+    if not isinstance(env, SudokuEnv) or not isinstance(env.state, SudokuState):
+        raise TypeError(f"sudoku agents need a SudokuEnv with a SudokuState, got {env!r}")
+    return env
+
+
+def board_parts(env: Env) -> list[str]:
+    s = sudoku_env(env).state
+    parts = ["The grid:", render(s.board), RULES]
+    if s.last_invalid == "filler":
+        parts.append("Last turn the filler's reply had no fills, so nothing changed.")
+    elif s.last_result:
+        parts.append("Last fills: " + ", ".join(s.last_result) + ".")
+    return parts
+
+
+class _SudokuAgent(Agent):
+    label = "Fills"
+
+    def parse_response(self, response_text: str, env: Env) -> ParsedFills:
+        return parse_fills(response_text, sudoku_env(env).config.max_fills_per_turn)
+
+    def _submit(self, env: Env) -> Any:
+        raise NotImplementedError
+
+    async def apply_action(self, env: Env) -> tuple[float, bool]:
+        outcome = self._submit(env)
+        self.turn_info = outcome.info
+        return outcome.reward, outcome.success
+
+
+class ProposerAgent(_SudokuAgent):
+    """Suggests fills (``sudoku-proposer``). Reward: what its fills would earn if committed."""
+
+    default_name = "proposer"
+    system_prompt = "You propose moves for a team solving a small Sudoku; a partner writes them in."
+
+    def turn_prompt(self, env: Env) -> str:
+        n = sudoku_env(env).config.max_fills_per_turn
+        return "\n".join(
+            [*board_parts(env), f"Propose up to {n} fills as row column digit. Reply with one line like: Fills: 0 1 3"]
+        )
+
+    def _submit(self, env: Env) -> Any:
+        return sudoku_env(env).propose(self.current_action)
+
+
+class FillerAgent(_SudokuAgent):
+    """Commits fills the env applies (``sudoku-filler``). Reward: correct fills minus conflicting ones."""
+
+    default_name = "filler"
+    decides_outcome = True
+    system_prompt = "You write moves into a small Sudoku for a team; a partner proposes them."
+
+    def turn_prompt(self, env: Env) -> str:
+        senv = sudoku_env(env)
+        s, n = senv.state, senv.config.max_fills_per_turn
+        parts = board_parts(env)
+        if s.proposal is None:
+            parts.append("The proposer has not proposed yet.")
+        elif s.proposal.valid:
+            parts.append(f"The proposer suggests: {s.proposal.text()}")
+        else:
+            parts.append("The proposer's reply had no fills.")
+        parts.append(f"Check the suggestion and write up to {n} fills. Reply with one line like: Fills: 0 1 3")
+        return "\n".join(parts)
+
+    def _submit(self, env: Env) -> Any:
+        return sudoku_env(env).commit(self.current_action)
