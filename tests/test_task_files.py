@@ -134,7 +134,7 @@ BAD: dict[str, tuple[list[dict[str, Any]], int, str, str]] = {
         [code_row(), {**plan_row(), "env_class_path": "nope-env"}],
         1,
         "env_class_path",
-        "unknown env 'nope-env'; registered names: code-env, plan-path",
+        "unknown env 'nope-env'; registered names: code-env, math-tool, plan-path, sudoku",
     ),
     "missing task_data": (
         [code_row(), {"env_class_path": "plan-path", "env_config": PLAN_CONFIG}],
