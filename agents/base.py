@@ -32,13 +32,14 @@ One agent object serves one episode; ``reset()`` clears it for the next.
 from __future__ import annotations
 
 import copy
+import inspect
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 
 from pettingflow.configs.settings import SamplingSettings
-from pettingflow.envs.base import Env
+from pettingflow.envs.base import Env, TurnOutcome
 from pettingflow.envs.registry import Registry, RegistryError, resolve_env_class
 
 if TYPE_CHECKING:
@@ -262,6 +263,23 @@ class Agent(ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, agent_idx={self.agent_idx}, policy={self.policy_name!r})"
+
+
+class EnvActionAgent(Agent):
+    """An agent whose action is one call of an env method that returns a ``TurnOutcome`` (plan-path, sudoku,
+    math-tool): subclasses say which call in ``submit``; its reward and success are the turn's, its ``info``
+    the row's ``turn_info``."""
+
+    @abstractmethod
+    def submit(self, env: Env) -> TurnOutcome | Awaitable[TurnOutcome]:
+        """Hand ``current_action`` to the env (a coroutine for envs that run code, e.g. in the sandbox)."""
+
+    async def apply_action(self, env: Env) -> tuple[float, bool]:
+        outcome = self.submit(env)
+        if inspect.isawaitable(outcome):
+            outcome = await outcome
+        self.turn_info = outcome.info
+        return outcome.reward, outcome.success
 
 
 # --------------------------------------------------------------------------------------------------

@@ -10,10 +10,11 @@ turn, not an error.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable
 from fractions import Fraction
 
-from pettingflow.agents.base import Agent
-from pettingflow.envs.base import Env
+from pettingflow.agents.base import EnvActionAgent
+from pettingflow.envs.base import Env, TurnOutcome
 from pettingflow.envs.math_tool import (
     MathToolEnv,
     MathToolState,
@@ -51,7 +52,7 @@ def turns_left(env: Env) -> str:
     return f"Turns left for the team: {env.max_turns - env.current_turn}."
 
 
-class ToolAgent(Agent):
+class ToolAgent(EnvActionAgent):
     """Writes a Python program that prints the answer (``math-tool-tool``). Reward: it ran and printed the answer."""
 
     default_name = "tool"
@@ -81,13 +82,11 @@ class ToolAgent(Agent):
             response_text = reply.lstrip()
         return extract_program(response_text, math_env(env).config.max_program_chars)
 
-    async def apply_action(self, env: Env) -> tuple[float, bool]:
-        outcome = await math_env(env).run_program(self.current_action)
-        self.turn_info = outcome.info
-        return outcome.reward, outcome.success
+    def submit(self, env: Env) -> Awaitable[TurnOutcome]:
+        return math_env(env).run_program(self.current_action)
 
 
-class ReasonerAgent(Agent):
+class ReasonerAgent(EnvActionAgent):
     """Reads the problem and the program's output and answers (``math-tool-reasoner``). Reward: the answer is right."""
 
     default_name = "reasoner"
@@ -112,10 +111,8 @@ class ReasonerAgent(Agent):
     def parse_response(self, response_text: str, env: Env) -> Fraction | None:
         return parse_answer(response_text)
 
-    async def apply_action(self, env: Env) -> tuple[float, bool]:
-        outcome = math_env(env).submit_answer(self.current_action)
-        self.turn_info = outcome.info
-        return outcome.reward, outcome.success
+    def submit(self, env: Env) -> TurnOutcome:
+        return math_env(env).submit_answer(self.current_action)
 
 
 __all__ = ["REASONER_PREFIX", "TOOL_PREFIX", "ReasonerAgent", "ToolAgent", "describe_run", "format_number"]

@@ -10,10 +10,8 @@ Neither agent sees the other's reply directly: the plan and what happened live i
 
 from __future__ import annotations
 
-from typing import Any
-
-from pettingflow.agents.base import Agent
-from pettingflow.envs.base import Env
+from pettingflow.agents.base import EnvActionAgent
+from pettingflow.envs.base import Env, TurnOutcome
 from pettingflow.envs.plan_path import ParsedMoves, PlanPathEnv, PlanPathState, describe_walk, parse_moves
 
 LEGEND = "# is a wall, . is free, A is you, G is the goal. Row 0 is the top row, column 0 the left column."
@@ -92,8 +90,8 @@ def board_parts(env: Env, mover: str = "the executor") -> list[str]:
     return parts
 
 
-class _GridAgent(Agent):
-    """A plan-path role: replies are move lists (at most ``max_moves_per_turn``); ``_submit`` hands them to the env."""
+class _GridAgent(EnvActionAgent):
+    """A plan-path role: replies are move lists (at most ``max_moves_per_turn``); ``submit`` hands them to the env."""
 
     #: the answer format's label ("Plan" / "Moves"); with the env's ``answer_prefix`` the reply starts with it
     label: str = "Moves"
@@ -103,14 +101,6 @@ class _GridAgent(Agent):
 
     def parse_response(self, response_text: str, env: Env) -> ParsedMoves:
         return parse_moves(response_text, plan_env(env).config.max_moves_per_turn)
-
-    def _submit(self, env: Env) -> Any:
-        raise NotImplementedError
-
-    async def apply_action(self, env: Env) -> tuple[float, bool]:
-        outcome = self._submit(env)
-        self.turn_info = outcome.info
-        return outcome.reward, outcome.success
 
 
 class PlannerAgent(_GridAgent):
@@ -133,7 +123,7 @@ class PlannerAgent(_GridAgent):
         ]
         return "\n".join(parts)
 
-    def _submit(self, env: Env) -> Any:
+    def submit(self, env: Env) -> TurnOutcome:
         return plan_env(env).submit_plan(self.current_action)
 
 
@@ -162,7 +152,7 @@ class ExecutorAgent(_GridAgent):
         ]
         return "\n".join(parts)
 
-    def _submit(self, env: Env) -> Any:
+    def submit(self, env: Env) -> TurnOutcome:
         return plan_env(env).execute(self.current_action)
 
 
@@ -190,5 +180,5 @@ class WalkerAgent(_GridAgent):
         ]
         return "\n".join(parts)
 
-    def _submit(self, env: Env) -> Any:
+    def submit(self, env: Env) -> TurnOutcome:
         return plan_env(env).execute(self.current_action)

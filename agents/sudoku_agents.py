@@ -6,10 +6,8 @@ Replies are fills ``row col digit`` (0-based row/column); parsing is ``envs.sudo
 
 from __future__ import annotations
 
-from typing import Any
-
-from pettingflow.agents.base import Agent
-from pettingflow.envs.base import Env
+from pettingflow.agents.base import EnvActionAgent
+from pettingflow.envs.base import Env, TurnOutcome
 from pettingflow.envs.sudoku import ParsedFills, SudokuEnv, SudokuState, parse_fills, render
 
 RULES = (
@@ -34,19 +32,11 @@ def board_parts(env: Env) -> list[str]:
     return parts
 
 
-class _SudokuAgent(Agent):
+class _SudokuAgent(EnvActionAgent):
     label = "Fills"
 
     def parse_response(self, response_text: str, env: Env) -> ParsedFills:
         return parse_fills(response_text, sudoku_env(env).config.max_fills_per_turn)
-
-    def _submit(self, env: Env) -> Any:
-        raise NotImplementedError
-
-    async def apply_action(self, env: Env) -> tuple[float, bool]:
-        outcome = self._submit(env)
-        self.turn_info = outcome.info
-        return outcome.reward, outcome.success
 
 
 class ProposerAgent(_SudokuAgent):
@@ -61,7 +51,7 @@ class ProposerAgent(_SudokuAgent):
             [*board_parts(env), f"Propose up to {n} fills as row column digit. Reply with one line like: Fills: 0 1 3"]
         )
 
-    def _submit(self, env: Env) -> Any:
+    def submit(self, env: Env) -> TurnOutcome:
         return sudoku_env(env).propose(self.current_action)
 
 
@@ -85,5 +75,5 @@ class FillerAgent(_SudokuAgent):
         parts.append(f"Check the suggestion and write up to {n} fills. Reply with one line like: Fills: 0 1 3")
         return "\n".join(parts)
 
-    def _submit(self, env: Env) -> Any:
+    def submit(self, env: Env) -> TurnOutcome:
         return sudoku_env(env).commit(self.current_action)

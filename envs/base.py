@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -28,6 +29,17 @@ class EnvConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     max_turns: int = Field(4, ge=1, description="Agent calls per episode, counted over all agents.")
+
+
+@dataclass(frozen=True)
+class TurnOutcome:
+    """What an env's action method returns for the acting agent's turn: its reward and success, and ``info`` for
+    the trajectory row (``info_json["turn"]``). One shape for every env, so agents hand it on the same way
+    (``agents.base.EnvActionAgent``) and env services encode it the same way."""
+
+    reward: float
+    success: bool
+    info: dict[str, Any]
 
 
 class EnvConfigError(ValueError):

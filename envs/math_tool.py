@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import Field, model_validator
 
 from pettingflow.configs.settings import SandboxSettings
-from pettingflow.envs.base import Env, EnvConfig, TaskDataError
+from pettingflow.envs.base import Env, EnvConfig, TaskDataError, TurnOutcome
 
 if TYPE_CHECKING:
     from pettingflow.envs.sandbox import ExecResult, Sandbox
@@ -302,15 +302,6 @@ def reasoner_reward(correct: bool, has_answer: bool, config: MathToolConfig) -> 
 def team_reward(correct: bool) -> float:
     """1 when the reasoner's latest answer is right, else 0."""
     return 1.0 if correct else 0.0
-
-
-@dataclass(frozen=True)
-class TurnOutcome:
-    """A turn's reward and success for the acting agent, and ``info`` for the trajectory row."""
-
-    reward: float
-    success: bool
-    info: dict[str, Any]
 
 
 # --------------------------------------------------------------------------------------------------

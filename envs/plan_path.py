@@ -33,7 +33,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from pettingflow.envs.base import Env, EnvConfig, TaskDataError
+from pettingflow.envs.base import Env, EnvConfig, TaskDataError, TurnOutcome
 
 Cell = tuple[int, int]
 MOVES: dict[str, Cell] = {"U": (-1, 0), "D": (1, 0), "L": (0, -1), "R": (0, 1)}
@@ -431,15 +431,6 @@ def shaped_walk_rewards(
         )
         here = step.position
     return out
-
-
-@dataclass(frozen=True)
-class TurnOutcome:
-    """A turn's reward and success for the acting agent, and ``info`` for the trajectory row."""
-
-    reward: float
-    success: bool
-    info: dict[str, Any]
 
 
 # --------------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from typing import Any
 
 from pydantic import Field
 
-from pettingflow.envs.base import Env, EnvConfig, TaskDataError
+from pettingflow.envs.base import Env, EnvConfig, TaskDataError, TurnOutcome
 
 SIZE = 4
 BOX = 2
@@ -156,13 +156,6 @@ def render(board: Board) -> str:
 
 def team_reward(is_solved: bool) -> float:
     return 1.0 if is_solved else 0.0
-
-
-@dataclass(frozen=True)
-class TurnOutcome:
-    reward: float
-    success: bool
-    info: dict[str, Any]
 
 
 @dataclass
