@@ -42,6 +42,16 @@ class TurnOutcome:
     info: dict[str, Any]
 
 
+def reported_team_reward(env: Any) -> float | None:
+    """``env.episode_info()["team_reward"]`` as a float; None where the env has no ``episode_info`` or no team
+    reward in it. The default of ``Env.team_outcome`` and the engine's for envs that are not ``Env`` subclasses."""
+    episode_info = getattr(env, "episode_info", None)
+    if not callable(episode_info):
+        return None
+    value = episode_info().get("team_reward")
+    return None if value is None else float(value)
+
+
 class EnvConfigError(ValueError):
     """An env config that does not validate against the env class's ``Config`` model."""
 
@@ -109,11 +119,7 @@ class Env:
         actions move the team differently differ. The default reads ``episode_info()["team_reward"]`` where the env
         defines ``episode_info``; an env whose team reward is cheaper or richer mid-episode overrides this.
         """
-        episode_info = getattr(self, "episode_info", None)
-        if not callable(episode_info):
-            return None
-        value = episode_info().get("team_reward")
-        return None if value is None else float(value)
+        return reported_team_reward(self)
 
     @classmethod
     def validate_task(cls, task: Mapping[str, Any], config: EnvConfig) -> None:

@@ -48,6 +48,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from pettingflow.envs.base import reported_team_reward
 from pettingflow.episode_context import episode_scope
 from pettingflow.rollout.chat import env_tokens_between
 from pettingflow.rollout.records import EpisodeId, EpisodeRecord, TurnRecord, agent_scores
@@ -174,11 +175,7 @@ def _team_outcome(env: Any, mode: str) -> float:
     """``env.team_outcome()``, or the ``team_reward`` of ``episode_info()`` for envs without it; an env with
     neither cannot credit candidates by the team's outcome."""
     outcome = getattr(env, "team_outcome", None)
-    if callable(outcome):
-        value = outcome()
-    else:
-        info = getattr(env, "episode_info", None)
-        value = info().get("team_reward") if callable(info) else None
+    value = outcome() if callable(outcome) else reported_team_reward(env)
     if value is None:
         raise ValueError(
             f"rollout.tree.team_credit={mode} credits each candidate with the team outcome on its fork, but "
@@ -318,9 +315,7 @@ class ExecutionEngine:
             prompt_ids = list(prompt.token_ids)
             if self.layout == "per_episode" and agent.name in last_turn:
                 prompt_ids = self._extend_sequence(agent.name, binding, prompt.messages, seq, last_messages, last_turn)
-            max_tokens = min(agent.sampling.max_tokens, self.token_budget - path_tokens)
-            if self.max_model_len is not None:
-                max_tokens = min(max_tokens, self.max_model_len - len(prompt_ids))
+            max_tokens = self._room(agent, prompt_ids, path_tokens)
             scripted = bool(getattr(agent, "scripted", False))
             if max_tokens <= 0 and not scripted:  # token budget or context exhausted
                 out_of_budget = True
@@ -390,6 +385,14 @@ class ExecutionEngine:
         record.done = bool(env.done) and not out_of_budget
         record.truncated = out_of_budget or bool(getattr(env, "truncated", False)) or not env.done
         return record
+
+    def _room(self, agent: Any, prompt_ids: list[int], used_tokens: int) -> int:
+        """New tokens the agent's next call may generate: its own ``max_tokens``, what the episode's token budget
+        leaves after ``used_tokens``, and what the model context leaves after the prompt (<= 0: no room)."""
+        room = min(agent.sampling.max_tokens, self.token_budget - used_tokens)
+        if self.max_model_len is not None:
+            room = min(room, self.max_model_len - len(prompt_ids))
+        return room
 
     async def _generate(
         self, binding: AgentBinding, prompt_ids: list[int], sampling: dict[str, Any], n: int | None = None
@@ -472,9 +475,7 @@ class ExecutionEngine:
             agent = team[t % len(agents)]
             binding = self.bindings[agent.name]
             prompt_ids = list(agent.update_from_env(t, env).token_ids)
-            max_tokens = min(agent.sampling.max_tokens, self.token_budget - used_tokens - tokens)
-            if self.max_model_len is not None:
-                max_tokens = min(max_tokens, self.max_model_len - len(prompt_ids))
+            max_tokens = self._room(agent, prompt_ids, used_tokens + tokens)
             if max_tokens <= 0:
                 break
             sampling = self._sampling(agent, max_tokens, spec, t)
