@@ -13,6 +13,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from pettingflow.configs.code_paths import activate_code_paths
 from pettingflow.configs.settings import CombinationError, ExperimentConfig
 
 CONFIG_DIR = Path(__file__).resolve().parent
@@ -158,9 +159,14 @@ def validate_config(
         except ConfigError as exc:
             raise ConfigError(source, exc.problems) from exc
     try:
-        return ExperimentConfig.model_validate(data)
+        config = ExperimentConfig.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(source, _problems(exc)) from exc
+    missing = activate_code_paths(config.run.code_paths)  # the classes it names import from here on
+    if missing:
+        problem = "is not a folder here; give the folder that holds your package (it must exist where the run runs)"
+        raise ConfigError(source, [("run.code_paths", f"{p} {problem}") for p in missing])
+    return config
 
 
 def _problems(exc: ValidationError) -> list[tuple[str, str]]:

@@ -13,9 +13,10 @@ import math
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pettingflow.configs.addresses import is_loopback
+from pettingflow.configs.code_paths import absolute_code_paths
 from pettingflow.rl.advantages import ADVANTAGE_ESTIMATORS
 from pettingflow.rl.filters import FILTER_METHODS
 
@@ -59,6 +60,18 @@ class RunSettings(_Strict):
     mlflow_tracking_uri: str | None = Field(
         None, description="Also log metrics to MLflow at this URI (needs the mlflow extra); TensorBoard is always on."
     )
+    code_paths: list[str] = Field(
+        default_factory=list,
+        description="Folders holding your own Python packages (env and agent classes named 'package.module:Class', "
+        "in the config or in task rows): put first on the import path of every process that reads this config "
+        "(the flow run under a Prefect worker, Ray rollout actors) and on PYTHONPATH for what they start. "
+        "Relative: to the working directory; stored absolute. docs/guides/custom-env.md.",
+    )
+
+    @field_validator("code_paths")
+    @classmethod
+    def _absolute_code_paths(cls, value: list[str]) -> list[str]:
+        return absolute_code_paths(value)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -111,7 +111,13 @@ def _import_path(path: str, kind: str) -> Any:
     try:
         obj: Any = importlib.import_module(module_name)
     except ImportError as exc:
-        raise RegistryError(f"cannot import module {module_name!r} for {kind} {path!r}: {exc}") from exc
+        hint = ""
+        if isinstance(exc, ModuleNotFoundError) and exc.name and module_name.startswith(exc.name):
+            hint = (
+                "; is its package importable here? name the folder that holds it in run.code_paths, or install it "
+                "(docs/guides/custom-env.md)"
+            )
+        raise RegistryError(f"cannot import module {module_name!r} for {kind} {path!r}: {exc}{hint}") from exc
     for part in attr.split("."):
         try:
             obj = getattr(obj, part)

@@ -509,16 +509,28 @@ def env_serve(
     max_episodes: Annotated[
         int, typer.Option("--max-episodes", help="Episodes held at once; more are refused (503).", min=1)
     ] = 10_000,
+    code_path: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--code-path",
+            help="A folder holding the env's package (repeatable), as run.code_paths in a config: put first on the "
+            "import path.",
+        ),
+    ] = None,
 ) -> None:
     """Serve an env's episodes over HTTP+JSON (create, observe, step, fork, close; docs/env-service.md); a run
     with env.server=http://HOST:PORT runs its episodes here. Runs until interrupted."""
+    from pettingflow.configs.code_paths import absolute_code_paths, activate_code_paths
     from pettingflow.envs.registry import ENV_REGISTRY, RegistryError
     from pettingflow.envs.service.protocol import PROTOCOL, TOKEN_ENV
     from pettingflow.envs.service.server import check_bind, serve
 
     token = token or os.environ.get(TOKEN_ENV, "")
     try:
-        class_path = ENV_REGISTRY.class_path(name)
+        missing = activate_code_paths(absolute_code_paths(code_path or []))
+        if missing:
+            raise ValueError(f"--code-path {', '.join(missing)}: not a folder here")
+        class_path = ENV_REGISTRY.class_path(name)  # imports it: a wrong name or package fails here
         check_bind(host, token or None)
     except (RegistryError, ValueError) as exc:
         fail(str(exc))

@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from pettingflow.configs.code_paths import activate_code_paths
 from pettingflow.configs.settings import ExperimentConfig
 from pettingflow.envs import EnvCache
 from pettingflow.ray_cluster import init_ray
@@ -66,6 +67,12 @@ class RolloutWorker:
     Usable without Ray too (tests call it in-process)."""
 
     def __init__(self, config: ExperimentConfig, endpoints: dict[str, Any], worker: int, num_workers: int):
+        missing = activate_code_paths(config.run.code_paths)  # the env and agent classes of the run's own packages
+        if missing:
+            raise FileNotFoundError(
+                f"rollout worker {worker}: run.code_paths {missing} are not folders on this node; put the package "
+                "at the same path on every node (or on a shared file system)"
+            )
         share = max(1, math.ceil(config.rollout.max_concurrent_requests / num_workers))
         rollout = config.rollout.model_copy(update={"max_concurrent_requests": share})
         self.config = config.model_copy(update={"rollout": rollout})
