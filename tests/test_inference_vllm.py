@@ -560,7 +560,9 @@ def test_lora_adapter_matches_merged_model(
         f"control (base model) max |Δ logprob| {max(base_diffs):.4f}"
     )
     assert max(lp_diffs) <= LOGPROB_MAX_ABS_TOL
-    assert max(tie_gaps) <= 0.1
+    # a near-tie may flip: the adapter's token and the merged argmax each carry their own rounding error, so
+    # the gap is at most the sum of two per-token differences (0.25 seen on an AMX Xeon with 0.13 per token)
+    assert max(tie_gaps) <= 2 * max(lp_diffs) + 0.02
     assert exact >= 1
     assert max(base_diffs) > 2 * LOGPROB_MAX_ABS_TOL  # the check would catch an adapter that is not applied
 

