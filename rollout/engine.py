@@ -217,6 +217,9 @@ class EngineStats:
     llm_s: float = 0.0
     env_s: float = 0.0
     per_agent: dict[str, dict[str, float]] = field(default_factory=dict)
+    # env name -> {"episodes", "tokens_generated", "agents": {agent: scores}}: the same numbers split by env, for
+    # a step whose tasks come from several envs (a mixed dataset)
+    per_env: dict[str, dict[str, Any]] = field(default_factory=dict)
     # where the wall time went: (start, end) of every LLM call and every env step, in seconds after the
     # start of ``run`` (``timeline()`` summarizes them); not part of any stored output
     llm_spans: list[tuple[float, float]] = field(default_factory=list, repr=False)
@@ -628,17 +631,25 @@ def timeline(stats: EngineStats) -> dict[str, float]:
 
 def summarize(records: Sequence[EpisodeRecord]) -> EngineStats:
     """Reward mean/std and success rate per agent (over its final turns on the episode's path), tokens
-    (every generated token, all tree candidates included), turns (of the path)."""
+    (every generated token, all tree candidates included), turns (of the path); the same per env."""
     stats = EngineStats(episodes=len(records))
     finals: dict[str, list[tuple[float, bool]]] = {}
+    by_env: dict[str, dict[str, list[tuple[float, bool]]]] = {}
     for rec in records:
         stats.turns += sum(t.continued for t in rec.turns)  # the episode's length (tree: its path)
         stats.tokens_generated += rec.tokens_generated
         stats.lookahead_tokens += rec.lookahead_tokens
+        env = stats.per_env.setdefault(rec.id.env_name, {"episodes": 0, "tokens_generated": 0})
+        env["episodes"] += 1
+        env["tokens_generated"] += rec.tokens_generated
         for name in dict.fromkeys(t.agent_name for t in rec.turns):
-            finals.setdefault(name, []).append((rec.final_reward(name), rec.final_success(name)))
+            final = (rec.final_reward(name), rec.final_success(name))
+            finals.setdefault(name, []).append(final)
+            by_env.setdefault(rec.id.env_name, {}).setdefault(name, []).append(final)
     for name, values in finals.items():
         stats.per_agent[name] = agent_scores(values)
+    for env_name, agents in by_env.items():
+        stats.per_env[env_name]["agents"] = {name: agent_scores(values) for name, values in agents.items()}
     return stats
 
 

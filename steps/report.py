@@ -63,6 +63,23 @@ def flatten(prefix: str, value: Any, out: dict[str, float]) -> None:
         out[prefix] = float(value)
 
 
+def env_metric_name(env_name: str) -> str:
+    """An env's name as one metric path segment: a class path's ':' is not allowed in MLflow metric names."""
+    return env_name.replace(":", ".").replace("/", ".")
+
+
+def flatten_envs(step: str, metrics: Mapping[str, Any], out: dict[str, float]) -> None:
+    """``<step>/env/<env>/...``: a mixed-env step's episodes, tokens and agent scores, env by env (a step of
+    one env has no ``envs``: its totals are the env's)."""
+    for env_name, values in (metrics.get("envs") or {}).items():
+        prefix = f"{step}/env/{env_metric_name(env_name)}"
+        for key in ("episodes", "tokens_generated"):
+            if key in values:
+                out[f"{prefix}/{key}"] = float(values[key])
+        for agent, scores in (values.get("agents") or {}).items():
+            flatten(f"{prefix}/{agent}", scores, out)
+
+
 def iteration_metrics(
     outcomes: dict[str, Any], durations: dict[str, float], iteration_s: float | None = None
 ) -> dict[str, float]:
@@ -78,6 +95,7 @@ def iteration_metrics(
     for key in ("tokens_generated", "lookahead_tokens", "tokens_per_s", "episodes", "wall_s", "llm_s", "env_s"):
         if key in rollout:
             flat[f"{StepName.ROLLOUTS}/{key}"] = float(rollout[key])
+    flatten_envs(StepName.ROLLOUTS, rollout, flat)
     filtered = (outcomes.get(StepName.FILTERED) or {}).get("metrics") or {}
     for key in ("rows_in", "rows_kept", "removed_samples", "removed_groups"):
         if key in filtered:
@@ -96,6 +114,7 @@ def iteration_metrics(
         scored = (outcomes.get(step) or {}).get("metrics") or {}
         for agent, values in (scored.get("agents") or {}).items():
             flatten(f"{step}/{agent}", values, flat)
+        flatten_envs(step, scored, flat)
     for key, number in (outcomes.get("async") or {}).items():  # rollouts of k+1 collected beside k's update
         flat[f"async/{key}"] = round(float(number), 3)
     for step, seconds in durations.items():
@@ -174,7 +193,7 @@ def curve_png(points: list[dict[str, Any]]) -> bytes:
     for point in points:
         for key, value in point.items():
             for kind, suffix in (("reward", "/reward_mean"), ("success", "/success_rate")):
-                if key.endswith(suffix) and key.startswith(CURVE_FAMILIES):
+                if key.endswith(suffix) and key.startswith(CURVE_FAMILIES) and "/env/" not in key:  # agents only
                     x = point["iteration"]
                     if key.startswith(f"{StepName.BASELINE}/"):
                         key, x = f"{StepName.VALIDATION}/" + key.removeprefix(f"{StepName.BASELINE}/"), x - 1

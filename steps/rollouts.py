@@ -72,6 +72,7 @@ def stats_metrics(stats: EngineStats) -> dict[str, Any]:
         "tokens_per_s": round(stats.tokens_generated / stats.wall_s, 2) if stats.wall_s else 0.0,
         "agents": stats.per_agent,
         **({"lookahead_tokens": stats.lookahead_tokens} if stats.lookahead_tokens else {}),
+        **({"envs": stats.per_env} if len(stats.per_env) > 1 else {}),  # a mixed-env step, split by env
     }
 
 

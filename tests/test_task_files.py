@@ -69,15 +69,17 @@ def where(fmt: str, index: int) -> str:
 
 
 # ------------------------------------------------------------------------------------------ good files
-def test_shipped_example_mixes_code_env_and_plan_path_rows() -> None:
+def test_shipped_example_mixes_code_env_plan_path_and_math_tool_rows() -> None:
     rows = load_task_file(EXAMPLE)
-    assert len(rows) == 16
-    assert {r["env_class_path"] for r in rows} == {"code-env", "plan-path"}
+    assert len(rows) == 24
+    assert {r["env_class_path"] for r in rows} == {"code-env", "plan-path", "math-tool"}
     default = EnvSpec.of("code-env", {"max_turns": 4})
     specs = task_specs_from_rows(rows, default)
     plan = [s for s in specs if s.env.class_path.endswith(":PlanPathEnv")]
     code = [s for s in specs if s.env.class_path.endswith(":CodeEnv")]
-    assert len(plan) == len(code) == 8
+    math = [s for s in specs if s.env.class_path.endswith(":MathToolEnv")]
+    assert len(plan) == len(code) == len(math) == 8
+    assert len({s.env for s in math}) == 1 and math[0].env.config["answer_prefix"] is True
     assert {s.env for s in code} == {default}  # no env_config: the configured env's settings
     assert len({s.env for s in plan}) == 1 and plan[0].env.config["rows"] == 4
     assert all("task_id" in s.task and "env_class_path" not in s.task for s in specs)
@@ -113,9 +115,9 @@ def test_mixed_config_loads_its_file_from_any_working_directory(tmp_path: Path, 
     monkeypatch.chdir(tmp_path)  # the config names tasks/mixed-example.jsonl: found under configs/
     config = load_config("mixed-envs")
     split = load_tasks(config.env.dataset)
-    assert len(split.train) + len(split.validation) == 16
-    held_out = {r["env_class_path"] for r in split.validation}
-    assert held_out == {"code-env", "plan-path"}  # split_seed chosen so both envs are validated
+    assert len(split.train) + len(split.validation) == 24
+    held_out = sorted(r["env_class_path"] for r in split.validation)
+    assert held_out == ["code-env"] * 2 + ["math-tool"] * 2 + ["plan-path"] * 2  # split_seed: every env validated
     train_ids = {r["task_data"]["task_id"] for r in split.train}
     assert train_ids.isdisjoint(r["task_data"]["task_id"] for r in split.validation)
     assert {a.name: a.envs for a in config.agents}["planner"] == ["plan-path"]
