@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pettingflow.agents.base import EnvActionAgent
 from pettingflow.envs.base import Env, TurnOutcome
-from pettingflow.envs.sudoku import ParsedFills, SudokuEnv, SudokuState, parse_fills, render
+from pettingflow.envs.sudoku import ParsedFills, SudokuEnv, SudokuState, empty_cells, parse_fills, render
 
 RULES = (
     "Fill the 4x4 grid with digits 1-4 so every row, column and 2x2 box holds each digit once. "
@@ -23,8 +23,11 @@ def sudoku_env(env: Env) -> SudokuEnv:
 
 
 def board_parts(env: Env) -> list[str]:
-    s = sudoku_env(env).state
+    senv = sudoku_env(env)
+    s = senv.state
     parts = ["The grid:", render(s.board), RULES]
+    if senv.config.show_blanks:
+        parts.append("Empty cells (row column): " + "; ".join(f"{r} {c}" for r, c in empty_cells(s.board)) + ".")
     if s.last_invalid == "filler":
         parts.append("Last turn the filler's reply had no fills, so nothing changed.")
     elif s.last_result:
@@ -32,8 +35,30 @@ def board_parts(env: Env) -> list[str]:
     return parts
 
 
+def reply_example(env: Env) -> str:
+    """The format line. With ``show_blanks`` it asks for the first empty cell's digit and gives no example triple:
+    SmolLM2-135M copied the example's digit (a conflict) or its placeholder letter (docs/sudoku.md)."""
+    senv = sudoku_env(env)
+    cells = empty_cells(senv.state.board) if senv.config.show_blanks else []
+    if not cells:
+        return "Reply with one line like: Fills: 0 1 3"
+    r, c = cells[0]
+    return f"Start with row {r} column {c}: which digit (1-4) goes there? Reply as: Fills: row column digit"
+
+
 class _SudokuAgent(EnvActionAgent):
     label = "Fills"
+
+    def answer_prefix(self, env: Env) -> str:
+        """With the env's ``answer_prefix``, the reply starts with ``Fills:``: the untrained model wrote no
+        triple in most replies without it; with ``show_blanks`` too, with the first empty cell's row and column,
+        so the model's first choice is a digit (it copied coordinates and digits from the example otherwise;
+        docs/sudoku.md has the measurements)."""
+        senv = sudoku_env(env)
+        if not senv.config.answer_prefix:
+            return ""
+        cells = empty_cells(senv.state.board) if senv.config.show_blanks else []
+        return f"{self.label}: {cells[0][0]} {cells[0][1]}" if cells else f"{self.label}:"
 
     def parse_response(self, response_text: str, env: Env) -> ParsedFills:
         return parse_fills(response_text, sudoku_env(env).config.max_fills_per_turn)
@@ -47,9 +72,7 @@ class ProposerAgent(_SudokuAgent):
 
     def turn_prompt(self, env: Env) -> str:
         n = sudoku_env(env).config.max_fills_per_turn
-        return "\n".join(
-            [*board_parts(env), f"Propose up to {n} fills as row column digit. Reply with one line like: Fills: 0 1 3"]
-        )
+        return "\n".join([*board_parts(env), f"Propose up to {n} fills as row column digit. {reply_example(env)}"])
 
     def submit(self, env: Env) -> TurnOutcome:
         return sudoku_env(env).propose(self.current_action)
@@ -72,7 +95,7 @@ class FillerAgent(_SudokuAgent):
             parts.append(f"The proposer suggests: {s.proposal.text()}")
         else:
             parts.append("The proposer's reply had no fills.")
-        parts.append(f"Check the suggestion and write up to {n} fills. Reply with one line like: Fills: 0 1 3")
+        parts.append(f"Check the suggestion and write up to {n} fills. {reply_example(env)}")
         return "\n".join(parts)
 
     def submit(self, env: Env) -> TurnOutcome:

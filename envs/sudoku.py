@@ -37,6 +37,16 @@ class SudokuConfig(EnvConfig):
         0.5, ge=0.0, description="Subtracted for each fill that breaks a rule, overwrites a clue or dead-ends the grid."
     )
     invalid_penalty: float = Field(0.5, ge=0.0, description="Subtracted when a reply holds no fill at all.")
+    show_blanks: bool = Field(
+        False,
+        description="List the empty cells (row column) under the grid and use the first one in the reply example: "
+        "the model then chooses digits, not coordinates it cannot read off the grid.",
+    )
+    answer_prefix: bool = Field(
+        False,
+        description="Start each reply with 'Fills:' in the prompt, so the model continues with the triples "
+        "(agents' answer_prefix; needs env.sample_layout=per_turn).",
+    )
 
 
 def is_valid_placement(board: Board, r: int, c: int, d: int) -> bool:
@@ -148,6 +158,11 @@ def parse_fills(text: str, limit: int) -> ParsedFills:
     """Fills ``row col digit`` (0-based row and column, e.g. ``0 1 3`` or ``0,1=3``), at most ``limit``."""
     found = [(int(a), int(b), int(d)) for a, b, d in _FILL.findall(text)]
     return ParsedFills(tuple(found[:limit]), max(0, len(found) - limit))
+
+
+def empty_cells(board: Board) -> list[tuple[int, int]]:
+    """The blank cells, row by row."""
+    return [(r, c) for r in range(SIZE) for c in range(SIZE) if board[r][c] == 0]
 
 
 def render(board: Board) -> str:

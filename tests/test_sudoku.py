@@ -197,3 +197,30 @@ def test_garbage_writer_fails_with_invalid_penalties(tree) -> None:
     for row in rows:
         info = json.loads(row["info_json"])
         assert info["team_reward"] == 0.0 and info["turn"]["invalid"] and row["reward"] == -0.5
+
+
+def test_answer_prefix_starts_the_reply_with_fills() -> None:
+    tok = CharChatTokenizer()
+    env = env_of(answer_prefix=True)
+    proposer, filler = ProposerAgent(tokenizer=tok), FillerAgent(tokenizer=tok, agent_idx=1)
+    assert tok.decode(proposer.update_from_env(0, env).token_ids).endswith("<assistant>Fills:")
+    assert proposer.update_from_model(0, env, " 0 2 3").fills == ((0, 2, 3),)  # parsed with the prefix
+    assert not tok.decode(ProposerAgent(tokenizer=tok).update_from_env(0, env_of()).token_ids).endswith("Fills:")
+    asyncio.run(proposer.step(env))
+    assert tok.decode(filler.update_from_env(1, env).token_ids).endswith("<assistant>Fills:")
+
+
+def test_show_blanks_lists_the_empty_cells_and_prefills_the_first_one() -> None:
+    tok = CharChatTokenizer()
+    env = env_of(answer_prefix=True, show_blanks=True)  # BOARD's empty cells: 0 2, 2 1, 3 3
+    proposer, filler = ProposerAgent(tokenizer=tok), FillerAgent(tokenizer=tok, agent_idx=1)
+    prompt = tok.decode(proposer.update_from_env(0, env).token_ids)
+    assert "Empty cells (row column): 0 2; 2 1; 3 3." in prompt and "which digit (1-4) goes there" in prompt
+    assert prompt.endswith("<assistant>Fills: 0 2")
+    proposer.update_from_model(0, env, " 1")
+    asyncio.run(proposer.step(env))
+    assert tok.decode(filler.update_from_env(1, env).token_ids).endswith("<assistant>Fills: 0 2")
+    assert filler.update_from_model(1, env, " 3").fills == ((0, 2, 3),)
+    asyncio.run(filler.step(env))
+    assert env.state.board[0][2] == 3  # 3 is the one digit row 0 lacks: placed
+    assert tok.decode(proposer.update_from_env(2, env).token_ids).endswith("<assistant>Fills: 2 1")  # the next blank
