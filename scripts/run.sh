@@ -6,6 +6,7 @@
 #   3. create the process work pool, deploy prefect.yaml, start a process worker
 #   4. run `prefect deployment run train/code-env --watch` and print where everything is
 # Overrides for the run: PF_OVERRIDES="env.tasks_per_iteration=4 run.iterations=3" make run
+# Another deployment of prefect.yaml: PF_DEPLOYMENT=train/math-tool make run (PF_CONFIG=NAME: another config)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/prefect_env.sh
@@ -58,17 +59,19 @@ else
 fi
 
 # -- the run -----------------------------------------------------------------------------------------
-PARAMS=(--param config="${PF_CONFIG:-code-env}")
+DEPLOYMENT=${PF_DEPLOYMENT:-train/code-env}
+PARAMS=()
+[ -n "${PF_CONFIG:-}" ] && PARAMS+=(--param config="$PF_CONFIG")  # else the deployment's own config
 if [ -n "${PF_OVERRIDES:-}" ]; then
   PARAMS+=(--params "$(.venv/bin/python -c 'import json,sys; print(json.dumps({"overrides": sys.argv[1].split()}))' "$PF_OVERRIDES")")
 fi
 UI=${PREFECT_API_URL%/api}
-say "5/5 prefect deployment run train/code-env --watch   (UI: $UI)"
+say "5/5 prefect deployment run $DEPLOYMENT --watch   (UI: $UI)"
 # Follow the flow's own log lines (they go to the worker's output) while --watch waits for the end.
 tail -n0 -F "$LOG_DIR/worker.log" 2>/dev/null | grep --line-buffered -E "\| (INFO|WARNING|ERROR|CRITICAL) " &
 TAIL_PID=$!
 set +e
-"$PREFECT" deployment run train/code-env "${PARAMS[@]}" --watch >"$LOG_DIR/last-run.log" 2>&1
+"$PREFECT" deployment run "$DEPLOYMENT" "${PARAMS[@]}" --watch >"$LOG_DIR/last-run.log" 2>&1
 rc=$?
 set -e
 kill "$TAIL_PID" 2>/dev/null || true
