@@ -53,15 +53,16 @@ learn: venv
 	$(BIN)/python flows/learn.py $(LEARN_ARGS)
 
 # The plan-path study of docs/results.md: tree + lookahead team credit vs tree vs independent GRPO vs one agent,
-# and the lookahead arm with the mean filter instead of DAPO; three seeds each, every run stopped at 8k generated
+# the lookahead arm with the mean filter instead of DAPO, and its LoRA pair scored with the roles swapped (the
+# positive control); three seeds each, every run stopped at 8k generated
 # tokens (lookahead included), held-out success before and after (the base model scored once per seed for the
-# arms that share it). Fifteen runs take several hours on 2 CPU cores: run it a seed at a time
+# arms that share it). Eighteen runs take several hours on 2 CPU cores: run it a seed at a time
 # (LEARN_ARGS="--seeds 0", then 1, then 2) and combine the stored runs with `pettingflow runs learning-report`.
 learn-plan-path: venv
 	.venv/bin/pettingflow models prepare
 	$(BIN)/python flows/learn.py \
 		--configs plan-path-learn-lookahead plan-path-learn-tree plan-path-learn plan-path-learn-solo \
-		plan-path-learn-lookahead-mean --seeds 0 1 2 \
+		plan-path-learn-lookahead-mean plan-path-learn-lookahead-lora --seeds 0 1 2 \
 		--overrides run.iterations=24 run.max_generated_tokens=8000 training.save_optimizer_every=0 \
 		--prune-checkpoints $(LEARN_ARGS)
 

@@ -36,9 +36,9 @@ def markdown_table(rows: Sequence[Mapping[str, Any]]) -> str:
 
     lines = [
         "| config | held-out pass@1, sampled: before | after | change (95 % CI over tasks) | greedy: before "
-        "| after | train tasks drawn twice: first draw → last (95 % CI) | train reward, first 4 it. | last 4 it. "
-        "| iterations |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| after | roles swapped, after | train tasks drawn twice: first draw → last (95 % CI) "
+        "| train reward, first 4 it. | last 4 it. | iterations |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         delta = "n/a" if r["heldout_delta"] is None else f"{100 * r['heldout_delta']:+.1f} pts"
@@ -48,7 +48,7 @@ def markdown_table(rows: Sequence[Mapping[str, Any]]) -> str:
         seed = "" if r.get("seed") is None else f" (seed {r['seed']})"
         lines.append(
             f"| `{r['config']}`{seed} | {pct(r['heldout_before'])} | {pct(r['heldout_after'])} | {delta} | "
-            f"{pct(r['greedy_before'])} | {pct(r['greedy_after'])} | {_revisit(r)} | "
+            f"{pct(r['greedy_before'])} | {pct(r['greedy_after'])} | {pct(r.get('swapped_after'))} | {_revisit(r)} | "
             f"{num(r['train_reward_first4'])} | {num(r['train_reward_last4'])} | {r['iterations']} |"
         )
     return "\n".join(lines)

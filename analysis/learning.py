@@ -152,7 +152,10 @@ def revisited_train_tasks(layout: RunLayout, agent: str = HEADLINE_AGENT) -> dic
 
 
 def eval_view(info: Mapping[str, Any]) -> str:
-    """``greedy`` for a one-answer, temperature-0 evaluation, else ``sampled`` (see ``flows/learn.py``)."""
+    """``swapped`` for an evaluation with the roles swapped (the positive control), ``greedy`` for a one-answer,
+    temperature-0 evaluation, else ``sampled`` (see ``flows/learn.py``)."""
+    if (info.get("evaluates") or {}).get("roles_swapped"):
+        return "swapped"
     val = info["config"]["validation"]
     return "greedy" if val["temperature"] == 0 and val.get("samples_per_task", 1) == 1 else "sampled"
 
@@ -274,6 +277,7 @@ def results_table(arms: Sequence[ArmResult]) -> list[dict[str, Any]]:
                 "revisit_tasks": None if arm.revisits is None else int(arm.revisits["tasks"]),
                 "greedy_before": arm.headline("before", "greedy"),
                 "greedy_after": arm.headline("after", "greedy"),
+                "swapped_after": arm.headline("after", "swapped"),  # the positive control (None: not swappable)
                 "train_reward_first4": start,
                 "train_reward_last4": end,
                 "iterations": len(arm.curve),

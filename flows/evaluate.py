@@ -26,6 +26,14 @@ from pettingflow.runs.runtime import Runtime
 from pettingflow.steps.rollouts import validation_step
 
 
+def roles_swappable(config: ExperimentConfig) -> bool:
+    """Whether ``swap_roles`` applies: two agents with weights of their own (two LoRA adapters, or two policies)."""
+    agents = config.agents
+    if len(agents) != 2:
+        return False
+    return config.specialization is Specialization.lora or agents[0].policy != agents[1].policy
+
+
 def swap_roles(
     config: ExperimentConfig, endpoints: dict[str, PolicyEndpoint]
 ) -> tuple[ExperimentConfig, dict[str, PolicyEndpoint]]:
@@ -33,20 +41,20 @@ def swap_roles(
     endpoints'), under ``full`` the policies (the config's agents)."""
     agents = config.agents
     names = [a.name for a in agents]
-    if len(agents) == 2 and config.specialization is Specialization.lora:
+    if not roles_swappable(config):
+        raise ValueError(
+            "roles_swapped serves each agent with the other's weights, so it needs two agents with weights of their "
+            f"own (specialization lora, or full with two policies); this config has {config.specialization.value} "
+            f"and agents {[(a.name, a.policy) for a in agents]}"
+        )
+    if config.specialization is Specialization.lora:
         swapped_names = dict(zip(names, reversed(names), strict=True))
         return config, {
             policy: replace(ep, adapters={agent: ep.adapters[swapped_names.get(agent, agent)] for agent in ep.adapters})
             for policy, ep in endpoints.items()
         }
-    if len(agents) == 2 and agents[0].policy != agents[1].policy:
-        swapped = [a.model_copy(update={"policy": b.policy}) for a, b in zip(agents, reversed(agents), strict=True)]
-        return config.model_copy(update={"agents": swapped}), endpoints
-    raise ValueError(
-        "roles_swapped serves each agent with the other's weights, so it needs two agents with weights of their "
-        f"own (specialization lora, or full with two policies); this config has {config.specialization.value} "
-        f"and agents {[(a.name, a.policy) for a in agents]}"
-    )
+    swapped = [a.model_copy(update={"policy": b.policy}) for a, b in zip(agents, reversed(agents), strict=True)]
+    return config.model_copy(update={"agents": swapped}), endpoints
 
 
 @flow(name="evaluate", log_prints=True)

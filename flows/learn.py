@@ -7,7 +7,9 @@ budget) it runs three subflows against one shared vLLM server:
    for configs that score the base model identically (``base_evaluation_key``: e.g. a tree arm and an
    independent arm of one team), so arms compared at one seed share one "before",
 2. ``train`` for ``run.iterations`` iterations (the same flow ``prefect deployment run train/...`` runs),
-3. ``evaluate`` on the weights after the last iteration (the same two views, the same seeds),
+3. ``evaluate`` on the weights after the last iteration (the same two views, the same seeds), and, for a team
+   whose two agents have weights of their own (LoRA adapters or two policies), once more with the roles
+   swapped (view ``swapped``: each agent played by the other's weights, the study's positive control),
 
 then writes ``learning.json`` (every number), ``learning.png`` (curves) and ``learning.md`` (the table)
 under ``<storage_root>/learning/<stamp>/``. One server for everything saves a 1–2 minute vLLM start per
@@ -38,7 +40,7 @@ from pettingflow.analysis.learning import (
     write_learning_report,
 )
 from pettingflow.configs.loader import load_config
-from pettingflow.flows.evaluate import evaluate
+from pettingflow.flows.evaluate import evaluate, roles_swappable
 from pettingflow.flows.train import train
 from pettingflow.inference.models import resolve_model
 from pettingflow.runs.retention import plan_prune, prune
@@ -145,7 +147,8 @@ def learn(
     configs_by_name, first = dict(zip(names, loaded, strict=True)), loaded[0]
     stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
     out_uri = f"{first.run.storage_root.rstrip('/')}/learning/{stamp}"
-    shared = shared_service(model, first, url, f"learn-{stamp}")
+    lora = any(c.specialization.value == "lora" for c in loaded)  # the shared server serves adapters if any arm has
+    shared = shared_service(model, first, url, f"learn-{stamp}", enable_lora=lora)
     server = shared.server
     arms: list[ArmResult] = []
     base_done: dict[str, tuple[str, dict[str, Any]]] = {}
@@ -169,6 +172,8 @@ def learn(
                 view: evaluate(name, [*run_overrides, *extra], run_id=trained["run_id"])
                 for view, extra in EVAL_VIEWS.items()
             }
+            if roles_swappable(configs_by_name[name]):  # the positive control: trained roles, swapped
+                after["swapped"] = evaluate(name, run_overrides, run_id=trained["run_id"], roles_swapped=True)
             logger.info("%s: held-out after training: %s", label, _scores(after))
             cfg = configs_by_name[name]
             ids = {"before": _run_ids(before), "after": _run_ids(after)}

@@ -443,7 +443,9 @@ def active_runtime(run_id: str) -> Runtime | None:
 SHARED_SERVICE = "shared-server"
 
 
-def shared_service(model: Path, config: ExperimentConfig, url: str | None, tag: str) -> PolicyService:
+def shared_service(
+    model: Path, config: ExperimentConfig, url: str | None, tag: str, *, enable_lora: bool | None = None
+) -> PolicyService:
     """One inference server shared by several runs (the ``learn`` flow's), as a ``PolicyService`` whose server is
     not yet started (``with service.server:`` starts and stops it).
 
@@ -451,13 +453,14 @@ def shared_service(model: Path, config: ExperimentConfig, url: str | None, tag: 
     settings a run's own ``Runtime`` uses (``server_from_settings``: dtype, threads, allocator). Only ``url``
     decides: an ``inference.url`` in the config does not make the shared server an attached one. The runs it
     serves attach to its URL with services of their own; between them ``PolicyService.serve_base`` puts the base
-    weights back, so weights reach this server by the same path as every other."""
+    weights back, so weights reach this server by the same path as every other. ``enable_lora``: whether it serves
+    adapters (default: when ``config`` is LoRA specialization; the ``learn`` flow asks for it when any arm is)."""
     settings = config.inference.model_copy(update={"url": url})
     server = server_from_settings(
         settings,
         model,
         served_model_name=model.name,
-        enable_lora=config.specialization is Specialization.lora,
+        enable_lora=config.specialization is Specialization.lora if enable_lora is None else enable_lora,
         dev_mode=True,
         log_path=state_dir() / "logs" / f"vllm-{tag}.log",
     )

@@ -291,6 +291,44 @@ def test_generation_budget_ends_the_run_early(tmp_path, prefect_env, tiny_model,
     assert generated_tokens(layout) >= 1
 
 
+def test_learn_scores_a_lora_team_with_its_roles_swapped(tmp_path, prefect_env, tiny_model, scripted) -> None:
+    """The positive control: an arm whose two agents have adapters of their own is also scored after training
+    with each agent played by the other's adapter (view ``swapped``), stored, reported and rebuilt from storage."""
+    import json
+
+    from pettingflow.analysis.learning import arm_from_runs
+    from pettingflow.flows.learn import learn
+
+    extra = [
+        f"run.storage_root={tmp_path}",
+        "run.iterations=1",
+        f"policies.0.model={tiny_model}",
+        "specialization=lora",
+        "rollout.use_ray=false",
+        "env.tasks_per_iteration=2",
+        "env.group_size=2",
+        "env.max_turns=2",
+        "validation.num_tasks=2",
+        "validation.frequency=0",
+    ]
+    seen = len(scripted.requests)
+    out = learn(["code-env-learn"], extra, url=scripted.url)
+    (row,) = out["rows"]
+    assert row["swapped_after"] is not None and "roles swapped, after" in Path(out["uri"], "learning.md").read_text()
+    (arm,) = json.loads(Path(out["uri"], "learning.json").read_text())["arms"]
+    assert set(arm["evaluations"]["after"]) == {"sampled", "greedy", "swapped"}
+    assert set(arm["evaluations"]["before"]) == {"sampled", "greedy"}  # nothing to swap before training
+    info = RunLayout(str(tmp_path), arm["evaluations"]["after"]["swapped"]).read_run_info()
+    assert info["evaluates"]["roles_swapped"] is True
+    # the swapped evaluation ran last: there the code agent's prompts went to the test agent's adapter
+    last = scripted.requests[seen:][-1]
+    prompt = scripted.tokenizer.decode(last["prompt"])
+    want = "lora-code_generator" if "careful Python tester" in prompt else "lora-test_generator"
+    assert last["model"] == want, (last["model"], prompt[-200:])
+    rebuilt = arm_from_runs(str(tmp_path), arm["run_id"])
+    assert rebuilt.evaluations == arm["evaluations"] and rebuilt.headline("after", "swapped") == row["swapped_after"]
+
+
 def test_learn_evaluates_trains_and_reevaluates_each_config(tmp_path, prefect_env, tiny_model, scripted) -> None:
     """The learn flow: base evaluation, training, final evaluation per config, then one summary."""
     import json
