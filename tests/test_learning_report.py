@@ -44,7 +44,8 @@ def test_results_table_reports_held_out_change_and_train_trend():
     assert row["iterations"] == 8
     table = markdown_table(rows)
     expected = (
-        "| `solo` | 25.0 % | 40.0 % | +15.0 pts | 12.5 % | 20.0 % | n/a | n/a (no task drawn twice) | 0.200 | 0.550 | 8 |"
+        "| `solo` | 25.0 % | 40.0 % | +15.0 pts | 12.5 % | 20.0 % | n/a "
+        "| n/a (no task drawn twice) | 0.200 | 0.550 | 8 |"
     )
     assert expected in table
     arm = _arm("solo", 0.25, 0.40, [0.1, 0.2])
