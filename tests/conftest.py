@@ -176,3 +176,29 @@ def restore_base_weights(vllm_server, default_model_dir: Path) -> Iterator[None]
     from pettingflow.inference.weight_sync import sync_full_weights
 
     sync_full_weights(vllm_server.url, default_model_dir)
+
+
+@pytest.fixture(scope="session")
+def prefect_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Prefect's temporary server for the flows run in this process, one for the session (each start costs
+    seconds to tens of seconds), with its files and our state dir kept in temp folders."""
+    mp = pytest.MonkeyPatch()
+    state = tmp_path_factory.mktemp("state")
+    mp.setenv("PETTINGFLOW_STATE", str(state))
+    mp.setenv("PREFECT_HOME", str(state / "prefect"))
+    mp.setenv("PREFECT_LOCAL_STORAGE_PATH", str(state / "prefect-results"))
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield state
+    mp.undo()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory, default_tokenizer) -> Path:
+    """A 2-layer random Llama with the default tokenizer: real training, seconds per update."""
+    from factories import random_llama
+
+    return random_llama(
+        tmp_path_factory.mktemp("tiny-model"), default_tokenizer, hidden=32, intermediate=64, heads=4, kv_heads=2
+    )

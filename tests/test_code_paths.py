@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_flows import prefect_env, scripted, tiny_model  # noqa: F401 (module fixtures)
+from test_flows import scripted  # noqa: F401 (module fixtures)
 from test_guides import ROOT, write_guide_files
 
 from pettingflow.configs import ConfigError, load_config
@@ -81,12 +81,13 @@ def test_a_missing_folder_or_package_says_where_to_put_it(tmp_path, monkeypatch,
     assert activate_code_paths([str(tmp_path / "nope")]) == [str(tmp_path / "nope")]
 
 
+@pytest.mark.slow  # pip builds the package, Ray starts, an iteration trains: about two minutes here
 def test_a_package_outside_the_repo_trains_with_ray_rollout_workers(
     installed_package,
     clean_import_path,
-    prefect_env,  # noqa: F811
+    prefect_env,
     scripted,  # noqa: F811
-    tiny_model,  # noqa: F811
+    tiny_model,
 ) -> None:
     """One iteration of the guide's team with ``rollout.workers: ray``: the rows were made by its classes in
     two Ray actors, the learner trained on them, and a task row naming a class that is not there fails at load

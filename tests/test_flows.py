@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pyarrow.compute as pc
 import pytest
-from factories import random_llama
 from run_outputs import check_against_golden, run_outputs
 
 from bench.scripted_server import ScriptedServer
@@ -20,29 +19,6 @@ from pettingflow.envs.basic_python import load_basic_python
 from pettingflow.storage import RunLayout, list_runs, read_step_trajectories
 
 STEPS = ["rollouts", "filtered", "advantages", "update-shared", "sync", "validation", "report"]
-
-
-@pytest.fixture(scope="module")
-def prefect_env(tmp_path_factory: pytest.TempPathFactory):
-    """Prefect's temporary server, with its files and our state dir kept in temp folders."""
-    mp = pytest.MonkeyPatch()
-    state = tmp_path_factory.mktemp("state")
-    mp.setenv("PETTINGFLOW_STATE", str(state))
-    mp.setenv("PREFECT_HOME", str(state / "prefect"))
-    mp.setenv("PREFECT_LOCAL_STORAGE_PATH", str(state / "prefect-results"))
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=120):
-        yield state
-    mp.undo()
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory, default_tokenizer) -> Path:
-    """A 2-layer random Llama with the default tokenizer: real training, seconds per update."""
-    return random_llama(
-        tmp_path_factory.mktemp("tiny-model"), default_tokenizer, hidden=32, intermediate=64, heads=4, kv_heads=2
-    )
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import random
 from collections import Counter
 
 import pytest
-from test_flows import overrides, prefect_env, scripted, tiny_model  # noqa: F401 (module fixtures)
+from test_flows import overrides, scripted  # noqa: F401 (module fixtures)
 
 from pettingflow.configs import load_config
 from pettingflow.runs.lineage import weights_before
@@ -36,7 +36,7 @@ def task_run_names(flow_run_id) -> list[str]:
     return asyncio.run(read())
 
 
-@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("seed", [0])  # one random timing per suite run (each costs ~40 s here)
 def test_async_rollouts_keep_the_lag_bound_under_random_timing(tmp_path, prefect_env, tiny_model, scripted, seed):  # noqa: F811
     from pettingflow.flows.train import train
 

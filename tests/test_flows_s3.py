@@ -16,7 +16,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from test_flows import STEPS, flow_run_task_states, overrides, prefect_env, scripted, tiny_model  # noqa: F401
+from test_flows import STEPS, flow_run_task_states, overrides, scripted  # noqa: F401
 
 from pettingflow.paths import home
 from pettingflow.storage import RunLayout, list_runs, read_step_trajectories
@@ -71,8 +71,8 @@ def cache_dir(layout: RunLayout, iteration: int, step: str) -> Path:
 
 
 def test_run_on_s3_completes_resumes_after_a_crash_and_reruns(
-    prefect_env,  # noqa: F811
-    tiny_model,  # noqa: F811
+    prefect_env,
+    tiny_model,
     scripted,  # noqa: F811
     s3_endpoint,
     monkeypatch,

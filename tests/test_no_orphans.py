@@ -26,7 +26,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from test_flows import scripted, tiny_model  # noqa: F401 (module fixtures)
+from test_flows import scripted  # noqa: F401 (module fixture)
 
 REPO = Path(__file__).resolve().parent.parent
 FAKE_SERVER = r"""

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 from factories import crash_after_first_shard
-from test_flows import overrides, prefect_env, tiny_model  # noqa: F401 (module fixtures: Prefect's server, a tiny model)
 
 from bench.scripted_server import ScriptedServer
 from pettingflow.configs import load_config

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from test_flows import overrides, prefect_env, scripted, tiny_model  # noqa: F401
+from test_flows import overrides, scripted  # noqa: F401
 from test_flows_s3 import BUCKET, bucket_keys, s3_endpoint  # noqa: F401
 
 from pettingflow.storage import RunLayout, list_runs, read_step_trajectories
@@ -134,8 +134,8 @@ def kill_second_node_mid_update(node: SecondNode, log_path: Path, done: threadin
 
 def test_learner_on_a_second_node_then_that_node_lost_mid_update(
     tmp_path,
-    prefect_env,  # noqa: F811
-    tiny_model,  # noqa: F811
+    prefect_env,
+    tiny_model,
     scripted,  # noqa: F811
     s3_endpoint,  # noqa: F811
     two_nodes,
