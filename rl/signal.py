@@ -45,7 +45,7 @@ def group_spread(uids: Sequence[str], rewards: Sequence[float] | np.ndarray) -> 
             varied += 1
         elif values[0] == 0.0:
             all_zero += 1
-        elif values[0] == top:
+        elif values[0] == top and top > 0:  # all at a penalty (e.g. -0.5 for no answer) is not "too easy"
             all_max += 1
         else:
             other += 1

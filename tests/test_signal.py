@@ -66,3 +66,11 @@ def test_zero_signal_policies_reads_the_advantage_metrics():
     }
     assert zero_signal_policies(metrics) == {"a": "nothing"}
     assert zero_signal_policies({}) == {}
+
+
+def test_every_reward_at_the_same_penalty_is_not_called_too_easy():
+    """Groups all at -0.5 (every reply held no answer) are equal groups, not the top of a solved batch."""
+    spread = group_spread(["a", "a", "b", "b"], [-0.5] * 4)
+    assert spread == GroupSpread(groups=2, varied=0, all_zero=0, all_max=0, other_equal=2)
+    message = zero_signal_message("shared", spread, 4, 0, "dapo")
+    assert "too easy" not in message and "every sample got the same reward" in message
