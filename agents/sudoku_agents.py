@@ -35,14 +35,20 @@ def board_parts(env: Env) -> list[str]:
     return parts
 
 
+def named_cell(env: Env) -> tuple[int, int] | None:
+    """The cell the prompt asks about: with ``show_blanks``, the first empty one (None without, or when full)."""
+    senv = sudoku_env(env)
+    cells = empty_cells(senv.state.board) if senv.config.show_blanks else []
+    return cells[0] if cells else None
+
+
 def reply_example(env: Env) -> str:
     """The format line. With ``show_blanks`` it asks for the first empty cell's digit and gives no example triple:
     SmolLM2-135M copied the example's digit (a conflict) or its placeholder letter (docs/sudoku.md)."""
-    senv = sudoku_env(env)
-    cells = empty_cells(senv.state.board) if senv.config.show_blanks else []
-    if not cells:
+    cell = named_cell(env)
+    if cell is None:
         return "Reply with one line like: Fills: 0 1 3"
-    r, c = cells[0]
+    r, c = cell
     return f"Start with row {r} column {c}: which digit (1-4) goes there? Reply as: Fills: row column digit"
 
 
@@ -54,11 +60,10 @@ class _SudokuAgent(EnvActionAgent):
         triple in most replies without it; with ``show_blanks`` too, with the first empty cell's row and column,
         so the model's first choice is a digit (it copied coordinates and digits from the example otherwise;
         docs/sudoku.md has the measurements)."""
-        senv = sudoku_env(env)
-        if not senv.config.answer_prefix:
+        if not sudoku_env(env).config.answer_prefix:
             return ""
-        cells = empty_cells(senv.state.board) if senv.config.show_blanks else []
-        return f"{self.label}: {cells[0][0]} {cells[0][1]}" if cells else f"{self.label}:"
+        cell = named_cell(env)
+        return f"{self.label}: {cell[0]} {cell[1]}" if cell else f"{self.label}:"
 
     def parse_response(self, response_text: str, env: Env) -> ParsedFills:
         return parse_fills(response_text, sudoku_env(env).config.max_fills_per_turn)

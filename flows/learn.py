@@ -172,10 +172,10 @@ def learn(
                 view: evaluate(name, [*run_overrides, *extra], run_id=trained["run_id"])
                 for view, extra in EVAL_VIEWS.items()
             }
-            if roles_swappable(configs_by_name[name]):  # the positive control: trained roles, swapped
+            cfg = configs_by_name[name]
+            if roles_swappable(cfg):  # the positive control: trained roles, swapped
                 after["swapped"] = evaluate(name, run_overrides, run_id=trained["run_id"], roles_swapped=True)
             logger.info("%s: held-out after training: %s", label, _scores(after))
-            cfg = configs_by_name[name]
             ids = {"before": _run_ids(before), "after": _run_ids(after)}
             arm = arm_from_runs(cfg.run.storage_root, trained["run_id"], cfg.run.storage_options, evaluations=ids)
             arm.wall_s = round(time.perf_counter() - started, 1)
