@@ -137,7 +137,7 @@ def model(config_name: str, url: str, out: str, overrides: list[str]) -> dict[st
     from pettingflow.runs.run import start_or_resume
     from pettingflow.runs.runtime import Runtime
     from pettingflow.steps.rollouts import validation_step
-    from pettingflow.storage import read_step_trajectories
+    from pettingflow.storage import StepName, read_step_trajectories
 
     all_overrides = [*overrides, f"inference.url={url}", f"run.storage_root={out}"]
     cfg = load_config(config_name, all_overrides)
@@ -145,7 +145,7 @@ def model(config_name: str, url: str, out: str, overrides: list[str]) -> dict[st
     ctx = IterationContext(ref.layout(), 0)
     with Runtime(cfg, ref.run_id) as runtime:
         outcome = validation_step(ctx, cfg, runtime.endpoints(), env_cache=runtime.env_cache, show_progress=False)
-    rows = read_step_trajectories(ctx.step("validation")).to_pylist()
+    rows = read_step_trajectories(ctx.step(StepName.VALIDATION)).to_pylist()
     return {
         "config": config_name,
         "overrides": overrides,

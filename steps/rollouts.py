@@ -235,7 +235,7 @@ def validation_step(
     ran = runner.run(
         tasks,
         group_size=config.validation.samples_per_task,
-        seed_namespace="validation/",
+        seed_namespace=f"{StepName.VALIDATION}/",
         temperature=config.validation.temperature,
     )
     return _commit(
