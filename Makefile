@@ -57,7 +57,7 @@ learn: venv
 # positive control); three seeds each, every run stopped at 8k generated
 # tokens (lookahead included), held-out success before and after (the base model scored once per seed for the
 # arms that share it). Eighteen runs take several hours on 2 CPU cores: run it a seed at a time
-# (LEARN_ARGS="--seeds 0", then 1, then 2) and combine the stored runs with `pettingflow runs learning-report`.
+# (LEARN_ARGS="--seeds 0", then 1, then 2) and combine the reports with `pettingflow runs learning-report --from-json`.
 learn-plan-path: venv
 	.venv/bin/pettingflow models prepare
 	$(BIN)/python flows/learn.py \

@@ -11,7 +11,7 @@ This module finds the runs and their evaluations and assembles each arm; the sta
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from pettingflow.analysis.figures import HEADLINE_AGENT, comparison_table, learning_png, markdown_table
@@ -54,6 +54,61 @@ class ArmResult:
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> ArmResult:
+        """The inverse of ``to_json``: JSON turned the held-out task positions of ``outcomes`` into strings."""
+        known = {f.name for f in fields(cls)}
+        arm = cls(**{k: v for k, v in data.items() if k in known})
+        arm.outcomes = {
+            when: {
+                view: {int(task): list(samples) for task, samples in by_task.items()} for view, by_task in views.items()
+            }
+            for when, views in arm.outcomes.items()
+        }
+        return arm
+
+
+def arms_from_learning_json(uri: str, storage_options: dict[str, Any] | None = None) -> list[ArmResult]:
+    """The arms stored in a ``learning.json`` (a file, or the folder holding it).
+
+    Why: a study run over several sessions or machines cannot rely on the run folders travelling; the
+    ``learning.json`` that each invocation writes holds every number the report needs (scores, per-task outcomes,
+    curves), so committed copies of it combine into one report."""
+    import json
+
+    import fsspec
+
+    path = uri if uri.rstrip("/").endswith(".json") else f"{uri.rstrip('/')}/learning.json"
+    try:
+        with fsspec.open(path, "r", **(storage_options or {})) as fh:
+            data = json.load(fh)
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"no learning report at {path}: pass a learning.json or the folder holding it"
+        ) from None
+    if not isinstance(data, dict) or not isinstance(data.get("arms"), list):
+        raise ValueError(f"{path} is not a learning report: it has no 'arms' list (written by `learn`)")
+    return [ArmResult.from_json(arm) for arm in data["arms"]]
+
+
+def combine_arms(arms: Sequence[ArmResult]) -> list[ArmResult]:
+    """Arms gathered from several reports and runs, each run once; a config may appear once per seed.
+
+    Why: comparisons pair arms by (config, seed), so a second run of one pair would silently replace the first."""
+    by_run: dict[str, ArmResult] = {}
+    for arm in arms:
+        by_run.setdefault(arm.run_id, arm)
+    seen: dict[tuple[str, int | None], str] = {}
+    for arm in by_run.values():
+        key = (arm.config, arm.seed)
+        if key in seen:
+            raise ValueError(
+                f"two runs of {arm.config} with seed {arm.seed}: {seen[key]} and {arm.run_id}; "
+                "a report pairs arms by config and seed, so pass one of them"
+            )
+        seen[key] = arm.run_id
+    return list(by_run.values())
 
 
 def run_curve(layout: RunLayout, agent: str = HEADLINE_AGENT) -> list[dict[str, float]]:

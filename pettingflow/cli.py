@@ -334,20 +334,42 @@ def runs_prune(
 
 @runs_app.command("learning-report")
 def runs_learning_report(
-    run_ids: Annotated[list[str], typer.Argument(help="Training runs to compare (each needs its evaluate runs).")],
+    run_ids: Annotated[
+        list[str] | None, typer.Argument(help="Training runs to compare (each needs its evaluate runs).")
+    ] = None,
+    from_json: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--from-json",
+            help="A learning.json written by `learn` (or its folder), e.g. one committed per seed; repeatable.",
+        ),
+    ] = None,
     root: RootOpt = "",
     out: Annotated[str, typer.Option("--out", help="Folder or fsspec URI for learning.{json,png,md}.")] = "",
 ) -> None:
-    """Rebuild the `make learn` summary from stored runs: held-out before/after, paired CI, curves."""
-    from pettingflow.analysis.learning import arm_from_runs, write_learning_report
+    """Rebuild the `make learn` summary from stored runs and earlier reports: held-out before/after, paired CI,
+    curves. Reports (`--from-json`) let a study run over several sessions or machines be combined without its
+    run folders."""
+    from pettingflow.analysis.learning import (
+        arm_from_runs,
+        arms_from_learning_json,
+        combine_arms,
+        write_learning_report,
+    )
 
+    if not run_ids and not from_json:
+        fail("name training runs, or earlier reports with --from-json FILE (a learning.json or its folder)")
     root = root or _default_root()
     try:
-        arms = [arm_from_runs(root, run_id) for run_id in run_ids]
+        arms = [arm for uri in from_json or [] for arm in arms_from_learning_json(uri)]
+        arms += [arm_from_runs(root, run_id) for run_id in run_ids or []]
+        arms = combine_arms(arms)
     except (FileNotFoundError, ValueError) as exc:
         fail(str(exc))
-    out = out or f"{root.rstrip('/')}/learning/rebuilt-{'-'.join(a.config for a in arms)}"
-    typer.echo(write_learning_report(arms, out, rebuilt_from=run_ids))
+    configs = list(dict.fromkeys(a.config for a in arms))
+    out = out or f"{root.rstrip('/')}/learning/rebuilt-{'-'.join(configs)}"
+    sources = [*(from_json or []), *(run_ids or [])]
+    typer.echo(write_learning_report(arms, out, rebuilt_from=sources))
     typer.echo(f"written to {out}/learning.{{json,png,md}}")
 
 

@@ -256,3 +256,51 @@ def test_the_role_swap_control_gives_each_agent_the_other_agents_weights() -> No
     assert {a.name: a.policy for a in config.agents} == {"planner": "e", "executor": "p"}
     with pytest.raises(ValueError, match="two agents with weights of their own"):
         swap_roles(load_config("plan-path-learn"), {})
+
+
+def test_reports_of_single_seeds_combine_into_the_report_of_all_seeds(tmp_path) -> None:
+    """A study run a seed per session: each invocation's learning.json, read back and combined, gives the same
+    comparison as the arms compared in one go (the held-out task positions survive JSON's string keys)."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from pettingflow.analysis.learning import (
+        arms_from_learning_json,
+        combine_arms,
+        compare_arms,
+        write_learning_report,
+    )
+    from pettingflow.cli import app
+
+    base = {0: [False, False], 1: [False, True]}
+    good = {0: [True, True], 1: [False, True]}
+    seed0 = [_seeded_arm("tree", 0, base, good, 1000.0), _seeded_arm("indep", 0, base, base, 1200.0)]
+    seed1 = [_seeded_arm("tree", 1, base, good, 1100.0), _seeded_arm("indep", 1, base, good, 900.0)]
+    write_learning_report(seed0, str(tmp_path / "seed0"))
+    write_learning_report(seed1, str(tmp_path / "seed1"))
+
+    combined = combine_arms(
+        [*arms_from_learning_json(str(tmp_path / "seed0")), *arms_from_learning_json(str(tmp_path / "seed1"))]
+    )
+    assert combined[0].outcomes == seed0[0].outcomes  # int task keys again, not "0", "1"
+    assert compare_arms(combined) == compare_arms([*seed0, *seed1])
+
+    out = tmp_path / "all"
+    reports = ["--from-json", str(tmp_path / "seed0" / "learning.json"), "--from-json", str(tmp_path / "seed1")]
+    result = CliRunner().invoke(app, ["runs", "learning-report", *reports, "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    (comparison,) = json.loads((out / "learning.json").read_text())["comparisons"]
+    assert comparison["seeds"] == [0, 1] and comparison["per_seed"] == [0.5, 0.0]
+
+    seed0_twice = ["--from-json", str(tmp_path / "seed0"), "--from-json", str(tmp_path / "seed0")]
+    twice = CliRunner().invoke(app, ["runs", "learning-report", *seed0_twice, "--out", str(tmp_path / "twice")])
+    assert twice.exit_code == 0, twice.output
+    assert len(json.loads((tmp_path / "twice" / "learning.json").read_text())["arms"]) == 2  # each run once
+    rerun = _seeded_arm("tree", 0, base, base, 900.0)
+    rerun.run_id = "run-tree-0-again"
+    with pytest.raises(ValueError, match="two runs of tree with seed 0"):
+        combine_arms([*seed0, rerun])
+    missing = CliRunner().invoke(app, ["runs", "learning-report", "--from-json", str(tmp_path / "nowhere")])
+    assert missing.exit_code != 0 and "no learning report at" in missing.output
+    assert CliRunner().invoke(app, ["runs", "learning-report"]).exit_code != 0
