@@ -123,6 +123,37 @@ def _run_ids(evaluations: dict[str, dict[str, Any]]) -> dict[str, str]:
     return {view: result["run_id"] for view, result in evaluations.items()}
 
 
+def _run_arm(
+    name: str,
+    label: str,
+    run_overrides: list[str],
+    cfg: Any,
+    shared: Any,
+    base_done: dict[str, tuple[str, dict[str, Any]]],
+) -> ArmResult:
+    """One arm of a study: the base model scored (or reused), trained, scored again (and role-swapped where the
+    agents have weights of their own)."""
+    logger = get_run_logger()
+    started = time.perf_counter()
+    shared.serve_base()  # whatever an earlier config left on the server
+    logger.info("%s: the base model on the held-out split", label)
+    before, reused = base_evaluations(name, run_overrides, base_done)
+    if reused:
+        logger.info("%s: the base model scores as for %s (same agents, env, validation, seed)", label, reused)
+    logger.info("%s: held-out before training: %s", label, _scores(before))
+    trained = train(name, run_overrides)
+    after = {
+        view: evaluate(name, [*run_overrides, *extra], run_id=trained["run_id"]) for view, extra in EVAL_VIEWS.items()
+    }
+    if roles_swappable(cfg):  # the positive control: trained roles, swapped
+        after["swapped"] = evaluate(name, run_overrides, run_id=trained["run_id"], roles_swapped=True)
+    logger.info("%s: held-out after training: %s", label, _scores(after))
+    ids = {"before": _run_ids(before), "after": _run_ids(after)}
+    arm = arm_from_runs(cfg.run.storage_root, trained["run_id"], cfg.run.storage_options, evaluations=ids)
+    arm.wall_s = round(time.perf_counter() - started, 1)
+    return arm
+
+
 @flow(name="learn", log_prints=True)
 def learn(
     configs: list[str] | None = None,
@@ -139,6 +170,8 @@ def learn(
     ``prune_checkpoints``: once an arm is scored, drop its checkpoints except the last update's
     (``pettingflow runs prune``): the report needs only trajectories, and a many-arm comparison otherwise
     keeps ≈1 GB per iteration at 135M. Its iterations can then no longer be re-run.
+    An arm that fails is logged and skipped: the report holds the arms that finished (and ``failed``, the ones
+    that did not), and the flow fails at the end, naming them.
     """
     logger = get_run_logger()
     names = list(configs or DEFAULT_CONFIGS)
@@ -154,41 +187,36 @@ def learn(
     base_done: dict[str, tuple[str, dict[str, Any]]] = {}
     if not url:
         logger.info("starting one vLLM server for %s (1-2 minutes on CPU; log %s)", model, server.log_path)
+    failed: list[str] = []
     with server:
         logger.info("inference server ready at %s", server.url)
         attach = [*overrides, f"inference.url={server.url}"]
         for seed, name in [(s, n) for s in (seeds or [None]) for n in names]:
-            started = time.perf_counter()
-            run_overrides = [*attach, f"run.seed={seed}"] if seed is not None else attach
             label = name if seed is None else f"{name} (seed {seed})"
-            shared.serve_base()  # whatever an earlier config left on the server
-            logger.info("%s: the base model on the held-out split", label)
-            before, reused = base_evaluations(name, run_overrides, base_done)
-            if reused:
-                logger.info("%s: the base model scores as for %s (same agents, env, validation, seed)", label, reused)
-            logger.info("%s: held-out before training: %s", label, _scores(before))
-            trained = train(name, run_overrides)
-            after = {
-                view: evaluate(name, [*run_overrides, *extra], run_id=trained["run_id"])
-                for view, extra in EVAL_VIEWS.items()
-            }
-            cfg = configs_by_name[name]
-            if roles_swappable(cfg):  # the positive control: trained roles, swapped
-                after["swapped"] = evaluate(name, run_overrides, run_id=trained["run_id"], roles_swapped=True)
-            logger.info("%s: held-out after training: %s", label, _scores(after))
-            ids = {"before": _run_ids(before), "after": _run_ids(after)}
-            arm = arm_from_runs(cfg.run.storage_root, trained["run_id"], cfg.run.storage_options, evaluations=ids)
-            arm.wall_s = round(time.perf_counter() - started, 1)
+            run_overrides = [*attach, f"run.seed={seed}"] if seed is not None else attach
+            try:
+                arm = _run_arm(name, label, run_overrides, configs_by_name[name], shared, base_done)
+            except Exception as exc:  # one arm's failure must not cost the arms already scored their report
+                logger.exception("%s failed; the study goes on with the next arm", label)
+                failed.append(f"{label}: {type(exc).__name__}: {exc}")
+                continue
             arms.append(arm)
             if prune_checkpoints:
-                layout = RunLayout(cfg.run.storage_root, trained["run_id"], cfg.run.storage_options)
+                cfg = configs_by_name[name]
+                layout = RunLayout(cfg.run.storage_root, arm.run_id, cfg.run.storage_options)
                 freed = prune(plan_prune(layout, keep_last=1))
                 logger.info("%s: pruned %.2f GB of checkpoints (the last update's kept)", label, freed / 1e9)
     table = write_learning_report(
-        arms, out_uri, first.run.storage_options, configs=names, overrides=overrides, seeds=seeds
+        arms, out_uri, first.run.storage_options, configs=names, overrides=overrides, seeds=seeds, failed=failed
     )
     print(table)
     logger.info("learning results in %s", out_uri)
+    if failed:
+        raise RuntimeError(
+            f"{len(failed)} of {len(failed) + len(arms)} arms failed (the report in {out_uri} holds the others; "
+            "rerun the failed ones with --configs/--seeds and combine with `pettingflow runs learning-report "
+            "--from-json`):\n" + "\n".join(failed)
+        )
     return {"uri": out_uri, "rows": results_table(arms)}
 
 

@@ -304,3 +304,36 @@ def test_reports_of_single_seeds_combine_into_the_report_of_all_seeds(tmp_path) 
     missing = CliRunner().invoke(app, ["runs", "learning-report", "--from-json", str(tmp_path / "nowhere")])
     assert missing.exit_code != 0 and "no learning report at" in missing.output
     assert CliRunner().invoke(app, ["runs", "learning-report"]).exit_code != 0
+
+
+def test_a_failed_arm_leaves_the_report_of_the_others_and_fails_the_study(tmp_path, prefect_env, monkeypatch) -> None:
+    """Hours of a study must not be lost to one arm: the others are scored and reported, the failure is named."""
+    import json
+    from contextlib import nullcontext
+    from types import SimpleNamespace
+
+    from pettingflow.flows import learn as learn_flow
+
+    config = SimpleNamespace(run=SimpleNamespace(storage_root=str(tmp_path), storage_options={}))
+    config.specialization = SimpleNamespace(value="prompt")
+    monkeypatch.setattr(learn_flow, "_shared_model", lambda names, overrides: (tmp_path, [config] * len(names)))
+
+    class Server(nullcontext):
+        url = "http://127.0.0.1:1"
+
+    monkeypatch.setattr(learn_flow, "shared_service", lambda *a, **k: SimpleNamespace(server=Server()))
+    base = {0: [False, True]}
+
+    def run_arm(name, label, run_overrides, cfg, shared, base_done):
+        if name == "broken":
+            raise RuntimeError("the server went away")
+        return _seeded_arm(name, int(run_overrides[-1].split("=")[1]), base, {0: [True, True]}, 100.0)
+
+    monkeypatch.setattr(learn_flow, "_run_arm", run_arm)
+    with pytest.raises(RuntimeError, match=r"1 of 3 arms failed") as failure:
+        learn_flow.learn(["tree", "broken", "indep"], url=Server.url, seeds=[0])
+    assert "broken (seed 0): RuntimeError: the server went away" in str(failure.value)
+    (report,) = (tmp_path / "learning").iterdir()
+    stored = json.loads((report / "learning.json").read_text())
+    assert [a["config"] for a in stored["arms"]] == ["tree", "indep"]  # the arm after the failure still ran
+    assert stored["failed"] == ["broken (seed 0): RuntimeError: the server went away"]
