@@ -170,8 +170,8 @@ def learn(
     ``prune_checkpoints``: once an arm is scored, drop its checkpoints except the last update's
     (``pettingflow runs prune``): the report needs only trajectories, and a many-arm comparison otherwise
     keeps ≈1 GB per iteration at 135M. Its iterations can then no longer be re-run.
-    An arm that fails is logged and skipped: the report holds the arms that finished (and ``failed``, the ones
-    that did not), and the flow fails at the end, naming them.
+    The report is written after every arm (a study stopped midway keeps what it scored); an arm that fails is
+    logged and skipped, the report lists it under ``failed``, and the flow fails at the end, naming it.
     """
     logger = get_run_logger()
     names = list(configs or DEFAULT_CONFIGS)
@@ -188,6 +188,7 @@ def learn(
     if not url:
         logger.info("starting one vLLM server for %s (1-2 minutes on CPU; log %s)", model, server.log_path)
     failed: list[str] = []
+    report_extra = {"configs": names, "overrides": overrides, "seeds": seeds}
     with server:
         logger.info("inference server ready at %s", server.url)
         attach = [*overrides, f"inference.url={server.url}"]
@@ -201,14 +202,14 @@ def learn(
                 failed.append(f"{label}: {type(exc).__name__}: {exc}")
                 continue
             arms.append(arm)
+            # the report so far, after every arm: a study stopped midway (a session's end) keeps what it scored
+            write_learning_report(arms, out_uri, first.run.storage_options, **report_extra, failed=failed)
             if prune_checkpoints:
                 cfg = configs_by_name[name]
                 layout = RunLayout(cfg.run.storage_root, arm.run_id, cfg.run.storage_options)
                 freed = prune(plan_prune(layout, keep_last=1))
                 logger.info("%s: pruned %.2f GB of checkpoints (the last update's kept)", label, freed / 1e9)
-    table = write_learning_report(
-        arms, out_uri, first.run.storage_options, configs=names, overrides=overrides, seeds=seeds, failed=failed
-    )
+    table = write_learning_report(arms, out_uri, first.run.storage_options, **report_extra, failed=failed)
     print(table)
     logger.info("learning results in %s", out_uri)
     if failed:

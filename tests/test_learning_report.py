@@ -310,6 +310,7 @@ def test_a_failed_arm_leaves_the_report_of_the_others_and_fails_the_study(tmp_pa
     """Hours of a study must not be lost to one arm: the others are scored and reported, the failure is named."""
     import json
     from contextlib import nullcontext
+    from datetime import datetime
     from types import SimpleNamespace
 
     from pettingflow.flows import learn as learn_flow
@@ -337,3 +338,19 @@ def test_a_failed_arm_leaves_the_report_of_the_others_and_fails_the_study(tmp_pa
     stored = json.loads((report / "learning.json").read_text())
     assert [a["config"] for a in stored["arms"]] == ["tree", "indep"]  # the arm after the failure still ran
     assert stored["failed"] == ["broken (seed 0): RuntimeError: the server went away"]
+
+    class Stopped(BaseException):  # the session's end, mid-study: no arm after it runs, no final report
+        pass
+
+    def stopped_after_first(name, label, run_overrides, cfg, shared, base_done):
+        if name == "stopped":
+            raise Stopped
+        return run_arm(name, label, run_overrides, cfg, shared, base_done)
+
+    monkeypatch.setattr(learn_flow, "_run_arm", stopped_after_first)
+    later = datetime(2030, 1, 1)  # a stamp of its own: the first study's folder is not reused
+    monkeypatch.setattr(learn_flow, "datetime", SimpleNamespace(now=lambda tz: later))
+    with pytest.raises(Stopped):
+        learn_flow.learn(["tree", "stopped", "indep"], url=Server.url, seeds=[1])
+    partial = json.loads((tmp_path / "learning" / "20300101-000000" / "learning.json").read_text())
+    assert [a["config"] for a in partial["arms"]] == ["tree"]  # written after each arm, not only at the end
