@@ -35,6 +35,8 @@ format: venv
 test: venv lint
 	@command -v bwrap >/dev/null || scripts/bootstrap.sh
 	@scripts/test_deps.sh
+	@# the MLflow server's own environment (about 2 minutes of pip) builds while the first tests run
+	@(scripts/mlflow_server.sh --build > .venv-mlflow.log 2>&1 &)
 	$(BIN)/python -m pytest --durations=30 $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 

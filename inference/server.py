@@ -331,6 +331,10 @@ class VLLMServer:
             env["VLLM_CPU_KVCACHE_SPACE"] = str(self.kv_cache_gib)
             # the engine's own threads (cpu_threads) do the work; OpenMP threads beside them oversubscribe the cores
             env.setdefault("OMP_NUM_THREADS", "1")
+            # vLLM 0.32's AOT-compiled artifacts fail to load on the CPU ("'function' object has no attribute
+            # 'finalize_loading'"), so every start compiled the model again (90-130 s here); with the classic
+            # torch.compile cache a second start of the same model and settings loads it (about 60 s in all)
+            env.setdefault("VLLM_USE_AOT_COMPILE", "0")
         if self.dev_mode:
             env["VLLM_SERVER_DEV_MODE"] = "1"
         if self.enable_lora:

@@ -72,6 +72,18 @@ def pettingflow_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]
 
 
 @pytest.fixture(scope="session", autouse=True)
+def vllm_compile_cache(pettingflow_home: Path) -> Iterator[Path]:
+    """One torch.compile cache for every vLLM server the session starts (the shared one, replicas, restarts, the
+    servers flows start): the first start of a model and settings compiles (1-2 minutes on 2 cores), the later
+    ones load it. Inside the session's home, so tests write nothing to ~/.cache/vllm."""
+    path = Path(os.environ.get("VLLM_CACHE_ROOT") or pettingflow_home / "vllm-cache")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("VLLM_CACHE_ROOT", str(path))
+    yield path
+    mp.undo()
+
+
+@pytest.fixture(scope="session", autouse=True)
 def ray_token_auth(pettingflow_home: Path) -> Iterator[Path]:
     """Every Ray of the session uses token auth, as PettingFlow's own clusters do: the token is the session home's
     (``$PETTINGFLOW_HOME/ray/auth_token``, or ``$RAY_AUTH_TOKEN_PATH``), and ``RAY_AUTH_MODE=token`` plus

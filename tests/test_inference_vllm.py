@@ -268,6 +268,10 @@ def test_cpu_threads_bind_the_first_allowed_cores(tmp_path: Path) -> None:
     assert wide.environment()["VLLM_CPU_OMP_THREADS_BIND"] == ",".join(map(str, cores))  # never past the allowed
     default = server_from_settings(InferenceSettings(), tmp_path, device="cpu", env={"X": "1"})
     assert "VLLM_CPU_OMP_THREADS_BIND" not in default.extra_env and default.environment()["X"] == "1"
+    # the compile cache that loads on the CPU (vLLM's AOT artifacts do not), unless the caller chose otherwise
+    assert default.environment()["VLLM_USE_AOT_COMPILE"] == "0"
+    chosen = server_from_settings(InferenceSettings(), tmp_path, device="cpu", env={"VLLM_USE_AOT_COMPILE": "1"})
+    assert chosen.environment()["VLLM_USE_AOT_COMPILE"] == "1"
 
 
 def test_gpu_memory_utilization_reaches_a_gpu_servers_command(tmp_path: Path) -> None:

@@ -176,7 +176,7 @@ from test_deployment_e2e import (  # noqa: E402 - the e2e run: its config, flow 
 from pettingflow.storage import RunLayout, list_runs  # noqa: E402
 
 # crash points in the order one iteration reaches them (validation.at_start=false: no baseline step)
-POINTS = [
+ALL_POINTS = [
     "rollouts:shard",
     "before_marker:rollouts",
     "filtered:mid",
@@ -193,6 +193,11 @@ POINTS = [
     "report:mid",
     "before_marker:report",
 ]
+#: Not run by default (PF_KILL_POINTS runs them): steps whose whole work is the files of their own folder, computed
+#: again from committed inputs, so "files written, marker not" is Step.commit's own case, which
+#: test_crash_point_fires_once_between_data_and_marker checks in a subprocess; each was run and passed (docs/flows.md)
+PURE_DATA_MARKER_POINTS = {"before_marker:filtered", "before_marker:advantages", "before_marker:report"}
+POINTS = [p for p in ALL_POINTS if p not in PURE_DATA_MARKER_POINTS]
 
 
 def point_step(point: str) -> str:
@@ -399,7 +404,8 @@ def test_kill_matrix(stack, tmp_path, vllm_server, default_model_dir, restore_ba
     from pettingflow.inference.server import VLLMServer
 
     points = [p.strip() for p in os.environ.get("PF_KILL_POINTS", ",".join(POINTS)).split(",") if p.strip()]
-    assert set(points) <= set(POINTS), f"PF_KILL_POINTS names unknown points; known: {POINTS}"
+    assert set(points) <= set(ALL_POINTS), f"PF_KILL_POINTS names unknown points; known: {ALL_POINTS}"
+    points.sort(key=ALL_POINTS.index)  # one run walks them in the order an iteration reaches them
     overrides = matrix_overrides(tmp_path, vllm_server, default_model_dir)
     run_id, rows, snapshots = None, [], []
     started = time.monotonic()
