@@ -70,26 +70,40 @@ class ArmResult:
 
 
 def arms_from_learning_json(uri: str, storage_options: dict[str, Any] | None = None) -> list[ArmResult]:
-    """The arms stored in a ``learning.json`` (a file, or the folder holding it).
+    """The arms stored in a ``learning.json``: a file, the folder holding it, or a folder of such folders.
 
     Why: a study run over several sessions or machines cannot rely on the run folders travelling; the
     ``learning.json`` that each invocation writes holds every number the report needs (scores, per-task outcomes,
-    curves), so committed copies of it combine into one report."""
+    curves), so committed copies of it combine into one report. A folder of reports (one per seed or session, as
+    a study commits them) is read whole, so the study's table is one command however many parts it took."""
     import json
 
     import fsspec
 
-    path = uri if uri.rstrip("/").endswith(".json") else f"{uri.rstrip('/')}/learning.json"
-    try:
-        with fsspec.open(path, "r", **(storage_options or {})) as fh:
-            data = json.load(fh)
-    except FileNotFoundError:
-        raise FileNotFoundError(
-            f"no learning report at {path}: pass a learning.json or the folder holding it"
-        ) from None
-    if not isinstance(data, dict) or not isinstance(data.get("arms"), list):
-        raise ValueError(f"{path} is not a learning report: it has no 'arms' list (written by `learn`)")
-    return [ArmResult.from_json(arm) for arm in data["arms"]]
+    fs, root = fsspec.core.url_to_fs(uri.rstrip("/"), **(storage_options or {}))
+    if root.endswith(".json"):
+        paths = [root]
+    elif fs.isfile(f"{root}/learning.json"):
+        paths = [f"{root}/learning.json"]
+    else:
+        paths = sorted(p for p in (fs.find(root) if fs.isdir(root) else []) if p.endswith("/learning.json"))
+        if not paths:
+            raise FileNotFoundError(
+                f"no learning report at {uri}: pass a learning.json, the folder holding it, or a folder of such folders"
+            )
+    arms = []
+    for path in paths:
+        try:
+            with fs.open(path, "r") as fh:
+                data = json.load(fh)
+        except FileNotFoundError:
+            raise FileNotFoundError(
+                f"no learning report at {path}: pass a learning.json or the folder holding it"
+            ) from None
+        if not isinstance(data, dict) or not isinstance(data.get("arms"), list):
+            raise ValueError(f"{path} is not a learning report: it has no 'arms' list (written by `learn`)")
+        arms += [ArmResult.from_json(arm) for arm in data["arms"]]
+    return arms
 
 
 def combine_arms(arms: Sequence[ArmResult]) -> list[ArmResult]:

@@ -341,7 +341,8 @@ def runs_learning_report(
         list[str] | None,
         typer.Option(
             "--from-json",
-            help="A learning.json written by `learn` (or its folder), e.g. one committed per seed; repeatable.",
+            help="A learning.json written by `learn`, its folder, or a folder of such folders (e.g. one per seed); "
+            "repeatable.",
         ),
     ] = None,
     root: RootOpt = "",
@@ -358,7 +359,10 @@ def runs_learning_report(
     )
 
     if not run_ids and not from_json:
-        fail("name training runs, or earlier reports with --from-json FILE (a learning.json or its folder)")
+        fail(
+            "name training runs, or earlier reports with --from-json PATH "
+            "(a learning.json, its folder, or a folder of them)"
+        )
     root = root or _default_root()
     try:
         arms = [arm for uri in from_json or [] for arm in arms_from_learning_json(uri)]

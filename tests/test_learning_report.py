@@ -285,6 +285,8 @@ def test_reports_of_single_seeds_combine_into_the_report_of_all_seeds(tmp_path) 
     )
     assert combined[0].outcomes == seed0[0].outcomes  # int task keys again, not "0", "1"
     assert compare_arms(combined) == compare_arms([*seed0, *seed1])
+    whole_study = combine_arms(arms_from_learning_json(str(tmp_path)))  # the folder of both reports, read whole
+    assert compare_arms(whole_study) == compare_arms(combined)
 
     out = tmp_path / "all"
     reports = ["--from-json", str(tmp_path / "seed0" / "learning.json"), "--from-json", str(tmp_path / "seed1")]
