@@ -82,24 +82,19 @@ def arms_from_learning_json(uri: str, storage_options: dict[str, Any] | None = N
 
     fs, root = fsspec.core.url_to_fs(uri.rstrip("/"), **(storage_options or {}))
     if root.endswith(".json"):
-        paths = [root]
+        paths = [root] if fs.isfile(root) else []
     elif fs.isfile(f"{root}/learning.json"):
         paths = [f"{root}/learning.json"]
     else:
         paths = sorted(p for p in (fs.find(root) if fs.isdir(root) else []) if p.endswith("/learning.json"))
-        if not paths:
-            raise FileNotFoundError(
-                f"no learning report at {uri}: pass a learning.json, the folder holding it, or a folder of such folders"
-            )
+    if not paths:
+        raise FileNotFoundError(
+            f"no learning report at {uri}: pass a learning.json, the folder holding it, or a folder of such folders"
+        )
     arms = []
     for path in paths:
-        try:
-            with fs.open(path, "r") as fh:
-                data = json.load(fh)
-        except FileNotFoundError:
-            raise FileNotFoundError(
-                f"no learning report at {path}: pass a learning.json or the folder holding it"
-            ) from None
+        with fs.open(path, "r") as fh:
+            data = json.load(fh)
         if not isinstance(data, dict) or not isinstance(data.get("arms"), list):
             raise ValueError(f"{path} is not a learning report: it has no 'arms' list (written by `learn`)")
         arms += [ArmResult.from_json(arm) for arm in data["arms"]]
