@@ -54,36 +54,61 @@ def markdown_table(rows: Sequence[Mapping[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _pcts(values: Sequence[Any]) -> str:
+    return ", ".join("n/a" if v is None else f"{100 * v:.1f}" for v in values)
+
+
+def _interval(values: Sequence[float] | None) -> str:
+    return "n/a (1 seed)" if not values else f"[{100 * values[0]:+.1f}, {100 * values[1]:+.1f}]"
+
+
+def _pts(value: float | None) -> str:
+    return "n/a" if value is None else f"{100 * value:.1f} pts"
+
+
+def _difference(d: Mapping[str, Any]) -> str:
+    """The cells of a ``stats.paired_arm_difference``: mean [CI over tasks] | per seed | CI over seeds | detectable."""
+    return (
+        f"{100 * d['delta']:+.1f} pts [{100 * d['ci95_low']:+.1f}, {100 * d['ci95_high']:+.1f}] | "
+        f"{', '.join(f'{100 * x:+.1f}' for x in d['per_seed'])} | {_interval(d.get('ci95_seeds'))} | "
+        f"{_pts(d.get('detectable_seeds'))}, {_pts(d.get('detectable_tasks'))}"
+    )
+
+
 def comparison_table(comparisons: Sequence[Mapping[str, Any]]) -> str:
     """Arm against arm (``learning.compare_arms``): each arm's held-out change per seed, the difference of
     the changes with its interval over tasks, and the tokens each arm generated in training."""
-
-    def pcts(values: Sequence[Any]) -> str:
-        return ", ".join("n/a" if v is None else f"{100 * v:.1f}" for v in values)
-
     lines = [
         "| A vs B | seeds | A held-out before → after (%, per seed) | B before → after | A change − B change "
         "(95 % CI over tasks) | per seed | 95 % CI over seeds | detectable (80 % power): seeds, tasks | "
         "tokens generated in training, A / B (k) |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-
-    def interval(values: Sequence[float] | None) -> str:
-        return "n/a (1 seed)" if not values else f"[{100 * values[0]:+.1f}, {100 * values[1]:+.1f}]"
-
-    def pts(value: float | None) -> str:
-        return "n/a" if value is None else f"{100 * value:.1f} pts"
-
     for c in comparisons:
         tokens = ", ".join(
             f"{x / 1000:.1f} / {y / 1000:.1f}" for x, y in zip(c["a_tokens"], c["b_tokens"], strict=True)
         )
         lines.append(
             f"| `{c['a']}` vs `{c['b']}` | {', '.join(map(str, c['seeds']))} | "
-            f"{pcts(c['a_before'])} → {pcts(c['a_after'])} | {pcts(c['b_before'])} → {pcts(c['b_after'])} | "
-            f"{100 * c['delta']:+.1f} pts [{100 * c['ci95_low']:+.1f}, {100 * c['ci95_high']:+.1f}] | "
-            f"{', '.join(f'{100 * d:+.1f}' for d in c['per_seed'])} | {interval(c.get('ci95_seeds'))} | "
-            f"{pts(c.get('detectable_seeds'))}, {pts(c.get('detectable_tasks'))} | {tokens} |"
+            f"{_pcts(c['a_before'])} → {_pcts(c['a_after'])} | {_pcts(c['b_before'])} → {_pcts(c['b_after'])} | "
+            f"{_difference(c)} | {tokens} |"
+        )
+    return "\n".join(lines)
+
+
+def role_swap_table(effects: Sequence[Mapping[str, Any]]) -> str:
+    """The positive control (``learning.role_swap_effects``): held-out success after training as trained and with
+    the roles swapped, per seed, and the swap's effect with its intervals over tasks and over seeds."""
+    lines = [
+        "| roles swapped (positive control) | seeds | held-out after, as trained (%, per seed) | roles swapped | "
+        "swapped − as trained (95 % CI over tasks) | per seed | 95 % CI over seeds | "
+        "detectable (80 % power): seeds, tasks |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for e in effects:
+        lines.append(
+            f"| `{e['config']}` | {', '.join(map(str, e['seeds']))} | {_pcts(e['trained'])} | {_pcts(e['swapped'])} | "
+            f"{_difference(e)} |"
         )
     return "\n".join(lines)
 

@@ -14,7 +14,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from pettingflow.analysis.figures import HEADLINE_AGENT, comparison_table, learning_png, markdown_table
+from pettingflow.analysis.figures import (
+    HEADLINE_AGENT,
+    comparison_table,
+    learning_png,
+    markdown_table,
+    role_swap_table,
+)
 from pettingflow.analysis.stats import first_last_mean, paired_arm_difference, paired_bootstrap
 from pettingflow.rollout import records
 from pettingflow.steps.report import history
@@ -397,6 +403,34 @@ def compare_arms(arms: Sequence[ArmResult], view: str = "sampled") -> list[dict[
     return out
 
 
+def role_swap_effects(arms: Sequence[ArmResult]) -> list[dict[str, Any]]:
+    """Per config scored with its roles swapped after training: the swapped score minus the score as trained,
+    paired by seed and held-out task (``stats.paired_arm_difference`` without a second arm).
+
+    Why: the positive control of a study. Roles that training specialised should fail when swapped (PettingLLMs
+    reports 96 -> 6 on plan-path); the interval and the detectable effect say whether this design could see that,
+    and so whether it could see a smaller effect between arms. Both evaluations use the same tasks and seeds.
+    """
+    by_config: dict[str, list[ArmResult]] = {}
+    for arm in arms:
+        if "swapped" in arm.outcomes.get("after", {}) and "sampled" in arm.outcomes.get("after", {}):
+            by_config.setdefault(arm.config, []).append(arm)
+    out = []
+    for config, runs in by_config.items():
+        runs = sorted(runs, key=lambda arm: -1 if arm.seed is None else arm.seed)
+        diff = paired_arm_difference([(x.outcomes["after"]["sampled"], x.outcomes["after"]["swapped"]) for x in runs])
+        out.append(
+            {
+                "config": config,
+                "seeds": [x.seed for x in runs],
+                "trained": [x.headline("after") for x in runs],
+                "swapped": [x.headline("after", "swapped") for x in runs],
+                **diff,
+            }
+        )
+    return out
+
+
 def _has_view(arm: ArmResult, view: str) -> bool:
     return all(view in arm.outcomes.get(when, {}) for when in ("before", "after"))
 
@@ -415,15 +449,17 @@ def write_learning_report(
 
     rows = results_table(arms)
     comparisons = compare_arms(arms)
+    swaps = role_swap_effects(arms)
     table = markdown_table(rows)
     if comparisons:
         table += "\n\n" + comparison_table(comparisons)
+    if swaps:
+        table += "\n\n" + role_swap_table(swaps)
     fs, root = fsspec.core.url_to_fs(out_uri, **(storage_options or {}))
     fs.makedirs(root, exist_ok=True)
     with fs.open(f"{root}/learning.json", "w") as fh:
-        json.dump(
-            {**extra, "rows": rows, "comparisons": comparisons, "arms": [a.to_json() for a in arms]}, fh, indent=2
-        )
+        document = {**extra, "rows": rows, "comparisons": comparisons, "role_swaps": swaps}
+        json.dump({**document, "arms": [a.to_json() for a in arms]}, fh, indent=2)
     with fs.open(f"{root}/learning.png", "wb") as fh:
         fh.write(learning_png(arms))
     with fs.open(f"{root}/learning.md", "w") as fh:

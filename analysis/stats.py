@@ -78,7 +78,7 @@ def units_needed(sd: float, effect: float, most: int = 1000) -> int:
 
 def paired_arm_difference(
     a: Sequence[tuple[Mapping[int, Sequence[bool]], Mapping[int, Sequence[bool]]]],
-    b: Sequence[tuple[Mapping[int, Sequence[bool]], Mapping[int, Sequence[bool]]]],
+    b: Sequence[tuple[Mapping[int, Sequence[bool]], Mapping[int, Sequence[bool]]]] | None = None,
     n_boot: int = 5000,
     seed: int = 0,
 ) -> dict[str, Any]:
@@ -91,19 +91,24 @@ def paired_arm_difference(
     training runs is shown as it is, next to the interval that covers tasks and sampling. ``ci95_seeds`` is the
     t-interval over the seeds' differences (the training run as the unit), and ``detectable_seeds`` /
     ``detectable_tasks`` the smallest effect the design detects with 80 % power over seeds / over tasks.
+    Without ``b``, A's change alone, with the same intervals: e.g. the trained team's score with its roles swapped
+    minus its score as trained (``a[s] = (as trained, swapped)``), the positive control of a study.
     """
     import numpy as np
 
-    if len(a) != len(b) or not a:
-        raise ValueError(f"need the same number (>= 1) of seeds per arm, got {len(a)} and {len(b)}")
-    tasks = sorted(set.intersection(*(set(outcomes) for pair in (*a, *b) for outcomes in pair)))
+    if (b is not None and len(a) != len(b)) or not a:
+        raise ValueError(f"need the same number (>= 1) of seeds per arm, got {len(a)} and {len(b or [])}")
+    tasks = sorted(set.intersection(*(set(outcomes) for pair in (*a, *(b or [])) for outcomes in pair)))
     if not tasks:
         raise ValueError("the arms' evaluations share no held-out task; were they run on the same split?")
 
     def change(before: Mapping[int, Sequence[bool]], after: Mapping[int, Sequence[bool]]) -> np.ndarray:
         return np.array([np.mean(after[t]) - np.mean(before[t]) for t in tasks])
 
-    per_seed = np.stack([change(*pa) - change(*pb) for pa, pb in zip(a, b, strict=True)])  # seeds x tasks
+    if b is None:
+        per_seed = np.stack([change(*pa) for pa in a])  # seeds x tasks
+    else:
+        per_seed = np.stack([change(*pa) - change(*pb) for pa, pb in zip(a, b, strict=True)])
     diffs = per_seed.mean(axis=0)
     low, high = _task_bootstrap(diffs, n_boot, seed)
     seed_means = per_seed.mean(axis=1)

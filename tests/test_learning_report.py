@@ -174,6 +174,38 @@ def test_compare_arms_pairs_configs_seed_by_seed_and_prints_the_table():
     )
 
 
+def test_role_swap_effect_is_the_swapped_score_minus_the_trained_one_paired_by_seed_and_task():
+    """The positive control: seed 0's trained pair solves task 0 twice and fails it swapped (-1.0 on task 0,
+    0 on task 1: -0.5); seed 1 loses one of two samples on task 1 (-0.25). Arms without a swapped view are left out."""
+    from pettingflow.analysis.figures import role_swap_table
+    from pettingflow.analysis.learning import role_swap_effects, write_learning_report
+
+    base = {0: [False, False], 1: [False, True]}
+    trained = {0: [True, True], 1: [False, True]}
+    arms = [
+        _seeded_arm("lora", 1, base, trained, 900.0),
+        _seeded_arm("lora", 0, base, trained, 1000.0),
+        _seeded_arm("shared", 0, base, trained, 1000.0),  # prompt specialisation: nothing to swap
+    ]
+    arms[0].outcomes["after"]["swapped"] = {0: [True, True], 1: [False, False]}
+    arms[1].outcomes["after"]["swapped"] = {0: [False, False], 1: [False, True]}
+    for arm in arms[:2]:
+        rate = sum(map(sum, arm.outcomes["after"]["swapped"].values())) / 4
+        arm.after["swapped"] = {"executor": {"success_rate": rate, "reward_mean": rate, "episodes": 4.0}}
+
+    (effect,) = role_swap_effects(arms)
+    assert (effect["config"], effect["seeds"]) == ("lora", [0, 1])  # seed order, whatever the arms' order
+    assert effect["trained"] == [0.75, 0.75] and effect["swapped"] == [0.25, 0.5]
+    assert effect["per_seed"] == pytest.approx([-0.5, -0.25]) and effect["delta"] == pytest.approx(-0.375)
+    assert effect["ci95_seeds"] == pytest.approx([-0.375 - 12.706 * 0.125, -0.375 + 12.706 * 0.125])
+    line = role_swap_table([effect]).splitlines()[-1]
+    assert line.startswith("| `lora` | 0, 1 | 75.0, 75.0 | 25.0, 50.0 | -37.5 pts [")
+    assert "| -50.0, -25.0 | [-196.3, +121.3] |" in line
+    assert role_swap_effects(arms[2:]) == []
+    table = write_learning_report(arms[:2], "memory://swap-report")
+    assert "roles swapped (positive control)" in table
+
+
 def test_detectable_effect_and_seeds_needed_follow_the_t_distribution():
     from pettingflow.analysis.stats import T_975, Z_975, detectable_effect, t_quantile, units_needed
 
