@@ -37,8 +37,9 @@ def markdown_table(rows: Sequence[Mapping[str, Any]]) -> str:
     lines = [
         "| config | held-out pass@1, sampled: before | after | change (95 % CI over tasks) | greedy: before "
         "| after | roles swapped, after | train tasks drawn twice: first draw → last (95 % CI) "
-        "| train reward, first 4 it. | last 4 it. | iterations |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| train reward, first 4 it. | last 4 it. | iterations | tokens generated in training (k) "
+        "| wall time, evaluations included (min) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         delta = "n/a" if r["heldout_delta"] is None else f"{100 * r['heldout_delta']:+.1f} pts"
@@ -46,10 +47,12 @@ def markdown_table(rows: Sequence[Mapping[str, Any]]) -> str:
             low, high = r["heldout_ci95"]
             delta += f" [{100 * low:+.1f}, {100 * high:+.1f}]"
         seed = "" if r.get("seed") is None else f" (seed {r['seed']})"
+        wall = f"{r['wall_s'] / 60:.1f}" if r.get("wall_s") else "n/a"  # n/a: rebuilt from runs, not timed by learn
         lines.append(
             f"| `{r['config']}`{seed} | {pct(r['heldout_before'])} | {pct(r['heldout_after'])} | {delta} | "
             f"{pct(r['greedy_before'])} | {pct(r['greedy_after'])} | {pct(r.get('swapped_after'))} | {_revisit(r)} | "
-            f"{num(r['train_reward_first4'])} | {num(r['train_reward_last4'])} | {r['iterations']} |"
+            f"{num(r['train_reward_first4'])} | {num(r['train_reward_last4'])} | {r['iterations']} | "
+            f"{r['tokens_generated'] / 1000:.1f} | {wall} |"
         )
     return "\n".join(lines)
 

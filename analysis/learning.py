@@ -354,6 +354,7 @@ def results_table(arms: Sequence[ArmResult]) -> list[dict[str, Any]]:
                 "seed": arm.seed,
                 "headline_agent": arm.headline_agent,
                 "tokens_generated": arm.tokens_generated,
+                "wall_s": arm.wall_s,
                 "rows_trained": int(sum(p.get("rows_trained", 0.0) for p in arm.curve)),
                 "run_id": arm.run_id,
             }

@@ -35,7 +35,9 @@ def test_first_last_mean_uses_at_most_half_of_the_points():
 
 
 def test_results_table_reports_held_out_change_and_train_trend():
-    rows = results_table([_arm("solo", 0.25, 0.40, [0.1, 0.2, 0.2, 0.3, 0.5, 0.5, 0.6, 0.6])])
+    solo = _arm("solo", 0.25, 0.40, [0.1, 0.2, 0.2, 0.3, 0.5, 0.5, 0.6, 0.6])
+    solo.wall_s = 90.0
+    rows = results_table([solo])
     (row,) = rows
     assert row["heldout_before"] == 0.25 and row["heldout_after"] == 0.40
     assert math.isclose(row["heldout_delta"], 0.15)
@@ -45,7 +47,7 @@ def test_results_table_reports_held_out_change_and_train_trend():
     table = markdown_table(rows)
     expected = (
         "| `solo` | 25.0 % | 40.0 % | +15.0 pts | 12.5 % | 20.0 % | n/a "
-        "| n/a (no task drawn twice) | 0.200 | 0.550 | 8 |"
+        "| n/a (no task drawn twice) | 0.200 | 0.550 | 8 | 0.0 | 1.5 |"  # no tokens counted in this curve
     )
     assert expected in table
     arm = _arm("solo", 0.25, 0.40, [0.1, 0.2])
