@@ -78,6 +78,24 @@ def _difference(d: Mapping[str, Any]) -> str:
     )
 
 
+def summary_table(summaries: Sequence[Mapping[str, Any]]) -> str:
+    """Per config over its seeds (``learning.config_summaries``): mean scores, the change with its intervals,
+    and the mean budget and cost of a run."""
+    lines = [
+        "| config, over seeds | seeds | held-out before (mean) | after (mean) | change (95 % CI over tasks) "
+        "| per seed | 95 % CI over seeds | detectable (80 % power): seeds, tasks | tokens generated (k, mean) "
+        "| iterations (mean) | wall time (min, mean) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for c in summaries:
+        wall = "n/a" if c.get("wall_s") is None else f"{c['wall_s'] / 60:.1f}"
+        lines.append(
+            f"| `{c['config']}` | {', '.join(map(str, c['seeds']))} | {_pcts([c['before']])} | {_pcts([c['after']])} | "
+            f"{_difference(c)} | {c['tokens_generated'] / 1000:.1f} | {c['iterations']:.1f} | {wall} |"
+        )
+    return "\n".join(lines)
+
+
 def comparison_table(comparisons: Sequence[Mapping[str, Any]]) -> str:
     """Arm against arm (``learning.compare_arms``): each arm's held-out change per seed, the difference of
     the changes with its interval over tasks, and the tokens each arm generated in training."""

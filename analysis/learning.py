@@ -20,6 +20,7 @@ from pettingflow.analysis.figures import (
     learning_png,
     markdown_table,
     role_swap_table,
+    summary_table,
 )
 from pettingflow.analysis.stats import first_last_mean, paired_arm_difference, paired_bootstrap
 from pettingflow.rollout import records
@@ -404,6 +405,42 @@ def compare_arms(arms: Sequence[ArmResult], view: str = "sampled") -> list[dict[
     return out
 
 
+def config_summaries(arms: Sequence[ArmResult], view: str = "sampled") -> list[dict[str, Any]]:
+    """Per config over its seeds: mean held-out score before and after, the change with its intervals over tasks
+    and over seeds (``stats.paired_arm_difference`` without a second arm), and the mean budget and cost.
+
+    Why: a study of several configs times several seeds has a row per run; this is the row per config that a reader
+    compares first, with the spread between seeds next to it."""
+    by_config: dict[str, list[ArmResult]] = {}
+    for arm in arms:
+        if _has_view(arm, view):
+            by_config.setdefault(arm.config, []).append(arm)
+    out = []
+    for config, runs in by_config.items():
+        runs = sorted(runs, key=lambda arm: -1 if arm.seed is None else arm.seed)
+        change = paired_arm_difference([(x.outcomes["before"][view], x.outcomes["after"][view]) for x in runs])
+        timed = [x.wall_s for x in runs if x.wall_s]
+        out.append(
+            {
+                "config": config,
+                "view": view,
+                "seeds": [x.seed for x in runs],
+                "before": _mean([x.headline("before", view) for x in runs]),
+                "after": _mean([x.headline("after", view) for x in runs]),
+                "tokens_generated": _mean([x.tokens_generated for x in runs]),
+                "iterations": _mean([len(x.curve) for x in runs]),
+                "wall_s": _mean(timed) if timed else None,
+                **change,
+            }
+        )
+    return out
+
+
+def _mean(values: Sequence[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return sum(known) / len(known) if known else None
+
+
 def role_swap_effects(arms: Sequence[ArmResult]) -> list[dict[str, Any]]:
     """Per config scored with its roles swapped after training: the swapped score minus the score as trained,
     paired by seed and held-out task (``stats.paired_arm_difference`` without a second arm).
@@ -451,7 +488,10 @@ def write_learning_report(
     rows = results_table(arms)
     comparisons = compare_arms(arms)
     swaps = role_swap_effects(arms)
+    summaries = config_summaries(arms)
     table = markdown_table(rows)
+    if any(len(c["seeds"]) > 1 for c in summaries):
+        table += "\n\n" + summary_table(summaries)
     if comparisons:
         table += "\n\n" + comparison_table(comparisons)
     if swaps:
@@ -459,7 +499,8 @@ def write_learning_report(
     fs, root = fsspec.core.url_to_fs(out_uri, **(storage_options or {}))
     fs.makedirs(root, exist_ok=True)
     with fs.open(f"{root}/learning.json", "w") as fh:
-        document = {**extra, "rows": rows, "comparisons": comparisons, "role_swaps": swaps}
+        document = {**extra, "rows": rows, "configs_over_seeds": summaries, "comparisons": comparisons}
+        document["role_swaps"] = swaps
         json.dump({**document, "arms": [a.to_json() for a in arms]}, fh, indent=2)
     with fs.open(f"{root}/learning.png", "wb") as fh:
         fh.write(learning_png(arms))

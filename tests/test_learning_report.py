@@ -148,8 +148,8 @@ def _seeded_arm(config: str, seed: int, before: dict, after: dict, tokens: float
 
 
 def test_compare_arms_pairs_configs_seed_by_seed_and_prints_the_table():
-    from pettingflow.analysis.figures import comparison_table
-    from pettingflow.analysis.learning import compare_arms
+    from pettingflow.analysis.figures import comparison_table, summary_table
+    from pettingflow.analysis.learning import compare_arms, config_summaries
 
     base = {0: [False, False], 1: [False, True]}
     good = {0: [True, True], 1: [False, True]}
@@ -168,6 +168,14 @@ def test_compare_arms_pairs_configs_seed_by_seed_and_prints_the_table():
     # over seeds (the training run as the unit): differences 0.5 and 0.0, sd/sqrt(2) = 0.25, t(.975, 1 df) = 12.706
     assert c["ci95_seeds"] == pytest.approx([0.25 - 12.706 * 0.25, 0.25 + 12.706 * 0.25])
     assert c["detectable_seeds"] == pytest.approx((12.706 + 1.376) * 0.25)  # two seeds see only huge effects
+    tree, indep, solo = config_summaries(arms)
+    assert (tree["config"], tree["seeds"], tree["per_seed"]) == ("tree", [0, 1], [0.5, 0.5])
+    assert (tree["before"], tree["after"], tree["tokens_generated"]) == (0.25, 0.75, 1050.0)
+    assert indep["per_seed"] == [0.0, 0.5] and indep["delta"] == 0.25 and indep["wall_s"] is None  # not timed
+    assert solo["seeds"] == [7] and solo["ci95_seeds"] is None
+    summary = summary_table([tree, indep]).splitlines()
+    assert summary[-2].startswith("| `tree` | 0, 1 | 25.0 | 75.0 | +50.0 pts [+0.0, +100.0] | +50.0, +50.0 |")
+    assert summary[-1].endswith("| 1.1 | 1.0 | n/a |")
     line = comparison_table([c]).splitlines()[-1]
     assert line == (
         "| `tree` vs `indep` | 0, 1 | 25.0, 25.0 → 75.0, 75.0 | 25.0, 25.0 → 25.0, 75.0 | +25.0 pts "
