@@ -10,7 +10,7 @@ This module finds the runs and their evaluations and assembles each arm; the sta
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -411,15 +411,9 @@ def config_summaries(arms: Sequence[ArmResult], view: str = "sampled") -> list[d
 
     Why: a study of several configs times several seeds has a row per run; this is the row per config that a reader
     compares first, with the spread between seeds next to it."""
-    by_config: dict[str, list[ArmResult]] = {}
-    for arm in arms:
-        if _has_view(arm, view):
-            by_config.setdefault(arm.config, []).append(arm)
     out = []
-    for config, runs in by_config.items():
-        runs = sorted(runs, key=lambda arm: -1 if arm.seed is None else arm.seed)
+    for config, runs in _seeds_by_config(arms, lambda arm: _has_view(arm, view)).items():
         change = paired_arm_difference([(x.outcomes["before"][view], x.outcomes["after"][view]) for x in runs])
-        timed = [x.wall_s for x in runs if x.wall_s]
         out.append(
             {
                 "config": config,
@@ -429,11 +423,20 @@ def config_summaries(arms: Sequence[ArmResult], view: str = "sampled") -> list[d
                 "after": _mean([x.headline("after", view) for x in runs]),
                 "tokens_generated": _mean([x.tokens_generated for x in runs]),
                 "iterations": _mean([len(x.curve) for x in runs]),
-                "wall_s": _mean(timed) if timed else None,
+                "wall_s": _mean([x.wall_s or None for x in runs]),  # 0: rebuilt from runs, not timed
                 **change,
             }
         )
     return out
+
+
+def _seeds_by_config(arms: Sequence[ArmResult], keep: Callable[[ArmResult], bool]) -> dict[str, list[ArmResult]]:
+    """config -> its arms that ``keep`` accepts, in seed order (the order of every per-seed column)."""
+    by_config: dict[str, list[ArmResult]] = {}
+    for arm in arms:
+        if keep(arm):
+            by_config.setdefault(arm.config, []).append(arm)
+    return {c: sorted(runs, key=lambda arm: -1 if arm.seed is None else arm.seed) for c, runs in by_config.items()}
 
 
 def _mean(values: Sequence[float | None]) -> float | None:
@@ -449,13 +452,9 @@ def role_swap_effects(arms: Sequence[ArmResult]) -> list[dict[str, Any]]:
     reports 96 -> 6 on plan-path); the interval and the detectable effect say whether this design could see that,
     and so whether it could see a smaller effect between arms. Both evaluations use the same tasks and seeds.
     """
-    by_config: dict[str, list[ArmResult]] = {}
-    for arm in arms:
-        if "swapped" in arm.outcomes.get("after", {}) and "sampled" in arm.outcomes.get("after", {}):
-            by_config.setdefault(arm.config, []).append(arm)
     out = []
-    for config, runs in by_config.items():
-        runs = sorted(runs, key=lambda arm: -1 if arm.seed is None else arm.seed)
+    swapped = _seeds_by_config(arms, lambda arm: {"sampled", "swapped"} <= set(arm.outcomes.get("after", {})))
+    for config, runs in swapped.items():
         diff = paired_arm_difference([(x.outcomes["after"]["sampled"], x.outcomes["after"]["swapped"]) for x in runs])
         out.append(
             {
@@ -499,9 +498,15 @@ def write_learning_report(
     fs, root = fsspec.core.url_to_fs(out_uri, **(storage_options or {}))
     fs.makedirs(root, exist_ok=True)
     with fs.open(f"{root}/learning.json", "w") as fh:
-        document = {**extra, "rows": rows, "configs_over_seeds": summaries, "comparisons": comparisons}
-        document["role_swaps"] = swaps
-        json.dump({**document, "arms": [a.to_json() for a in arms]}, fh, indent=2)
+        document = {
+            **extra,
+            "rows": rows,
+            "configs_over_seeds": summaries,
+            "comparisons": comparisons,
+            "role_swaps": swaps,
+            "arms": [a.to_json() for a in arms],
+        }
+        json.dump(document, fh, indent=2)
     with fs.open(f"{root}/learning.png", "wb") as fh:
         fh.write(learning_png(arms))
     with fs.open(f"{root}/learning.md", "w") as fh:
