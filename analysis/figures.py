@@ -61,8 +61,11 @@ def _pcts(values: Sequence[Any]) -> str:
     return ", ".join("n/a" if v is None else f"{100 * v:.1f}" for v in values)
 
 
-def _interval(values: Sequence[float] | None) -> str:
-    return "n/a (1 seed)" if not values else f"[{100 * values[0]:+.1f}, {100 * values[1]:+.1f}]"
+def _interval(d: Mapping[str, Any]) -> str:
+    """The interval over seeds, or why there is none (``stats.paired_arm_difference``)."""
+    if values := d.get("ci95_seeds"):
+        return f"[{100 * values[0]:+.1f}, {100 * values[1]:+.1f}]"
+    return "n/a (seeds agree exactly)" if d.get("seed_sd") == 0.0 else "n/a (1 seed)"
 
 
 def _pts(value: float | None) -> str:
@@ -73,7 +76,7 @@ def _difference(d: Mapping[str, Any]) -> str:
     """The cells of a ``stats.paired_arm_difference``: mean [CI over tasks] | per seed | CI over seeds | detectable."""
     return (
         f"{100 * d['delta']:+.1f} pts [{100 * d['ci95_low']:+.1f}, {100 * d['ci95_high']:+.1f}] | "
-        f"{', '.join(f'{100 * x:+.1f}' for x in d['per_seed'])} | {_interval(d.get('ci95_seeds'))} | "
+        f"{', '.join(f'{100 * x:+.1f}' for x in d['per_seed'])} | {_interval(d)} | "
         f"{_pts(d.get('detectable_seeds'))}, {_pts(d.get('detectable_tasks'))}"
     )
 

@@ -90,7 +90,8 @@ def paired_arm_difference(
     Why the per-seed numbers too: with two or three seeds an interval over seeds is wide, so the spread between
     training runs is shown as it is, next to the interval that covers tasks and sampling. ``ci95_seeds`` is the
     t-interval over the seeds' differences (the training run as the unit), and ``detectable_seeds`` /
-    ``detectable_tasks`` the smallest effect the design detects with 80 % power over seeds / over tasks.
+    ``detectable_tasks`` the smallest effect the design detects with 80 % power over seeds / over tasks; both
+    over-seed numbers are None when there is one seed or the seeds agree exactly (``seed_sd`` 0: no spread seen).
     Without ``b``, A's change alone, with the same intervals: e.g. the trained team's score with its roles swapped
     minus its score as trained (``a[s] = (as trained, swapped)``), the positive control of a study.
     """
@@ -113,8 +114,12 @@ def paired_arm_difference(
     low, high = _task_bootstrap(diffs, n_boot, seed)
     seed_means = per_seed.mean(axis=1)
     over_seeds: dict[str, Any] = {"ci95_seeds": None, "detectable_seeds": None, "seed_sd": None}
-    if len(seed_means) >= 2:  # training-run variance: the seed is the unit
-        sd = float(seed_means.std(ddof=1))
+    sd = float(seed_means.std(ddof=1)) if len(seed_means) >= 2 else None  # training-run variance: seed = unit
+    if sd is not None and sd < 1e-12:
+        # Seeds that agree exactly (scores move in steps of 1/samples) give no estimate of the spread between
+        # training runs: a zero-width interval and a detectable effect of 0 would read as certainty.
+        over_seeds["seed_sd"] = 0.0
+    elif sd is not None:
         half = t_quantile(T_975, len(seed_means) - 1, Z_975) * sd / len(seed_means) ** 0.5
         over_seeds = {
             "ci95_seeds": [float(seed_means.mean() - half), float(seed_means.mean() + half)],

@@ -129,6 +129,25 @@ def test_paired_arm_difference_by_hand():
         paired_arm_difference(a, b[:1])
 
 
+def test_seeds_that_agree_exactly_give_no_interval_over_seeds():
+    """Two seeds with the same change (+1/6 each, on different tasks) say nothing about the spread between
+    training runs: no zero-width interval, no detectable effect of 0, and the table says why."""
+    from pettingflow.analysis.figures import _difference
+    from pettingflow.analysis.stats import paired_arm_difference
+
+    base = {0: [False, False], 1: [True, False], 2: [False, False]}
+    a = [
+        (base, {0: [True, False], 1: [True, False], 2: [False, False]}),
+        (base, {0: [False, False], 1: [True, False], 2: [True, False]}),
+    ]
+    out = paired_arm_difference(a, n_boot=200)
+    assert out["per_seed"][0] == out["per_seed"][1] > 0
+    assert (out["ci95_seeds"], out["detectable_seeds"], out["seed_sd"]) == (None, None, 0.0)
+    assert out["detectable_tasks"] is not None
+    assert "n/a (seeds agree exactly) | n/a, " in _difference(out)
+    assert "n/a (1 seed)" in _difference(paired_arm_difference(a[:1], n_boot=200))
+
+
 def _seeded_arm(config: str, seed: int, before: dict, after: dict, tokens: float) -> ArmResult:
     def scores(outcomes: dict) -> dict:
         rate = sum(sum(v) for v in outcomes.values()) / sum(len(v) for v in outcomes.values())
