@@ -267,6 +267,7 @@ def test_generation_budget_ends_the_run_early(tmp_path, prefect_env, tiny_model,
     assert generated_tokens(layout) >= 1
 
 
+@pytest.mark.slow  # the study runner (`learn`), about 30 s here: kept out of the quick loop, run by `make test`
 def test_learn_scores_a_lora_team_with_its_roles_swapped(tmp_path, prefect_env, tiny_model, scripted) -> None:
     """The positive control: an arm whose two agents have adapters of their own is also scored after training
     with each agent played by the other's adapter (view ``swapped``), stored, reported and rebuilt from storage."""
@@ -305,6 +306,7 @@ def test_learn_scores_a_lora_team_with_its_roles_swapped(tmp_path, prefect_env, 
     assert rebuilt.evaluations == arm["evaluations"] and rebuilt.headline("after", "swapped") == row["swapped_after"]
 
 
+@pytest.mark.slow  # the study runner (`learn`), about a minute here: kept out of the quick loop, run by `make test`
 def test_learn_evaluates_trains_and_reevaluates_each_config(tmp_path, prefect_env, tiny_model, scripted) -> None:
     """The learn flow: base evaluation, training, final evaluation per config, then one summary."""
     import json
