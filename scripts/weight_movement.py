@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
-def _last(run: str, pattern: str) -> list[str]:
+def _by_iteration(run: str, pattern: str) -> list[str]:
     """Files matching ``pattern`` in a run's iteration folders, oldest iteration first."""
     return sorted(glob.glob(f"{run}/iter-*/{pattern}"), key=lambda p: int(p.split("/iter-")[1].split("/")[0]))
 
@@ -50,7 +50,7 @@ def main() -> None:
     parser.add_argument("--base", default=str(Path.home() / ".cache/pettingflow/models/smollm2-135m-instruct"))
     args = parser.parse_args()
     base = load_file(str(Path(args.base, "model.safetensors")))
-    adapters = _last(args.run, "update-*/adapters/*/adapter_model.safetensors")
+    adapters = _by_iteration(args.run, "update-*/adapters/*/adapter_model.safetensors")
     if adapters:
         last_iter = adapters[-1].split("/update-")[0]
         folders = sorted({str(Path(p).parent) for p in adapters if p.startswith(last_iter + "/")})
@@ -66,7 +66,7 @@ def main() -> None:
             mean_cos = sum(cos) / len(cos)
             print(f"{a} - {b}: ||dW_a - dW_b||/||W|| {_summary(apart)}; cosine of the updates, mean {mean_cos:.3f}")
         return
-    models = _last(args.run, "update-*/model/model.safetensors")
+    models = _by_iteration(args.run, "update-*/model/model.safetensors")
     if not models:
         raise SystemExit(f"no saved adapters or model under {args.run}/iter-*/update-*/; was it pruned to nothing?")
     after = load_file(models[-1])
