@@ -6,28 +6,30 @@ full fine-tune's last saved model, or for each adapter of a LoRA run (``dW = alp
 pair also how far apart the two adapters are (``||dW_a - dW_b|| / ||W||``: the change a role swap makes) and the
 cosine of their updates.
 
-    .venv/bin/python scripts/weight_movement.py outputs/runs/<run>        # the base model from the cache
+    .venv/bin/python scripts/weight_movement.py <run_id> [--root <storage root>]
+
+The weights are the run's last committed update per policy and the base model its config names, found the way a
+resumed run finds them (``runs.lineage.weights_before``), so pruned weights fail with the same message.
 """
 
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
+from pettingflow.runs.lineage import weights_before
+from pettingflow.runs.run import RunRef, load_run_config
+from pettingflow.storage.run_index import find_run
+
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
-def _by_iteration(run: str, pattern: str) -> list[str]:
-    """Files matching ``pattern`` in a run's iteration folders, oldest iteration first."""
-    return sorted(glob.glob(f"{run}/iter-*/{pattern}"), key=lambda p: int(p.split("/iter-")[1].split("/")[0]))
-
-
 def _adapter_updates(folder: str) -> dict[str, torch.Tensor]:
+    """Module weight name -> the adapter's update ``alpha / r * B @ A``."""
     cfg = json.loads(Path(folder, "adapter_config.json").read_text())
     scale = cfg["lora_alpha"] / cfg["r"]
     tensors = load_file(str(Path(folder, "adapter_model.safetensors")))
@@ -40,42 +42,41 @@ def _adapter_updates(folder: str) -> dict[str, torch.Tensor]:
     }
 
 
-def _summary(rel: list[float]) -> str:
+def _relative(updates: dict[str, torch.Tensor], base: dict[str, torch.Tensor]) -> str:
+    """``||dW|| / ||W||`` per module, as mean and max."""
+    rel = [(d.norm() / base[k].float().norm()).item() for k, d in updates.items()]
     return f"mean {sum(rel) / len(rel):.2e}, max {max(rel):.2e} over {len(rel)} projections"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("run", help="a run folder (outputs/runs/<run>) with its last update's weights kept")
-    parser.add_argument("--base", default=str(Path.home() / ".cache/pettingflow/models/smollm2-135m-instruct"))
+    parser.add_argument("run_id", help="a run whose last update's weights were kept (`pettingflow runs list`)")
+    parser.add_argument("--root", help="its storage root (default: where this machine's run index says it is)")
     args = parser.parse_args()
-    base = load_file(str(Path(args.base, "model.safetensors")))
-    adapters = _by_iteration(args.run, "update-*/adapters/*/adapter_model.safetensors")
-    if adapters:
-        last_iter = adapters[-1].split("/update-")[0]
-        folders = sorted({str(Path(p).parent) for p in adapters if p.startswith(last_iter + "/")})
-        updates = {Path(f).name: _adapter_updates(f) for f in folders}
-        for name, upd in updates.items():
-            print(
-                f"{name}: ||dW||/||W|| {_summary([(d.norm() / base[k].float().norm()).item() for k, d in upd.items()])}"
-            )
-        if len(updates) == 2:
-            (a, da), (b, db) = updates.items()
-            apart = [((da[k] - db[k]).norm() / base[k].float().norm()).item() for k in da]
-            cos = [torch.nn.functional.cosine_similarity(da[k].flatten(), db[k].flatten(), dim=0).item() for k in da]
-            mean_cos = sum(cos) / len(cos)
-            print(f"{a} - {b}: ||dW_a - dW_b||/||W|| {_summary(apart)}; cosine of the updates, mean {mean_cos:.3f}")
-        return
-    models = _by_iteration(args.run, "update-*/model/model.safetensors")
-    if not models:
-        raise SystemExit(f"no saved adapters or model under {args.run}/iter-*/update-*/; was it pruned to nothing?")
-    after = load_file(models[-1])
-    rel = [
-        ((after[k].float() - w.float()).norm() / w.float().norm()).item()
-        for k, w in base.items()
-        if k in after and any(p in k for p in PROJECTIONS)
-    ]
-    print(f"{models[-1]}: ||W_after - W||/||W|| {_summary(rel)}")
+    root = args.root or (find_run(args.run_id) or {}).get("root")
+    if not root:
+        raise SystemExit(f"run {args.run_id!r} is not in this machine's run index; pass its storage root with --root")
+    ref = RunRef(root=root, run_id=args.run_id)
+    config, layout = load_run_config(ref), ref.layout()
+    for policy in config.policies:
+        weights = weights_before(layout, config, policy.name, len(layout.iterations()))
+        base = load_file(str(Path(weights.base_dir, "model.safetensors")))
+        print(f"{policy.name}: weights of {weights.source}")
+        if weights.adapters:
+            updates = {agent: _adapter_updates(folder) for agent, folder in weights.adapters.items()}
+            for agent, upd in updates.items():
+                print(f"  {agent}: ||dW||/||W|| {_relative(upd, base)}")
+            if len(updates) == 2:
+                (a, da), (b, db) = updates.items()
+                cos = [torch.nn.functional.cosine_similarity(da[k].flatten(), db[k].flatten(), dim=0) for k in da]
+                print(
+                    f"  {a} - {b}: ||dW_a - dW_b||/||W|| {_relative({k: da[k] - db[k] for k in da}, base)}; "
+                    f"cosine of the updates, mean {sum(cos).item() / len(cos):.3f}"
+                )
+        else:
+            after = load_file(str(Path(weights.model_dir, "model.safetensors")))
+            moved = {k: after[k].float() - w.float() for k, w in base.items() if any(p in k for p in PROJECTIONS)}
+            print(f"  ||W_after - W||/||W|| {_relative(moved, base)}")
 
 
 if __name__ == "__main__":
