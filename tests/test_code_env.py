@@ -17,6 +17,7 @@ import pytest
 
 from pettingflow.configs.settings import SandboxSettings
 from pettingflow.envs.code_env import (
+    HARNESS,
     CaseResult,
     CodeEnv,
     CodeEnvConfig,
@@ -80,14 +81,16 @@ class FakeSandbox:
         self.impls = {GOLDEN: lambda a, b: a + b, GOOD_CODE: lambda a, b: a + b, BUGGY_CODE: lambda a, b: a - b}
         self.impls.update(impls or {})
         self.result = result
-        self.programs: list[str] = []
+        self.programs: list[str] = []  # the stdin (spec) of each run
 
     def run(self, code: str, *, stdin: str = "", timeout_s: float | None = None) -> FakeExecResult:
-        self.programs.append(code)
+        assert code == HARNESS, "the program is always the harness; the jobs travel on stdin"
+        self.programs.append(stdin)
         if self.result is not None:
             return self.result
-        spec = read_program_spec(code)
-        return FakeExecResult(0, False, "noise\n" + spec["marker"] + json.dumps([self._job(j) for j in spec["jobs"]]))
+        spec = read_program_spec(stdin)
+        lines = [spec["marker"] + json.dumps([i, self._job(j)]) for i, j in enumerate(spec["jobs"])]
+        return FakeExecResult(0, False, "noise\n" + "\n".join(lines) + "\n")
 
     async def run_async(self, code: str, *, stdin: str = "", timeout_s: float | None = None) -> FakeExecResult:
         return self.run(code, stdin=stdin, timeout_s=timeout_s)
@@ -161,18 +164,20 @@ def test_task_missing_keys_is_rejected() -> None:
 # --------------------------------------------------------------------------------------------------
 # the harness protocol
 # --------------------------------------------------------------------------------------------------
-def test_program_round_trips_its_spec() -> None:
-    job = Job("def add(a, b): return 0", "add", generated_suite(["assert add(1, 1) == 2"]), context="x = '\\n'")
+def test_program_round_trips_its_spec_on_stdin_and_the_program_holds_none_of_it() -> None:
+    suite = generated_suite(["assert add(1, 1) == 2"], "add")
+    job = Job("def add(a, b): return 0", "add", suite, context="x = '\\n'")
     program = build_program([job], case_timeout_s=1.5, budget_s=3.0, marker="@@M@@ ")
-    spec = read_program_spec(program)
+    spec = read_program_spec(program.stdin)
     assert spec["marker"] == "@@M@@ "
     assert spec["case_timeout_s"] == 1.5
     assert spec["jobs"] == [job.to_json()]
-    compile(program, "<harness>", "exec")  # the whole program is valid Python
+    assert program.code == HARNESS and "@@M@@" not in program.code and "add(1, 1)" not in program.code
+    compile(program.code, "<harness>", "exec")  # the whole program is valid Python
 
 
 def test_missing_summary_fails_every_case_with_a_reason() -> None:
-    job = Job(GOOD_CODE, "add", generated_suite(["assert add(1, 1) == 2", "assert add(1, 2) == 3"]))
+    job = Job(GOOD_CODE, "add", generated_suite(["assert add(1, 1) == 2", "assert add(1, 2) == 3"], "add"))
     timed_out = FakeExecResult(None, True, "partial output")
     [res] = parse_program_output(timed_out, [job], "@@M@@ ")
     assert res.total == 2 and res.passed == 0
@@ -185,9 +190,11 @@ def test_missing_summary_fails_every_case_with_a_reason() -> None:
     assert res.passed == 0 and "cut at the sandbox's cap" in (res.setup_error or "")
 
 
-def test_summary_line_is_found_after_other_output() -> None:
-    job = Job(GOOD_CODE, "add", generated_suite(["assert add(1, 1) == 2", "assert add(1, 2) == 4"]))
-    out = "hello\n@@M@@ " + json.dumps([{"setup_error": None, "cases": [[True, None], [False, "AssertionError"]]}])
+def test_result_lines_are_found_among_other_output_and_forged_ones_without_the_marker_are_ignored() -> None:
+    job = Job(GOOD_CODE, "add", generated_suite(["assert add(1, 1) == 2", "assert add(1, 2) == 4"], "add"))
+    forged = "__PETTINGFLOW_RESULT_0__ " + json.dumps([0, {"setup_error": None, "cases": [[True, None]] * 2}])
+    entry = {"setup_error": None, "cases": [[True, None], [False, "AssertionError"]]}
+    out = f"hello\n{forged}\n@@M@@ " + json.dumps([0, entry]) + "\n@@M@@ " + json.dumps([0, {"cases": []}])
     [res] = parse_program_output(FakeExecResult(0, False, out), [job], "@@M@@ ")
     assert res.flags() == [True, False]
     assert res.cases[1] == CaseResult("assert add(1, 2) == 4", False, "AssertionError")
@@ -427,7 +434,8 @@ def humaneval(task_id: str) -> dict[str, Any]:
 def test_real_sandbox_canonical_solution_passes_all_ground_truth(task_id: str) -> None:
     task = humaneval(task_id)
     env = real_env(task)
-    golden = run(env.evaluate([Job(env.state.golden_code, task["entry_point"], parse_ground_truth(task["test"]))]))
+    suite = parse_ground_truth(task["test"])
+    golden = run(env.evaluate([Job(env.state.golden_code, task["entry_point"], suite, context=task["prompt"])]))
     assert golden[0].ratio == 1.0, golden[0]
     # the same code submitted as "generated" code (prompt context first, entry point redefined)
     ev = run(env.submit_code(task["prompt"] + task["canonical_solution"]))

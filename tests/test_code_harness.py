@@ -1,15 +1,15 @@
-"""The sandbox harness (``envs/code_env/harness.py``) on its own: its functions called directly, and the
-program ``build_program`` makes from it run as a plain subprocess.
+"""The sandbox harness (``envs/code_env/harness.py``) on its own: its functions called directly (the runner
+as a real child process of this one), and the program ``build_program`` makes from it run as a subprocess.
 
-Model code here is test code only. ``main`` and ``clean_slate`` are never called in this process, and no
-program with ``groups`` runs outside the sandbox: ``clean_slate`` kills every process it may signal.
+Model code here is test code only. ``kill_strays`` and ``clean_slate`` do nothing outside a pid namespace of
+their own, which this process is not (a test checks it).
 """
 
 from __future__ import annotations
 
 import ast
 import json
-import os
+import math
 import signal
 import subprocess
 import sys
@@ -22,8 +22,10 @@ import pytest
 from pettingflow.envs.code_env import (
     HARNESS,
     Job,
+    TestGrammarError,
     build_program,
     generated_suite,
+    parse_call_case,
     parse_ground_truth,
     read_program_spec,
 )
@@ -32,6 +34,7 @@ from pettingflow.envs.code_env import harness as h
 GOOD = "def add(a, b):\n    return a + b"
 BUGGY = "def add(a, b):\n    return a - b"
 GROUND_TRUTH = "def check(candidate):\n    assert candidate(2, 3) == 5\n    assert candidate(0, 0) == 0\n"
+PROGRAM = h.__file__  # the runner is this very file, run with --runner
 
 
 @pytest.fixture(autouse=True)
@@ -46,21 +49,18 @@ def _alarm_restored():
         signal.setitimer(signal.ITIMER_REAL, delay, interval)
 
 
-@pytest.fixture
-def null_fd():
-    fd = os.open(os.devnull, os.O_RDWR)
-    yield fd
-    os.close(fd)
-
-
 def job(solution: str, tests: list[str] | None = None, context: str = "") -> dict[str, Any]:
-    suite = generated_suite(tests) if tests is not None else parse_ground_truth(GROUND_TRUTH)
+    suite = generated_suite(tests, "add") if tests is not None else parse_ground_truth(GROUND_TRUTH)
     return Job(solution, "add", suite, context=context).to_json()
 
 
+def source_job(solution: str, steps: list[str], context: str = "") -> dict[str, Any]:
+    """Trusted test text run by the judge (as ground truth is), one case per statement."""
+    return Job(solution, "add", parse_ground_truth("\n".join(steps)), context=context).to_json()
+
+
 def run_here(spec_job: dict[str, Any], case_timeout_s: float = 2.0, budget_s: float = 30.0) -> dict[str, Any]:
-    deadline = time.monotonic() + budget_s
-    return h.collect(spec_job, h.run_inline(spec_job, deadline, case_timeout_s), deadline)
+    return h.run_job(spec_job, time.monotonic() + budget_s, case_timeout_s, PROGRAM)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -73,17 +73,148 @@ def test_the_harness_imports_only_the_standard_library() -> None:
     assert imported - {"__future__"} <= set(sys.stdlib_module_names), imported
 
 
-def test_the_program_is_the_harness_file_with_the_spec_in_place_of_the_placeholder() -> None:
+def test_the_program_is_the_harness_file_and_the_spec_travels_on_stdin() -> None:
     assert Path(h.__file__).read_text() == HARNESS
-    assert h.SPEC_JSON == "__PETTINGFLOW_SPEC__"  # importing it ran nothing
     program = build_program(
-        [Job(GOOD, "add", generated_suite(["assert add(1, 2) == 3"]))], case_timeout_s=1.0, budget_s=5.0
+        [Job(GOOD, "add", generated_suite(["assert add(1, 2) == 3"], "add"))], case_timeout_s=1.0, budget_s=5.0
     )
-    before, after = HARNESS.split('"__PETTINGFLOW_SPEC__"')
-    assert program.startswith(before) and program.endswith(after)
-    spec = read_program_spec(program)
+    assert program.code == HARNESS
+    spec = read_program_spec(program.stdin)
     assert spec["jobs"][0]["solution"] == GOOD and spec["case_timeout_s"] == 1.0
-    ast.parse(program)
+    assert spec["marker"] not in program.code
+
+
+def test_killing_strays_does_nothing_outside_a_pid_namespace_of_our_own() -> None:
+    assert not h.in_own_pid_namespace()
+    h.kill_strays()  # would kill every process of ours on this machine if the guard were wrong
+    h.clean_slate()
+    assert Path(h.__file__).exists()
+
+
+# --------------------------------------------------------------------------------------------------
+# plain data: the only values that cross the boundary
+# --------------------------------------------------------------------------------------------------
+PLAIN_VALUES = [
+    None,
+    True,
+    0,
+    -(10**40),
+    2**63,
+    1.5,
+    float("inf"),
+    "text",
+    b"\x00\xff",
+    [1, [2, "x"]],
+    (1, (2,)),
+    {1, "a"},
+    frozenset({(1, 2)}),
+    {"a": [1], 2: (3,), (4, 5): None},
+    [],
+    (),
+    {},
+]
+
+
+@pytest.mark.parametrize("value", PLAIN_VALUES, ids=repr)
+def test_plain_values_round_trip_through_json_with_their_exact_types(value: Any) -> None:
+    back = h.decode(json.loads(json.dumps(h.encode(value))))
+    assert back == value and type(back) is type(value)
+
+
+def test_nan_round_trips() -> None:
+    assert math.isnan(h.decode(json.loads(json.dumps(h.encode(float("nan"))))))
+
+
+class _Int(int):
+    def __eq__(self, other: object) -> bool:
+        return True
+
+    __hash__ = int.__hash__
+
+
+@pytest.mark.parametrize(
+    ("value", "named"),
+    [
+        (_Int(3), "_Int"),
+        (object(), "object"),
+        ((x for x in []), "generator"),
+        ([1, {2: 1j}], "complex"),
+        (bytearray(b"x"), "bytearray"),
+        (range(3), "range"),
+    ],
+)
+def test_anything_else_is_refused_with_its_type(value: Any, named: str) -> None:
+    with pytest.raises(h.NotPlain, match=f"type .*{named}, not plain data"):
+        h.encode(value)
+
+
+def test_values_too_big_or_too_deep_are_refused() -> None:
+    with pytest.raises(h.NotPlain, match="larger than"):
+        h.encode("x" * (h.MAX_VALUE_BYTES + 1))
+    deep: list[Any] = []
+    for _ in range(h.MAX_DEPTH + 2):
+        deep = [deep]
+    with pytest.raises(h.NotPlain, match="deeper"):
+        h.encode(deep)
+
+
+@pytest.mark.parametrize(
+    "data", [{"x": 1}, {"t": 1}, {"d": [[1]]}, {"s": [[1]]}, {"b": "***"}, {"i": "zz"}, {"t": [1], "s": [2]}]
+)
+def test_decode_accepts_only_the_encoding(data: Any) -> None:
+    with pytest.raises(h.NotPlain):
+        h.decode(data)
+
+
+# --------------------------------------------------------------------------------------------------
+# the test grammar (parse_call_case, host side) and its evaluation by the judge
+# --------------------------------------------------------------------------------------------------
+def test_the_grammar_reads_a_call_and_a_literal() -> None:
+    case = parse_call_case("assert add(1, b=[2]) == (3,)", "add")
+    assert h.decode(case["args"]) == [1] and h.decode(case["kwargs"]) == {"b": [2]}
+    assert case["check"] == "==" and h.decode(case["expected"]) == (3,)
+    assert parse_call_case("assert 3 == add(1, 2)", "add")["check"] == "=="
+    assert parse_call_case("assert add(1, 2) is None", "add")["check"] == "is"
+    assert parse_call_case("assert not add(0, 0)", "add")["check"] == "falsy"
+    close = parse_call_case("assert abs(add(0.1, 0.2) - 0.3) <= 1e-6", "add")
+    assert close["check"] == "close" and close["abs_tol"] == 1e-6 and close["rel_tol"] == 0.0
+    assert parse_call_case("assert math.isclose(add(1, 2), 3.0, rel_tol=0.01)", "add")["rel_tol"] == 0.01
+
+
+@pytest.mark.parametrize(
+    ("test", "why"),
+    [
+        ("assert True", "expected a call of add"),
+        ("assert add(1, 1) == 2 or True", "expected a call of add"),
+        ("assert add(x, 1) == 2", "is not a literal"),
+        ("assert add(1, 1) == len('ab')", "is not a literal"),
+        ("assert add(*[1, 1]) == 2", r"\*args"),
+        ("assert add(1, 1) < 3", "not one of"),
+        ("assert add(1, 1) is 2", "only with True, False or None"),
+        ("x = add(1, 1)", "one assert statement"),
+        ("assert add(1, 1) == 2; import os", "one assert statement"),
+        ("assert add(1, 1) == 1j", "not plain data"),
+        ("assert abs(add(1, 1) - 'x') < 1", "numbers only"),
+        ("assert add(1,", "does not parse"),
+    ],
+)
+def test_the_grammar_refuses_what_is_outside_it_and_says_why(test: str, why: str) -> None:
+    with pytest.raises(TestGrammarError, match=why):
+        parse_call_case(test, "add")
+
+
+def test_a_test_outside_the_grammar_is_a_failing_case_with_the_reason() -> None:
+    [step] = generated_suite(["assert True"], "add").steps
+    assert step.is_case and step.call is None and step.invalid is not None
+    assert run_here(job(GOOD, ["assert True"]))["cases"] == [
+        [False, "not a test this harness runs: expected a call of add(...), found `True` (docs/code-env.md)"]
+    ]
+
+
+def test_bool_and_int_are_told_apart_where_the_test_asks() -> None:
+    returns_one = "def add(a, b):\n    return 1"
+    result = run_here(job(returns_one, ["assert add(1, 0) is True", "assert add(1, 0) == True", "assert add(0, 1)"]))
+    assert [ok for ok, _ in result["cases"]] == [False, True, True]  # 1 == True in Python; `is True` is not
 
 
 # --------------------------------------------------------------------------------------------------
@@ -106,16 +237,19 @@ def test_left_value_shows_the_left_side_of_a_comparison_only() -> None:
 
 
 # --------------------------------------------------------------------------------------------------
-# run_job (in this process) and collect
+# run_job: the judge here, the solution in a runner process
 # --------------------------------------------------------------------------------------------------
 def test_run_job_scores_each_case_on_its_own() -> None:
-    result = run_here(job(BUGGY, ["assert add(2, 3) == 5", "assert add(0, 0) == 0", "assert add(1, '') == 1"]))
+    steps = ["assert add(2, 3) == 5", "assert add(0, 0) == 0", "assert add(1, '') == 1"]
+    result = run_here(source_job(BUGGY, steps))
     assert result["setup_error"] is None
     assert result["cases"] == [
         [False, "AssertionError (left side was -1)"],
         [True, None],
         [False, "TypeError: unsupported operand type(s) for -: 'int' and 'str'"],
     ]
+    # the same asserts written by a model: parsed, then judged on the returned values
+    assert run_here(job(BUGGY, steps))["cases"] == result["cases"]
 
 
 def test_run_job_binds_the_candidate_of_check_and_runs_its_preamble() -> None:
@@ -124,13 +258,23 @@ def test_run_job_binds_the_candidate_of_check_and_runs_its_preamble() -> None:
     assert run_here(spec_job) == {"setup_error": None, "cases": [[True, None]]}
 
 
-def test_the_prompt_runs_first_but_the_solution_must_define_the_entry_point() -> None:
-    context = "def helper(x):\n    return x\n\ndef add(a, b):\n    '''the stub of the prompt'''\n"
+def test_the_prompt_runs_first_in_both_processes_but_the_solution_must_define_the_entry_point() -> None:
+    context = 'def helper(x):\n    return x\n\ndef add(a, b):\n    """the stub of the prompt"""\n'
     uses_helper = "def add(a, b):\n    return helper(a) + b"
-    assert run_here(job(uses_helper, ["assert add(1, 2) == 3"], context=context))["cases"] == [[True, None]]
+    # the runner sees the prompt's helper; so does the judge's check (as HumanEval/32's check uses `poly`)
+    steps = ["assert add(1, 2) == 3", "assert helper(add(1, 2)) == 3"]
+    assert run_here(source_job(uses_helper, steps, context=context))["cases"] == [[True, None], [True, None]]
     result = run_here(job("x = 1", ["assert add(1, 2) == 3"], context=context))
     assert result["setup_error"] == "the solution does not define a function named add"
     assert result["cases"] == [[False, "the solution does not define a function named add"]]
+
+
+def test_the_judge_never_sees_the_solutions_own_names() -> None:
+    # a solution that redefines a helper the check uses changes nothing for the check
+    shadows = "def helper(x):\n    return 0\ndef add(a, b):\n    return a + b"
+    context = "def helper(x):\n    return x\n"
+    result = run_here(source_job(shadows, ["assert helper(add(1, 2)) == 3"], context=context))
+    assert result["cases"] == [[True, None]]
 
 
 def test_a_solution_that_does_not_load_fails_every_case_with_the_reason() -> None:
@@ -139,39 +283,33 @@ def test_a_solution_that_does_not_load_fails_every_case_with_the_reason() -> Non
     assert [ok for ok, _ in result["cases"]] == [False, False]
 
 
-def test_a_case_that_hangs_times_out_alone() -> None:
+def test_a_case_that_hangs_times_out_alone_and_the_next_gets_a_fresh_runner() -> None:
     hangs = "def add(a, b):\n    while a == 1:\n        pass\n    return a + b"
-    result = run_here(job(hangs, ["assert add(1, 2) == 3", "assert add(2, 3) == 5"]), case_timeout_s=0.2)
+    result = run_here(job(hangs, ["assert add(1, 2) == 3", "assert add(2, 3) == 5"]), case_timeout_s=0.3)
     assert result["cases"] == [[False, "timed out"], [True, None]]
 
 
-def test_collect_fails_the_cases_without_a_record_and_skips_garbage() -> None:
-    spec_job = job(GOOD, ["assert add(1, 2) == 3", "assert add(2, 2) == 4"])
-    lines = ['{"setup_error": null}', "not json", '{"i": 0, "ok": true, "error": null}']
-    alive = h.collect(spec_job, lines, time.monotonic() + 60.0)
-    assert alive["cases"] == [[True, None], [False, "the test process died before reaching this case"]]
-    late = h.collect(spec_job, lines, time.monotonic() - 1.0)
-    assert late["cases"][1] == [False, "timed out (time budget of this run used up)"]
-
-
-# --------------------------------------------------------------------------------------------------
-# run_forked and run_group: model code in a child
-# --------------------------------------------------------------------------------------------------
-def test_run_forked_loses_only_the_cases_after_the_child_died(null_fd: int) -> None:
+def test_a_runner_that_dies_loses_only_its_case() -> None:
     dies = "import os\ndef add(a, b):\n    if a == 1:\n        os._exit(3)\n    return a + b"
-    spec_job = job(dies, ["assert add(2, 3) == 5", "assert add(1, 1) == 2", "assert add(0, 0) == 0"])
-    deadline = time.monotonic() + 30.0
-    lines = h.run_forked(spec_job, deadline, 2.0, null_fd)
-    assert lines is not None
-    result = h.collect(spec_job, lines, deadline)
-    assert [ok for ok, _ in result["cases"]] == [True, False, False]
-    assert result["cases"][1][1] == "the test process died before reaching this case"
+    result = run_here(job(dies, ["assert add(2, 3) == 5", "assert add(1, 1) == 2", "assert add(0, 0) == 0"]))
+    assert [ok for ok, _ in result["cases"]] == [True, False, True]
+    assert result["cases"][1][1].startswith("the solution's process failed during the call")
 
 
-def test_run_group_appends_one_entry_per_job_in_order(null_fd: int) -> None:
+def test_exceptions_cross_as_builtin_classes_and_never_as_base_exceptions() -> None:
+    raises = "def add(a, b):\n    if a == 0:\n        raise ValueError('no zero')\n    raise SystemExit(0)\n"
+    steps = [
+        "try:\n    add(0, 1)\n    assert False\nexcept ValueError as e:\n    assert str(e) == 'no zero'",
+        "assert add(1, 1) == 2",
+    ]
+    result = run_here(source_job(raises, steps))
+    assert result["cases"] == [[True, None], [False, "SystemExit: 0"]]
+
+
+def test_run_group_emits_one_entry_per_job_in_order() -> None:
     jobs = [job(GOOD), job(BUGGY), job(GOOD, [])]
     results: list[dict[str, Any]] = []
-    h.run_group(jobs, 30.0, results, 2.0, null_fd)
+    h.run_group(jobs, 30.0, results.append, 2.0, PROGRAM)
     assert [r["cases"] for r in results] == [
         [[True, None], [True, None]],
         [[False, "AssertionError (left side was -1)"], [True, None]],
@@ -180,23 +318,28 @@ def test_run_group_appends_one_entry_per_job_in_order(null_fd: int) -> None:
 
 
 # --------------------------------------------------------------------------------------------------
-# the whole program, as a subprocess (one group: never clean_slate outside the sandbox)
+# the whole program, as a subprocess
 # --------------------------------------------------------------------------------------------------
-def test_the_program_prints_only_the_marked_summary(tmp_path: Path) -> None:
+def test_the_program_prints_only_the_marked_results_one_line_per_job(tmp_path: Path) -> None:
     noisy = "import sys\nprint('noise')\nsys.stderr.write('more')\ndef add(a, b):\n    return a + b"
     jobs = [
         Job(noisy, "add", parse_ground_truth(GROUND_TRUTH)),
-        Job(BUGGY, "add", generated_suite(["assert add(1, 1) == 2"])),
+        Job(BUGGY, "add", generated_suite(["assert add(1, 1) == 2"], "add")),
     ]
     program = build_program(jobs, case_timeout_s=2.0, budget_s=30.0, marker="__MARK__ ")
-    assert "groups" not in read_program_spec(program)
+    (tmp_path / "main.py").write_text(program.code)
     run = subprocess.run(
-        [sys.executable, "-I", "-c", program], cwd=tmp_path, capture_output=True, text=True, timeout=120
+        [sys.executable, "-I", "main.py"],
+        input=program.stdin,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert run.returncode == 0, run.stderr
-    assert run.stdout.startswith("__MARK__ ") and run.stdout.count("\n") == 1
-    summary = json.loads(run.stdout[len("__MARK__ ") :])
-    assert summary == [
-        {"setup_error": None, "cases": [[True, None], [True, None]]},
-        {"setup_error": None, "cases": [[False, "AssertionError (left side was 0)"]]},
+    lines = run.stdout.splitlines()
+    assert all(line.startswith("__MARK__ ") for line in lines)
+    assert [json.loads(line[len("__MARK__ ") :]) for line in lines] == [
+        [0, {"setup_error": None, "cases": [[True, None], [True, None]]}],
+        [1, {"setup_error": None, "cases": [[False, "AssertionError (left side was 0)"]]}],
     ]

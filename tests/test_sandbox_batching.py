@@ -120,8 +120,8 @@ def test_a_sandbox_error_reaches_every_caller_of_the_merged_run() -> None:
 def test_a_merged_run_without_a_summary_falls_back_to_runs_of_their_own() -> None:
     class DropsMerged(SlowFakeSandbox):
         def run(self, code: str, *, stdin: str = "", timeout_s: float | None = None):
-            if "groups" in read_program_spec(code):
-                self.programs.append(code)
+            if "groups" in read_program_spec(stdin):
+                self.programs.append(stdin)
                 from test_code_env import FakeExecResult
 
                 return FakeExecResult(None, False, "", killed_reason="signal:SIGKILL")
@@ -155,7 +155,7 @@ def test_batchers_are_per_event_loop_and_sandbox() -> None:
 
 
 def test_groups_must_partition_the_jobs() -> None:
-    job = Job(GOOD_CODE, "add", generated_suite(["assert add(1, 1) == 2"]))
+    job = Job(GOOD_CODE, "add", generated_suite(["assert add(1, 1) == 2"], "add"))
     with pytest.raises(ValueError, match="partition"):
         build_program([job, job], case_timeout_s=1.0, budget_s=1.0, groups=[1])
 
@@ -234,5 +234,5 @@ def test_real_merged_run_each_episode_has_its_own_time_budget() -> None:
 def test_ground_truth_suite_in_merged_program_is_per_job() -> None:
     suite = parse_ground_truth(TOY_TASK["test"])
     jobs = [Job(GOOD_CODE, "add", suite), Job(BUGGY_CODE, "add", suite)]
-    spec = read_program_spec(build_program(jobs, case_timeout_s=1.0, budget_s=2.0, groups=[1, 1]))
+    spec = read_program_spec(build_program(jobs, case_timeout_s=1.0, budget_s=2.0, groups=[1, 1]).stdin)
     assert spec["groups"] == [[1, 2.0], [1, 2.0]] and len(spec["jobs"]) == 2

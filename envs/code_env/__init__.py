@@ -9,8 +9,8 @@ One concern per module; this package re-exports their public names, so
 ``from pettingflow.envs.code_env import X`` is the import to use:
 
 * ``suites``: HumanEval / generated test code -> separately scored asserts (``AssertSuite``, ``Job``);
-* ``harness``: the stdlib-only program that runs in the sandbox (sent as text, never imported there);
-* ``program``: ``build_program`` (the harness with the jobs embedded) and ``read_program_spec``;
+* ``harness``: the stdlib-only program that runs in the sandbox: a judge, and a runner holding the model's code;
+* ``program``: ``build_program`` (the harness, and the jobs' spec for its stdin) and ``read_program_spec``;
 * ``results``: per-case results and reading them from the sandbox output;
 * ``rewards``: the code agent's and the test agent's rewards;
 * ``batching``: ``SandboxBatcher``, merging evaluations that queue behind a busy sandbox;
@@ -28,10 +28,18 @@ from pettingflow.envs.code_env.env import (
     CodeEvaluation,
     UnitTestEvaluation,
 )
-from pettingflow.envs.code_env.program import HARNESS, build_program, read_program_spec
+from pettingflow.envs.code_env.program import HARNESS, Program, build_program, new_marker, read_program_spec
 from pettingflow.envs.code_env.results import CaseResult, SuiteResult, complete_summary, parse_program_output
 from pettingflow.envs.code_env.rewards import UnitTestReward, code_reward, code_success, unit_test_reward
-from pettingflow.envs.code_env.suites import AssertSuite, Job, SuiteStep, generated_suite, parse_ground_truth
+from pettingflow.envs.code_env.suites import (
+    AssertSuite,
+    Job,
+    SuiteStep,
+    TestGrammarError,
+    generated_suite,
+    parse_call_case,
+    parse_ground_truth,
+)
 
 # The env registry names a class by ``module:QualName`` (class paths in the env cache, row labels, task
 # files); the code env's has always been ``pettingflow.envs.code_env:CodeEnv``, and stays so.
@@ -47,9 +55,11 @@ __all__ = [
     "CodeEnvState",
     "CodeEvaluation",
     "Job",
+    "Program",
     "SandboxBatcher",
     "SuiteResult",
     "SuiteStep",
+    "TestGrammarError",
     "UnitTestEvaluation",
     "UnitTestReward",
     "build_program",
@@ -57,6 +67,8 @@ __all__ = [
     "code_success",
     "complete_summary",
     "generated_suite",
+    "new_marker",
+    "parse_call_case",
     "parse_ground_truth",
     "parse_program_output",
     "read_program_spec",

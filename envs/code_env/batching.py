@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from pettingflow.envs.code_env.program import build_program
+from pettingflow.envs.code_env.program import build_program, new_marker
 from pettingflow.envs.code_env.results import SuiteResult, complete_summary, parse_program_output
 from pettingflow.envs.code_env.suites import Job
 
@@ -118,15 +117,15 @@ class SandboxBatcher:
         return self.config.sandbox.timeout_s * self.config.budget_fraction
 
     async def _alone(self, jobs: list[Job]) -> list[SuiteResult]:
-        marker = f"__PETTINGFLOW_RESULT_{secrets.token_hex(8)}__ "
+        marker = new_marker()
         program = build_program(jobs, case_timeout_s=self.config.case_timeout_s, budget_s=self._budget(), marker=marker)
         self.runs += 1
-        result = await self.sandbox.run_async(program)
+        result = await self.sandbox.run_async(program.code, stdin=program.stdin)
         return parse_program_output(result, jobs, marker)
 
     async def _merged(self, groups: list[list[Job]]) -> list[list[SuiteResult]]:
         flat = [job for jobs in groups for job in jobs]
-        marker = f"__PETTINGFLOW_RESULT_{secrets.token_hex(8)}__ "
+        marker = new_marker()
         program = build_program(
             flat,
             case_timeout_s=self.config.case_timeout_s,
@@ -135,7 +134,9 @@ class SandboxBatcher:
             groups=[len(jobs) for jobs in groups],
         )
         self.runs += 1
-        result = await self.sandbox.run_async(program, timeout_s=self.config.sandbox.timeout_s * len(groups))
+        result = await self.sandbox.run_async(
+            program.code, stdin=program.stdin, timeout_s=self.config.sandbox.timeout_s * len(groups)
+        )
         if complete_summary(result, marker, len(flat)) is None:
             log.warning(
                 "a merged sandbox run of %d episodes gave no complete summary (%s); running each on its own",

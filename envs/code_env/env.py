@@ -195,7 +195,7 @@ class CodeEnv(Env):
         s: CodeEnvState = self.state
         jobs = [self._code_job(code, parse_ground_truth(s.ground_truth_test))]
         if s.generated_tests:
-            jobs.append(self._code_job(code, generated_suite(s.generated_tests)))
+            jobs.append(self._code_job(code, generated_suite(s.generated_tests, s.entry_point)))
         results = await self.evaluate(jobs)
         s.generated_code = code
         s.generated_code_history.append(code)
@@ -211,8 +211,8 @@ class CodeEnv(Env):
         on the latest code (one run)."""
         s: CodeEnvState = self.state
         tests = list(tests)[: self.config.max_generated_tests]
-        suite = generated_suite(tests)
-        jobs = [Job(s.golden_code, s.entry_point, suite)] if tests else []
+        suite = generated_suite(tests, s.entry_point)
+        jobs = [Job(s.golden_code, s.entry_point, suite, context=s.problem)] if tests else []
         if tests and s.generated_code is not None:
             jobs.append(self._code_job(s.generated_code, suite))
         results = await self.evaluate(jobs) if jobs else []

@@ -1,52 +1,372 @@
-"""The program that runs in the sandbox: it evaluates a list of jobs and prints one summary line.
+"""The program that runs in the sandbox: a trusted judge, and the runner that holds the model's code.
 
-``program.build_program`` sends this file's text, with the placeholder string of ``SPEC_JSON`` replaced
-by the spec, as the sandbox's main program. Run as ``__main__`` it evaluates the jobs; imported (the unit
-tests do) it only defines functions. So it must stay stdlib-only and importable by the sandbox's system
-``python3``, which may be older than the project's: no ``match``, no ``zip(strict=)``, and annotations
-stay strings (``from __future__ import annotations``).
+``program.build_program`` sends this file's text as the sandbox's main program and the jobs' spec (tests,
+expected values, the result marker) on its stdin. One file plays two roles:
 
-The harness never executes model code itself (unless fork fails): each job runs in a forked child whose
-stdout/stderr go to /dev/null, so model code cannot flood or forge the summary, and a crash or hang loses
-only that job's remaining cases. Each assert runs separately under a per-case time limit (``SIGALRM``).
+* **the judge** (``python3 -I main.py``): reads the spec from stdin, drains it, makes itself non-dumpable (so
+  no other process of the sandbox uid can read its memory, its descriptors or its environment through /proc or
+  ptrace), then, per job, starts a **runner** and evaluates every case itself. It prints one line per job behind
+  the marker as the job ends; nothing else reaches stdout.
+* **the runner** (``python3 -I main.py --runner FD``): a fresh interpreter (not a fork: it holds none of
+  the judge's memory) with /dev/null on fds 0-2 and one socket (fd FD), its only channel. It loads the
+  problem's prompt and the model's solution, then answers calls of the entry point: arguments in, the return value out
+  as plain data (``encode``/``decode``), or the exception's class name and message.
 
-Never run ``main`` or ``clean_slate`` outside a sandbox: between merged episodes ``clean_slate`` kills
-every process it may signal and empties the working folder, /tmp and /dev/shm.
+Why two processes: when model code shares a process with the tests, it can return an object equal to
+everything, write "passed" records to the result channel, or read the expected values out of memory. Here
+the judge compares plain values it decoded itself, with tests that never left its process; what the runner
+sends can at worst be a wrong answer. Model-written tests are not executed at all: ``suites.py`` parses them
+into call cases (the grammar of docs/code-env.md) that the judge evaluates. Ground-truth suites (HumanEval's
+``check`` bodies) run in the judge, with ``candidate`` a proxy whose calls cross to the runner.
+
+It must stay stdlib-only and importable by the sandbox's system ``python3``, which may be older than the
+project's: no ``match``, no ``zip(strict=)``, and annotations stay strings (``from __future__ import
+annotations``). Never run ``main`` or ``clean_slate`` outside a sandbox: ``clean_slate`` kills every process
+it may signal and empties the working folder, /tmp and /dev/shm.
 """
 
 from __future__ import annotations
 
 import ast
+import base64
+import builtins
 import contextlib
 import json
 import os
-import select
 import signal
+import socket
+import struct
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
-#: The spec (a JSON text) as a string literal: ``build_program`` replaces the literal, quotes included.
-SPEC_JSON = "__PETTINGFLOW_SPEC__"
+#: Bytes of one encoded value (a call's arguments or its return value) at most; a bigger one fails the case.
+MAX_VALUE_BYTES = 1 << 20
+#: Nesting depth of a plain value at most (lists in lists ...).
+MAX_DEPTH = 64
+#: Integers at most this large travel as JSON numbers; larger ones as hex text (no 4300-digit str limit).
+_SMALL_INT = 1 << 63
+_HEADER = struct.Struct(">I")
 
 
+# --------------------------------------------------------------------------------------------------
+# plain data: the only values that cross between the runner and the judge
+# --------------------------------------------------------------------------------------------------
+class NotPlain(ValueError):
+    """A value that is not plain data (or too big, or too deep) to cross the process boundary."""
+
+
+def encode(value: Any) -> Any:
+    """A JSON-ready form of a plain value: None, bool, int, float, str and lists are JSON's own; tuple, set,
+    frozenset, dict, bytes and big ints are one-key objects ``{"t"|"s"|"f"|"d"|"b"|"i": ...}``.
+
+    Types are checked exactly (``type(v) is int``): a subclass of int or str may override ``__eq__``, so it is
+    refused, not converted. Raises ``NotPlain`` naming the first value that is not plain."""
+    budget = [MAX_VALUE_BYTES]
+
+    def spend(n: int) -> None:
+        budget[0] -= n
+        if budget[0] < 0:
+            raise NotPlain(f"a value larger than {MAX_VALUE_BYTES} bytes")
+
+    def enc(v: Any, depth: int) -> Any:
+        if depth > MAX_DEPTH:
+            raise NotPlain(f"a value nested deeper than {MAX_DEPTH} levels")
+        t = type(v)
+        if v is None or t is bool or t is float:
+            spend(8)
+            return v
+        if t is int:
+            if -_SMALL_INT < v < _SMALL_INT:
+                spend(8)
+                return v
+            text = hex(v)
+            spend(len(text))
+            return {"i": text}
+        if t is str:
+            spend(len(v) + 2)
+            return v
+        if t is bytes:
+            spend(len(v) * 4 // 3 + 4)
+            return {"b": base64.b64encode(v).decode("ascii")}
+        if t is list:
+            spend(2)
+            return [enc(x, depth + 1) for x in v]
+        if t is tuple:
+            spend(8)
+            return {"t": [enc(x, depth + 1) for x in v]}
+        if t is set or t is frozenset:
+            spend(8)
+            return {"s" if t is set else "f": [enc(x, depth + 1) for x in v]}
+        if t is dict:
+            spend(8)
+            return {"d": [[enc(k, depth + 1), enc(x, depth + 1)] for k, x in v.items()]}
+        raise NotPlain("a value of type " + _type_name(v) + ", not plain data")
+
+    return enc(value, 0)
+
+
+def decode(data: Any) -> Any:
+    """The plain value of an ``encode`` form, built from builtin types only; ``NotPlain`` for anything else.
+
+    This is the trust boundary: whatever the runner sent, the judge gets back None, bool, int, float, str,
+    bytes, list, tuple, set, frozenset or dict, nested."""
+
+    def dec(d: Any, depth: int) -> Any:
+        if depth > MAX_DEPTH:
+            raise NotPlain(f"a value nested deeper than {MAX_DEPTH} levels")
+        t = type(d)
+        if d is None or t is bool or t is int or t is float or t is str:
+            return d
+        if t is list:
+            return [dec(x, depth + 1) for x in d]
+        if t is dict and len(d) == 1:
+            ((tag, body),) = d.items()
+            if tag == "i" and type(body) is str:
+                return int(body, 16)
+            if tag == "b" and type(body) is str:
+                return base64.b64decode(body.encode("ascii"), validate=True)
+            if type(body) is list:
+                if tag == "t":
+                    return tuple(dec(x, depth + 1) for x in body)
+                if tag == "s":
+                    return {dec(x, depth + 1) for x in body}
+                if tag == "f":
+                    return frozenset(dec(x, depth + 1) for x in body)
+                if tag == "d" and all(type(p) is list and len(p) == 2 for p in body):
+                    return {dec(k, depth + 1): dec(x, depth + 1) for k, x in body}
+        raise NotPlain("not an encoded plain value")
+
+    try:
+        return dec(data, 0)
+    except NotPlain:
+        raise
+    except (TypeError, ValueError, RecursionError) as exc:  # an unhashable set member, bad base64 ...
+        raise NotPlain("not an encoded plain value (" + type(exc).__name__ + ")") from None
+
+
+def _type_name(v: Any) -> str:
+    t = type(v)
+    return t.__name__ if t.__module__ == "builtins" else t.__module__ + "." + t.__qualname__
+
+
+def send_message(sock: socket.socket, obj: Any) -> None:
+    data = json.dumps(obj, separators=(",", ":")).encode()
+    sock.sendall(_HEADER.pack(len(data)) + data)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    chunks, left = [], n
+    while left:
+        chunk = sock.recv(min(left, 1 << 16))
+        if not chunk:
+            raise EOFError("the channel closed")
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
+def recv_message(sock: socket.socket, limit: int) -> Any:
+    """One length-prefixed JSON message; ``NotPlain`` when it announces more than ``limit`` bytes."""
+    (n,) = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
+    if n > limit:
+        raise NotPlain(f"a message of {n} bytes (the limit is {limit})")
+    return json.loads(_recv_exact(sock, n))
+
+
+# --------------------------------------------------------------------------------------------------
+# the runner: the model's side of the boundary
+# --------------------------------------------------------------------------------------------------
+def describe(exc: BaseException) -> str:
+    """A short error text for a case: the exception's type and message, cut at 300 characters."""
+    if isinstance(exc, _Timeout):
+        return "timed out"
+    if isinstance(exc, CandidateError):
+        return str(exc)[:300]
+    text = type(exc).__name__
+    try:
+        msg = str(exc)
+    except BaseException:
+        msg = "(its message could not be shown)"
+    if msg:
+        text += ": " + msg
+    return text[:300]
+
+
+def runner_main(fd: int) -> None:
+    """Load the solution, then answer calls until the channel closes. Everything the model's code can reach
+    here is its own: the prompt, its solution, the arguments of the calls, and this socket."""
+    sock = socket.socket(fileno=fd)
+    ns: dict[str, Any] = {"__name__": "__pettingflow_solution__"}
+    load = recv_message(sock, 1 << 30)
+    entry = load["entry_point"]
+    error = None
+    try:
+        if load["context"]:
+            with contextlib.suppress(Exception):  # a prompt that fails to run still defines what it can
+                exec(compile(load["context"], "<prompt>", "exec"), ns)
+            ns.pop(entry, None)
+        exec(compile(load["solution"], "<solution>", "exec"), ns)
+        if not callable(ns.get(entry)):
+            error = "the solution does not define a function named " + entry
+    except BaseException as exc:
+        error = "the solution failed to load: " + describe(exc)
+    send_message(sock, {"setup_error": error})
+    fn = ns.get(entry)
+    while True:
+        try:
+            msg = recv_message(sock, 1 << 30)
+        except EOFError:
+            return
+        try:
+            args = decode(msg["args"])
+            kwargs = decode(msg["kwargs"])
+            value = fn(*args, **kwargs)
+        except BaseException as exc:
+            reply: dict[str, Any] = {"raised": [type(exc).__name__, describe(exc)]}
+        else:
+            try:
+                reply = {"value": encode(value)}
+            except NotPlain as exc:
+                reply = {"not_plain": "returned " + str(exc)}
+            except BaseException as exc:  # a value whose iteration or hashing raised while encoding
+                reply = {"not_plain": "returned a value that could not be read: " + describe(exc)}
+        send_message(sock, reply)
+
+
+# --------------------------------------------------------------------------------------------------
+# the judge
+# --------------------------------------------------------------------------------------------------
 class _Timeout(BaseException):
-    """Raised by the alarm; a BaseException so that ``except Exception`` in model code does not catch it."""
+    """Raised by the alarm; a BaseException so that no ``except Exception`` in a check body catches it."""
 
 
 def _on_alarm(signum: int, frame: Any) -> None:
     raise _Timeout()
 
 
-def describe(exc: BaseException) -> str:
-    """A short error text for a case: the exception's type and message, cut at 300 characters."""
-    if isinstance(exc, _Timeout):
-        return "timed out"
-    text = type(exc).__name__
-    msg = str(exc)
-    if msg:
-        text += ": " + msg
-    return text[:300]
+class CandidateError(Exception):
+    """The solution raised an exception that is not a builtin one (or failed to answer): ``describe`` text."""
+
+
+class Runner:
+    """The judge's handle on one runner process: start it with the solution, call the entry point, kill it.
+
+    A runner that timed out, died, or broke the protocol is killed; the next call starts a fresh one (the
+    solution loaded again), so one bad case loses only itself."""
+
+    def __init__(self, job: dict[str, Any], program: str):
+        self.job = job
+        self.program = program
+        self.proc: subprocess.Popen | None = None
+        self.sock: socket.socket | None = None
+        self.setup_error: str | None = None
+
+    def start(self) -> str | None:
+        """Start a runner and load the solution; the setup error (``None`` when the entry point is defined)."""
+        self.kill()
+        ours, theirs = socket.socketpair()
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-I", self.program, "--runner", str(theirs.fileno())],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                pass_fds=(theirs.fileno(),),
+                start_new_session=True,
+            )
+        except OSError as exc:
+            ours.close()
+            self.setup_error = "could not start the solution's process: " + describe(exc)
+            return self.setup_error
+        finally:
+            theirs.close()
+        self.sock = ours
+        job = self.job
+        load = {"entry_point": job["entry_point"], "context": job["context"], "solution": job["solution"]}
+        try:
+            send_message(ours, load)
+            reply = recv_message(ours, MAX_VALUE_BYTES)
+            error = reply["setup_error"]
+            self.setup_error = None if error is None else str(error)[:300]
+        except _Timeout:
+            self.kill()
+            raise
+        except BaseException as exc:
+            self.kill()
+            self.setup_error = "the solution's process failed while loading it (" + describe(exc) + ")"
+        return self.setup_error
+
+    def call(self, args: tuple, kwargs: dict[str, Any]) -> Any:
+        """The entry point's return value for ``args``, as plain data; raises the solution's exception (a
+        builtin class of the same name when there is one, else ``CandidateError``)."""
+        try:
+            payload = {"args": encode(list(args)), "kwargs": encode(dict(kwargs))}
+        except NotPlain as exc:
+            raise CandidateError("an argument cannot cross to the solution's process: " + str(exc)) from None
+        if self.sock is None:
+            error = self.start()
+            if error is not None:
+                raise CandidateError(error)
+        sock = self.sock
+        try:
+            send_message(sock, payload)
+            reply = recv_message(sock, MAX_VALUE_BYTES + 64)
+        except _Timeout:
+            self.kill()
+            raise
+        except NotPlain as exc:
+            self.kill()
+            raise CandidateError("the solution returned " + str(exc)) from None
+        except BaseException as exc:
+            self.kill()
+            raise CandidateError("the solution's process failed during the call (" + describe(exc) + ")") from None
+        if type(reply) is not dict:
+            self.kill()
+            raise CandidateError("the solution's process broke the protocol")
+        if "value" in reply:
+            try:
+                return decode(reply["value"])
+            except NotPlain as exc:
+                self.kill()
+                raise CandidateError("the solution returned " + str(exc)) from None
+        if "raised" in reply and type(reply["raised"]) is list and len(reply["raised"]) == 2:
+            raise _rebuild(str(reply["raised"][0]), str(reply["raised"][1]))
+        if "not_plain" in reply:
+            raise CandidateError(str(reply["not_plain"])[:300])
+        self.kill()
+        raise CandidateError("the solution's process broke the protocol")
+
+    def kill(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+        if self.proc is not None:
+            with contextlib.suppress(OSError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            with contextlib.suppress(OSError):
+                self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+
+def _rebuild(name: str, text: str) -> Exception:
+    """The judge's copy of an exception the solution raised: a builtin ``Exception`` class of that name (so a
+    check body's ``except ValueError`` works), else ``CandidateError``; never a BaseException like SystemExit."""
+    cls = getattr(builtins, name, None)
+    message = text[len(name) + 2 :] if text.startswith(name + ": ") else ""
+    if isinstance(cls, type) and issubclass(cls, Exception) and cls.__name__ == name:
+        try:
+            return cls(message)
+        except Exception:
+            pass
+    return CandidateError(text)
+
+
+def _timed(seconds: float) -> None:
+    signal.setitimer(signal.ITIMER_REAL, max(seconds, 0.001))
 
 
 def left_value(source: str, ns: dict[str, Any], deadline: float) -> str:
@@ -56,7 +376,7 @@ def left_value(source: str, ns: dict[str, Any], deadline: float) -> str:
         if not (isinstance(node, ast.Assert) and isinstance(node.test, ast.Compare)):
             return ""
         expr = ast.fix_missing_locations(ast.Expression(node.test.left))
-        signal.setitimer(signal.ITIMER_REAL, max(0.01, min(0.5, deadline - time.monotonic())))
+        _timed(min(0.5, deadline - time.monotonic()))
         try:
             value = eval(compile(expr, "<detail>", "eval"), ns)
         finally:
@@ -66,139 +386,142 @@ def left_value(source: str, ns: dict[str, Any], deadline: float) -> str:
         return ""
 
 
-def run_job(job: dict[str, Any], deadline: float, emit: Callable[[dict[str, Any]], Any], case_timeout_s: float) -> None:
-    """Load the job's solution, then run its steps; ``emit`` gets ``{"setup_error"}`` then one record per case.
+def check_call(case: dict[str, Any], runner: Runner) -> str | None:
+    """One case of a model-written test (``suites.parse_call_case``): call, compare; the error or ``None``."""
+    value = runner.call(tuple(decode(case["args"])), decode(case["kwargs"]))
+    how, expected = case["check"], decode(case["expected"])
+    shown = " (left side was " + repr(value)[:150] + ")"
+    if how == "==":
+        ok = value == expected
+    elif how == "!=":
+        ok = value != expected
+    elif how == "is":
+        ok = value is expected
+    elif how == "is not":
+        ok = value is not expected
+    elif how == "truthy":
+        ok = bool(value)
+    elif how == "falsy":
+        ok = not value
+    elif how == "close":
+        rel, abs_ = case.get("rel_tol", 1e-9), case.get("abs_tol", 0.0)
+        real = (int, float)
+        ok = (
+            type(value) in real
+            and type(expected) in real
+            and abs(value - expected) <= max(rel * max(abs(value), abs(expected)), abs_)
+        )
+    else:
+        return "not a check this harness knows: " + str(how)
+    return None if ok else "AssertionError" + shown
 
-    Runs model code in this process: the harness calls it in a forked child (``run_forked``).
-    """
+
+def run_job(job: dict[str, Any], deadline: float, case_timeout_s: float, program: str) -> dict[str, Any]:
+    """Evaluate one job: its summary entry ``{"setup_error", "cases": [[ok, error], ...]}``.
+
+    The solution runs in a ``Runner``; the test steps run here. Each step has its own time limit (SIGALRM):
+    a step that hangs (in the judge or waiting for the runner) fails alone, its runner killed and replaced."""
     signal.signal(signal.SIGALRM, _on_alarm)
-    ns: dict[str, Any] = {"__name__": "__pettingflow_solution__"}
+    runner = Runner(job, program)
+    cases: list[list[Any]] = []
 
-    def timed(source: str, name: str) -> None:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise _Timeout()
-        signal.setitimer(signal.ITIMER_REAL, min(case_timeout_s, left))
-        try:
-            exec(compile(source, name, "exec"), ns)
-        finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)
+    def left() -> float:
+        return min(case_timeout_s, deadline - time.monotonic())
 
-    entry = job["entry_point"]
-    setup_error = None
     try:
-        if job["context"]:
-            with contextlib.suppress(Exception):  # a prompt that fails to run still defines what it can
-                timed(job["context"], "<prompt>")
-            ns.pop(entry, None)
-        timed(job["solution"], "<solution>")
-        if not callable(ns.get(entry)):
-            setup_error = "the solution does not define a function named " + entry
-    except BaseException as exc:
-        setup_error = "the solution failed to load: " + describe(exc)
-    if setup_error is None:
+        setup_error = None
         try:
+            if left() <= 0:
+                raise _Timeout()
+            _timed(left())
+            try:
+                setup_error = runner.start()
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+        except _Timeout:
+            setup_error = "the solution failed to load: timed out"
+        ns: dict[str, Any] = {"__name__": "__pettingflow_check__"}
+        if setup_error is None:
+            setup_error = _setup_checks(job, ns, runner, left)
+        for step in job["steps"]:
+            kind = step.get("kind", "source")
+            if setup_error is not None:
+                if step["case"]:
+                    cases.append([False, setup_error])
+                continue
+            error = None
+            try:
+                if left() <= 0:
+                    raise _Timeout()
+                _timed(left())
+                try:
+                    if kind == "call":
+                        error = check_call(step["call"], runner)
+                    elif kind == "invalid":
+                        error = step["reason"]
+                    else:
+                        try:
+                            exec(compile(step["source"], "<test>", "exec"), ns)
+                        except AssertionError as exc:
+                            error = describe(exc) + left_value(step["source"], ns, deadline)
+                finally:
+                    signal.setitimer(signal.ITIMER_REAL, 0)
+            except _Timeout:
+                runner.kill()
+                error = "timed out" if time.monotonic() < deadline else "timed out (time budget of this run used up)"
+            except BaseException as exc:
+                error = describe(exc)
+            if step["case"]:
+                cases.append([error is None, error])
+        return {"setup_error": setup_error, "cases": cases}
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        runner.kill()
+
+
+def _setup_checks(job: dict[str, Any], ns: dict[str, Any], runner: Runner, left: Any) -> str | None:
+    """The judge's namespace for source steps: the prompt's helpers (trusted task text), the entry point and
+    ``candidate`` as proxies to the runner, then the suite's preamble. The setup error or ``None``."""
+    entry = job["entry_point"]
+    try:
+        _timed(left())
+        try:
+            if job["context"]:
+                with contextlib.suppress(Exception):
+                    exec(compile(job["context"], "<prompt>", "exec"), ns)
+            ns[entry] = _proxy(runner, entry)
             if job["preamble"]:
-                timed(job["preamble"], "<test setup>")
+                exec(compile(job["preamble"], "<test setup>", "exec"), ns)
+            ns[entry] = _proxy(runner, entry)
             if job["candidate_name"]:
                 ns[job["candidate_name"]] = ns[entry]
-        except BaseException as exc:
-            setup_error = "the test setup failed: " + describe(exc)
-    emit({"setup_error": setup_error})
-    for i, step in enumerate(job["steps"]):
-        if setup_error is not None:
-            if step["case"]:
-                emit({"i": i, "ok": False, "error": setup_error})
-            continue
-        ok, error = True, None
-        try:
-            try:
-                timed(step["source"], f"<test {i}>")
-            except AssertionError as exc:
-                ok, error = False, describe(exc) + left_value(step["source"], ns, deadline)
-            except BaseException as exc:
-                ok, error = False, describe(exc)
-        except BaseException as exc:  # the alarm fired while describing the failure
-            ok, error = False, describe(exc)
-        if step["case"]:
-            emit({"i": i, "ok": ok, "error": error})
-
-
-def run_forked(job: dict[str, Any], deadline: float, case_timeout_s: float, null_fd: int) -> list[str] | None:
-    """``run_job`` in a child (stderr on ``null_fd``), killed at ``deadline + 0.25``: its JSON lines, or None
-    when fork failed."""
-    r, w = os.pipe()
-    try:
-        pid = os.fork()
-    except OSError:
-        os.close(r)
-        os.close(w)
-        return None
-    if pid == 0:
-        try:
-            os.close(r)
-            os.dup2(null_fd, 2)
-            run_job(job, deadline, lambda obj: os.write(w, (json.dumps(obj) + "\n").encode()), case_timeout_s)
         finally:
-            os._exit(0)
-    os.close(w)
-    chunks = []
-    while True:
-        left = deadline + 0.25 - time.monotonic()
-        if left <= 0:
-            break
-        ready, _, _ = select.select([r], [], [], left)
-        if not ready:
-            continue
-        data = os.read(r, 65536)
-        if not data:
-            break
-        chunks.append(data)
-    os.close(r)
-    with contextlib.suppress(OSError):
-        os.kill(pid, signal.SIGKILL)
-    os.waitpid(pid, 0)
-    return b"".join(chunks).decode("utf-8", "replace").splitlines()
+            signal.setitimer(signal.ITIMER_REAL, 0)
+    except BaseException as exc:
+        return "the test setup failed: " + describe(exc)
+    return None
 
 
-def run_inline(job: dict[str, Any], deadline: float, case_timeout_s: float) -> list[str]:
-    """``run_job`` in this process, its records as JSON lines: the fallback when fork fails."""
-    lines: list[str] = []
-    run_job(job, deadline, lambda obj: lines.append(json.dumps(obj)), case_timeout_s)
-    return lines
+def _proxy(runner: Runner, name: str) -> Any:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return runner.call(args, kwargs)
 
-
-def collect(job: dict[str, Any], lines: list[str], deadline: float) -> dict[str, Any]:
-    """The job's summary entry ``{"setup_error", "cases": [[ok, error], ...]}`` from its records; a case with
-    no record failed (time budget used up, or the child died before it)."""
-    setup_error, got = None, {}
-    for line in lines:
-        try:
-            obj = json.loads(line)
-        except ValueError:
-            continue
-        if "setup_error" in obj:
-            setup_error = obj["setup_error"]
-        elif "i" in obj:
-            got[obj["i"]] = obj
-    if time.monotonic() >= deadline:
-        missing = "timed out (time budget of this run used up)"
-    else:
-        missing = "the test process died before reaching this case"
-    cases = []
-    for i, step in enumerate(job["steps"]):
-        if step["case"]:
-            rec = got.get(i)
-            cases.append([bool(rec["ok"]), rec.get("error")] if rec else [False, missing])
-    return {"setup_error": setup_error, "cases": cases}
+    call.__name__ = call.__qualname__ = name
+    return call
 
 
 def run_group(
-    jobs: list[dict[str, Any]], budget_s: float, results: list[dict[str, Any]], case_timeout_s: float, null_fd: int
+    jobs: list[dict[str, Any]],
+    budget_s: float,
+    emit: Callable[[dict[str, Any]], Any],
+    case_timeout_s: float,
+    program: str,
+    after_job: Callable[[], Any] | None = None,
 ) -> None:
-    """Run ``jobs`` one after the other within ``budget_s``, appending one summary entry per job to ``results``.
+    """Run ``jobs`` one after the other within ``budget_s``, calling ``emit`` with each job's summary entry.
 
-    Each job's deadline is its share of the time left, in proportion to its case count.
+    Each job's deadline is its share of the time left, in proportion to its case count. ``after_job`` (in the
+    sandbox: kill every stray process) runs after each job, so nothing one job's code left reaches the next.
     """
     end = time.monotonic() + budget_s
     counts = [sum(1 for s in j["steps"] if s["case"]) for j in jobs]
@@ -207,21 +530,43 @@ def run_group(
         now = time.monotonic()
         share = (end - now) * n / remaining if remaining else 0.0
         remaining -= n
-        deadline = now + max(share, 0.0)
-        lines = run_forked(job, deadline, case_timeout_s, null_fd)
-        if lines is None:
-            lines = run_inline(job, deadline, case_timeout_s)
-        results.append(collect(job, lines, deadline))
+        emit(run_job(job, now + max(share, 0.0), case_timeout_s, program))
+        if after_job is not None:
+            after_job()
+
+
+def in_own_pid_namespace() -> bool:
+    """True when we are the first process of a pid namespace (pid 1: Docker) or right after its init (pid 2:
+    bubblewrap's). A process on a host never has pid 1 or 2 (init, kthreadd), so ``kill(-1)`` below can never
+    reach a host's processes, whoever runs this file where."""
+    return os.getpid() <= 2
+
+
+def kill_strays() -> None:
+    """Kill every process we may signal but ourselves and the namespace's init, and reap what was ours.
+    Does nothing outside a pid namespace of our own (``in_own_pid_namespace``)."""
+    if not in_own_pid_namespace():
+        return
+    with contextlib.suppress(OSError):
+        os.kill(-1, signal.SIGKILL)
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
 
 
 def clean_slate() -> None:
     """Between the episodes of a merged run: what one left behind must not reach the next, as if each had
-    its own sandbox. Kill every other process we may signal (not us, not the namespace's init), then
-    empty the scratch folders. Only ever inside the sandbox."""
+    its own sandbox. Kill every other process we may signal, then empty the scratch folders. Does nothing
+    outside a pid namespace of our own."""
     import shutil
 
-    with contextlib.suppress(OSError):
-        os.kill(-1, signal.SIGKILL)
+    if not in_own_pid_namespace():
+        return
+    kill_strays()
     for root in (os.getcwd(), "/tmp", "/dev/shm"):
         try:
             names = os.listdir(root)
@@ -238,26 +583,62 @@ def clean_slate() -> None:
                 pass
 
 
-def main(spec: dict[str, Any]) -> None:
-    """Evaluate every job of ``spec`` (group by group) and write ``marker + json(results)`` to the real stdout.
+def read_spec() -> dict[str, Any]:
+    """The spec from stdin, read to its end (so a process that reopens our stdin later finds it drained),
+    then stdin and stdout pointed at /dev/null: the summary goes to a private copy of stdout."""
+    chunks = []
+    while True:
+        chunk = os.read(0, 1 << 20)
+        if not chunk:
+            break
+        chunks.append(chunk)
+    return json.loads(b"".join(chunks))
 
-    fds 0 and 1 go to /dev/null first, so nothing but the summary reaches stdout.
-    """
+
+def make_undumpable() -> bool:
+    """PR_SET_DUMPABLE 0: /proc/<us>/{mem,fd,environ,maps} and ptrace are closed to every process of our uid
+    (the runners included). True when it took; without ctypes the runners' other limits still hold."""
+    try:
+        import ctypes
+
+        return ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0) == 0  # 4 = PR_SET_DUMPABLE
+    except Exception:
+        return False
+
+
+def main() -> None:
+    """Evaluate every job of the spec (group by group), writing ``marker + json([index, result])`` to the real
+    stdout as each job ends: a judge killed later (by a runner that signals it) loses only the jobs not done."""
+    make_undumpable()
+    spec = read_spec()
     out = os.dup(1)
     null_fd = os.open(os.devnull, os.O_RDWR)
-    os.dup2(null_fd, 0)
-    os.dup2(null_fd, 1)
+    for fd in (0, 1, 2):
+        os.dup2(null_fd, fd)
+    os.set_inheritable(out, False)
+    program = os.path.abspath(sys.argv[0])
+    marker = spec["marker"]
     jobs = spec["jobs"]
     groups = spec.get("groups") or [[len(jobs), spec["budget_s"]]]
-    results: list[dict[str, Any]] = []
+    done = [0]
+
+    def emit(result: dict[str, Any]) -> None:
+        line = (marker + json.dumps([done[0], result]) + "\n").encode()
+        done[0] += 1
+        view = memoryview(line)
+        while view:
+            view = view[os.write(out, view) :]
+
     start = 0
     for g, (n, budget_s) in enumerate(groups):
         if g:
             clean_slate()
-        run_group(jobs[start : start + n], budget_s, results, spec["case_timeout_s"], null_fd)
+        run_group(jobs[start : start + n], budget_s, emit, spec["case_timeout_s"], program, kill_strays)
         start += n
-    os.write(out, (spec["marker"] + json.dumps(results) + "\n").encode())
 
 
 if __name__ == "__main__":
-    main(json.loads(SPEC_JSON))
+    if sys.argv[1:2] == ["--runner"]:
+        runner_main(int(sys.argv[2]))
+    else:
+        main()

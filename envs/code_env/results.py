@@ -1,7 +1,8 @@
 """Results of a sandbox run: per-case outcomes, and reading them from the harness's output.
 
-The harness prints one JSON summary line behind a random marker; anything else on stdout is
-ignored. A missing or cut summary fails every case with the reason (``parse_program_output``).
+The harness prints one JSON line per job, ``marker + [index, result]``, as each job ends; anything else on
+stdout is ignored (only the harness's judge knows the marker). A job with no line (the run was killed, or its
+judge was) fails every case with the reason (``parse_program_output``); the jobs done before stand.
 """
 
 from __future__ import annotations
@@ -68,46 +69,55 @@ class SuiteResult:
         return out
 
 
+def job_results(result: ExecResult, marker: str, n_jobs: int) -> dict[int, dict[str, Any]]:
+    """The results the harness printed, by job index (never raises: a malformed line is skipped, and only the
+    first line of an index counts)."""
+    found: dict[int, dict[str, Any]] = {}
+    for line in result.stdout.splitlines():
+        if not line.startswith(marker):
+            continue
+        try:
+            index, entry = json.loads(line[len(marker) :])
+        except (ValueError, TypeError):
+            continue
+        ok_entry = isinstance(entry, dict) and isinstance(entry.get("cases"), list)
+        if type(index) is int and 0 <= index < n_jobs and ok_entry and index not in found:
+            found[index] = entry
+    return found
+
+
 def complete_summary(result: ExecResult, marker: str, n_jobs: int) -> list[Any] | None:
-    """The summary list when the output holds one for exactly ``n_jobs`` jobs, else None (never raises)."""
-    for line in reversed(result.stdout.splitlines()):
-        if line.startswith(marker):
-            try:
-                summary = json.loads(line[len(marker) :])
-            except ValueError:
-                return None
-            return summary if isinstance(summary, list) and len(summary) == n_jobs else None
-    return None
+    """Every job's result in order when the output holds all ``n_jobs`` of them, else None (never raises)."""
+    found = job_results(result, marker, n_jobs)
+    return [found[i] for i in range(n_jobs)] if len(found) == n_jobs else None
+
+
+def _no_result_reason(result: ExecResult) -> str:
+    if result.timed_out:
+        return "timed out (the sandbox killed the run)"
+    if getattr(result, "killed_reason", None):
+        return f"killed by the sandbox: {result.killed_reason}"
+    if getattr(result, "stdout_truncated", False):  # the result line was past the output cap
+        return f"the test run's output was cut at the sandbox's cap (exit code {result.exit_code})"
+    tail = (result.stderr or "").strip().splitlines()[-1:] or ["no output"]
+    return f"the test run produced no result (exit code {result.exit_code}): {tail[0][:200]}"
 
 
 def parse_program_output(result: ExecResult, jobs: Sequence[Job], marker: str) -> list[SuiteResult]:
-    """Per-job results from the sandbox output; every case fails when the summary is missing.
+    """Per-job results from the sandbox output; every case of a job without a result fails.
 
-    A missing summary means the whole program was killed (wall-clock, memory) or its output cut:
-    that is the solution's fault as far as rewards go, and the reason is kept in each case's error.
+    A missing result means the program was killed (wall-clock, memory) before that job ended, or its output
+    cut: that is the solution's fault as far as rewards go, and the reason is kept in each case's error.
     """
-    summary = None
-    for line in reversed(result.stdout.splitlines()):
-        if line.startswith(marker):
-            summary = json.loads(line[len(marker) :])
-            break
-    if summary is None or len(summary) != len(jobs):
-        if result.timed_out:
-            reason = "timed out (the sandbox killed the run)"
-        elif getattr(result, "killed_reason", None):
-            reason = f"killed by the sandbox: {result.killed_reason}"
-        elif getattr(result, "stdout_truncated", False):  # the summary line was past the output cap
-            reason = f"the test run's output was cut at the sandbox's cap (exit code {result.exit_code})"
-        else:
-            tail = (result.stderr or "").strip().splitlines()[-1:] or ["no output"]
-            reason = f"the test run produced no result (exit code {result.exit_code}): {tail[0][:200]}"
-        return [
-            SuiteResult(tuple(CaseResult(c, False, reason) for c in job.suite.cases), setup_error=reason)
-            for job in jobs
-        ]
+    found = job_results(result, marker, len(jobs))
     out = []
-    for job, res in zip(jobs, summary, strict=True):
+    for i, job in enumerate(jobs):
         sources = job.suite.cases
+        res = found.get(i)
+        if res is None or len(res["cases"]) != len(sources):
+            reason = _no_result_reason(result)
+            out.append(SuiteResult(tuple(CaseResult(c, False, reason) for c in sources), setup_error=reason))
+            continue
         cases = tuple(CaseResult(src, bool(ok), err) for src, (ok, err) in zip(sources, res["cases"], strict=True))
         out.append(SuiteResult(cases, res.get("setup_error")))
     return out

@@ -38,6 +38,7 @@ import re
 import shutil
 import signal
 import subprocess
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -304,9 +305,13 @@ class BubblewrapSandbox(BoundedSandbox):
     def _run_one(self, code: str, stdin: str, timeout_s: float) -> ExecResult:
         program_fd = stdin_fd = info_r = info_w = -1
         cgroup: RunCgroup | None = None
+        feeder: _StdinFeeder | None = None
         try:
             program_fd = sealed_memfd("program", code.encode("utf-8"))
-            stdin_fd = sealed_memfd("stdin", stdin.encode("utf-8"))
+            # stdin is a pipe, not a file: a program that reads it to the end (the code env's judge) leaves
+            # nothing behind for a process that reopens it later through /proc/1/fd/0 (bwrap's init holds it)
+            stdin_fd, stdin_w = os.pipe()
+            feeder = _StdinFeeder(stdin_w, stdin.encode("utf-8"))
             info_r, info_w = os.pipe()
             memory_bytes = self.settings.memory_mb * 1024 * 1024
             argv, ids = self.command(program_fd, info_w), self._popen_ids()
@@ -336,6 +341,7 @@ class BubblewrapSandbox(BoundedSandbox):
             for fd in (program_fd, stdin_fd, info_w):  # the child holds its copies
                 os.close(fd)
             program_fd = stdin_fd = info_w = -1
+            feeder.start()
             init = _NamespaceInit(proc)
             watchdog = TreeWatchdog(
                 proc.pid,
@@ -365,6 +371,8 @@ class BubblewrapSandbox(BoundedSandbox):
                 result = replace(result, exit_code=None, killed_reason="memory")
             return result
         finally:
+            if feeder is not None:
+                feeder.close()
             if cgroup is not None:
                 cgroup.close()
             for fd in (program_fd, stdin_fd, info_r, info_w):
@@ -397,6 +405,39 @@ class BubblewrapSandbox(BoundedSandbox):
             f"bubblewrap self-check failed ({self.bwrap}, exit {result.exit_code}, "
             f"killed_reason={result.killed_reason}): {detail or '(no output)'}. {hint}"
         )
+
+
+class _StdinFeeder:
+    """Writes a run's stdin into a pipe from a thread, so a program that never reads it cannot block us: the
+    write ends with EPIPE when the program exits, and ``close`` waits for the thread and closes the pipe."""
+
+    def __init__(self, fd: int, data: bytes):
+        self._fd = fd
+        self._data = data
+        self._thread = threading.Thread(target=self._feed, name="sandbox-stdin", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _feed(self) -> None:
+        try:
+            view = memoryview(self._data)
+            while view:
+                view = view[os.write(self._fd, view) :]
+        except OSError:
+            pass  # the program exited (or was killed) without reading everything
+        finally:
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
+            self._fd = -1
+
+    def close(self) -> None:
+        if self._thread.is_alive() or self._thread.ident is not None:
+            self._thread.join()
+        elif self._fd >= 0:  # never started: an error before the program ran
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
+            self._fd = -1
 
 
 class _NamespaceInit:
