@@ -5,7 +5,9 @@
 # `PF_PREFECT_DB=postgres make run` uses it (data in .pettingflow/postgres, or /var/lib/pettingflow/postgres when
 # run as root: PostgreSQL refuses to run as root, so the cluster then belongs to the `postgres` user, whose home
 # must be able to reach the data folder). The database `prefect`, its owner `prefect` and a random password
-# (DATA_DIR/password, mode 600) are created on the first start; a later start reuses them.
+# (DATA_DIR/password, mode 600) are created on the first start; a later start reuses them. The password is never
+# an argument of a command (the process list shows those to every local user): the connection URL this prints
+# goes to the Prefect server in its environment (PREFECT_API_DATABASE_CONNECTION_URL).
 set -euo pipefail
 say() { printf '\033[1;34m[postgres]\033[0m %s\n' "$*" >&2; }
 die() { printf '\033[1;31m[postgres] error:\033[0m %s\n' "$*" >&2; exit 1; }
@@ -44,7 +46,8 @@ if ! "${AS[@]}" "$BIN/pg_ctl" -D "$CLUSTER" status >/dev/null 2>&1; then
 fi
 psql_() { "${AS[@]}" "$BIN/psql" -h "$CLUSTER" -p "$PORT" -U postgres -d postgres -v ON_ERROR_STOP=1 -qtA "$@"; }
 if [ "$(psql_ -c "SELECT 1 FROM pg_roles WHERE rolname = 'prefect'")" != 1 ]; then
-  psql_ -c "CREATE ROLE prefect LOGIN PASSWORD '$PASSWORD'" >/dev/null
+  # the statement on psql's stdin (printf is a builtin): as `psql -c` the password was in the process list
+  printf "CREATE ROLE prefect LOGIN PASSWORD '%s';\n" "$PASSWORD" | psql_ >/dev/null
   psql_ -c "CREATE DATABASE prefect OWNER prefect" >/dev/null
   say "created database prefect (owner prefect, password in $DATA/password)"
 fi
