@@ -20,8 +20,10 @@ import subprocess
 import time
 from collections import Counter
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import e2e_stack
+import process_list
 import psutil
 import pytest
 from e2e_stack import (
@@ -140,10 +142,16 @@ def read_flow_run(env, flow_run_id: str):
     return asyncio.run(read())
 
 
-def test_deployment_run_two_iterations(stack, tmp_path, vllm_server, default_model_dir, restore_base_weights) -> None:
+def test_deployment_run_two_iterations(
+    stack, tmp_path, vllm_server, default_model_dir, restore_base_weights, ray_token_auth
+) -> None:
     """``prefect deployment run train/code-env`` on the stack's server and worker, 2 iterations of SmolLM2 with a
-    2-rank ZeRO-3 learner."""
+    2-rank ZeRO-3 learner. While it runs, no process of the machine (the Prefect server and its database, the
+    worker, the flow run, its Ray with the learner ranks and sandboxes) has the database's password or Ray's token
+    in its command line, which every local user can read (tests/process_list.py)."""
     env, start_worker, state_dir = stack
+    password = urlsplit(env["PETTINGFLOW_TEST_POSTGRES"].split("|", 1)[1]).password
+    held = [password, ray_token_auth.read_text().strip()]
     worker = start_worker()
     worker_log = state_dir / f"worker-{len(list(state_dir.glob('worker-*.log'))) - 1}.log"
     try:
@@ -151,10 +159,12 @@ def test_deployment_run_two_iterations(stack, tmp_path, vllm_server, default_mod
         # the 1-rank math: tests/test_learner.py); the server loads checkpoints written from gathered shards
         learner = ["training.num_processes=2", "training.zero_stage=3", "training.gradient_checkpointing=true"]
         overrides = [*run_overrides(tmp_path, vllm_server, default_model_dir), *learner]
-        out, flow_run_id = deployment_run(env, overrides, watch=True)
+        with process_list.ProcessListWatch(held) as watch:
+            out, flow_run_id = deployment_run(env, overrides, watch=True)
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     finally:
         stop_worker(worker)
+    assert password and watch.samples > 10 and not watch.found, sorted(watch.found)
     state, tasks, artifacts = read_flow_run(env, flow_run_id)
     assert state == "Completed"
     for name in ("rollouts", "filtered", "advantages", "sync", "validation", "report"):

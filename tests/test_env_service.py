@@ -7,13 +7,16 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
+import process_list
 import pytest
 from fastapi.testclient import TestClient
 from rollout_fakes import BoardEnv, CharChatTokenizer, ScriptedLLM, plan_path_engine_rows
@@ -30,7 +33,7 @@ from pettingflow.envs.service.client import (
     ServiceClient,
     remote_class,
 )
-from pettingflow.envs.service.protocol import PROTOCOL, CodecError, from_json, remote_methods, to_json
+from pettingflow.envs.service.protocol import PROTOCOL, TOKEN_ENV, CodecError, from_json, remote_methods, to_json
 from pettingflow.envs.service.server import check_bind, create_app
 from pettingflow.processes import free_port
 
@@ -460,21 +463,27 @@ def test_env_server_must_be_urls() -> None:
 # `pettingflow env serve` in a process of its own
 # --------------------------------------------------------------------------------------------------
 class ServiceProcess:
-    """``pettingflow env serve plan-path`` on a free loopback port; ``kill`` ends it as a crash would."""
+    """``pettingflow env serve plan-path`` on a free loopback port; ``kill`` ends it as a crash would. ``token``:
+    the service's, given as users should, in ``$PETTINGFLOW_ENV_TOKEN`` (never ``--token``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, token: str | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.token = token
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
         cmd = [sys.executable, "-m", "pettingflow.cli", "env", "serve", "plan-path", "--port", str(self.port)]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+        env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV} | ({TOKEN_ENV: self.token} if self.token else {})
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True, env=env
+        )
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, self.proc.stdout.read().decode()
             try:
-                if httpx.get(f"{self.url}/v1/info", timeout=1).status_code == 200:
+                if httpx.get(f"{self.url}/v1/info", headers=headers, timeout=1).status_code == 200:
                     return
             except httpx.TransportError:
                 time.sleep(0.2)
@@ -486,6 +495,32 @@ class ServiceProcess:
             self.proc.wait(timeout=30)
         if self.proc is not None and self.proc.stdout is not None:
             self.proc.stdout.close()
+
+
+def test_a_token_that_begins_with_a_dash_works_and_stays_out_of_the_process_list(monkeypatch) -> None:
+    """The token as users give it, in ``$PETTINGFLOW_ENV_TOKEN`` on both sides: one that begins with "-" (as a
+    ``secrets.token_urlsafe`` token may) is read whole by ``pettingflow env serve`` and by the client, a request
+    without it is refused, and no process's command line holds it. ``--token`` takes such a token as its value too
+    (click, unlike argparse, takes the next argument whatever it looks like): refused here only for its length."""
+    import secrets
+
+    from typer.testing import CliRunner
+
+    from pettingflow.cli import app
+
+    short = CliRunner().invoke(app, ["env", "serve", "plan-path", "--host", "0.0.0.0", "--token", "-abc"])
+    assert short.exit_code != 0 and "at least 16 characters" in short.output
+    token = "-" + secrets.token_urlsafe(32)
+    service = ServiceProcess(token=token)
+    service.start()
+    try:
+        assert httpx.get(f"{service.url}/v1/info", timeout=5).status_code == 401
+        monkeypatch.setenv(TOKEN_ENV, token)
+        assert ServiceClient(service.url).info()["protocol"] == PROTOCOL
+        assert token.encode() not in Path(f"/proc/{service.proc.pid}/cmdline").read_bytes()
+        assert process_list.showing([token]) == []
+    finally:
+        service.kill()
 
 
 @pytest.fixture

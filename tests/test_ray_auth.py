@@ -15,6 +15,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import process_list
 import psutil
 import pytest
 from e2e_stack import loopback_ray_head
@@ -98,6 +99,7 @@ def test_a_driver_with_the_token_runs_a_task(auth_head, ray_token_auth: Path) ->
         for proc in procs:
             assert not any(token in arg for arg in proc.cmdline()), proc
             assert token not in "\n".join(f"{k}={v}" for k, v in proc.environ().items()), proc
+        assert process_list.showing([token]) == []  # nor any other process's command line (ps shows them to all)
     finally:
         ray.shutdown()
     leaked = []
