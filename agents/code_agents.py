@@ -232,8 +232,9 @@ class UnitTestGeneratorAgent(Agent):
     @staticmethod
     def _instruction(s: CodeEnvState) -> str:
         return (
-            f"Write 3 to 5 lines like `assert {s.entry_point}(...) == ...` with inputs and correct outputs "
-            "that follow the description, so that buggy code fails. Reply with the asserts in one ```python block."
+            f"Write 3 to 5 lines like `assert {s.entry_point}(...) == ...`, each with literal inputs and the "
+            "literal correct output that follow the description, so that buggy code fails. Reply with the "
+            "asserts in one ```python block."
         )
 
     def parse_response(self, response_text: str, env: Env) -> list[str]:
