@@ -574,7 +574,7 @@ class InferenceSettings(_Strict):
         "127.0.0.1",
         description="Where managed servers listen. Beyond loopback (e.g. 0.0.0.0 for replicas reached from other "
         "hosts; clients then dial this machine's address, or PETTINGFLOW_NODE_IP when set) each gets a per-run "
-        "API key (vLLM's --api-key, never written to the run's files) and starts "
+        "API key (in vLLM's environment as VLLM_API_KEY, never on a command line or in the run's files) and starts "
         "without dev mode, whose weight-reload routes the key does not guard: new weights then reach it as LoRA "
         "adapters (specialization: lora) or by a restart (between_updates: restart), and the config refuses the "
         "rest (docs/inference.md, 'Keys').",

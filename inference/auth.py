@@ -1,10 +1,14 @@
 """API keys of the inference servers, by URL: every HTTP call PettingFlow makes to a server takes its header here.
 
-Why a registry: a server that listens beyond loopback is reachable by anyone on the network, and vLLM's
-``--api-key`` is what keeps strangers from generating with it or loading adapters into it. The key is made per run
+Why a registry: a server that listens beyond loopback is reachable by anyone on the network, and vLLM's API key
+is what keeps strangers from generating with it or loading adapters into it. The key is made per run
 (``new_key``) when the runtime starts such a server, or read from the environment variable the config names
 for attached servers (``inference.api_key_env``); it is never written to a run's files. Every caller (the rollout
 client, weight sync, health and readiness checks) asks ``headers(url)``, so none of them can forget it.
+
+A managed server gets its key in its environment (``VLLM_API_KEY``, ``inference/server.py``), never as
+``--api-key KEY``: an argument is in every local user's process list, and a key that begins with "-" (about one in
+64 of ``new_key``'s, whose URL-safe alphabet has "-") is read by argparse as an option, so vLLM would not start.
 
 vLLM's key guards the routes under ``/v1`` (generation, models, LoRA adapters) but not the dev-mode routes that
 reload full weights (``/collective_rpc``, ``/sleep``): the config therefore refuses dev mode beyond loopback

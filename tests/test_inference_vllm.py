@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import process_list
 import pytest
 
 from pettingflow.inference.client import Completion, InferenceClient
@@ -52,8 +53,9 @@ p = argparse.ArgumentParser()
 p.add_argument("--port", type=int)
 p.add_argument("--host")
 p.add_argument("--served-model-name")
-p.add_argument("--api-key")
+p.add_argument("--api-key", nargs="+")  # as vLLM 0.32: "--api-key -x" is refused (exit 2) before anything runs
 args, _ = p.parse_known_args()
+keys = [k for k in (args.api_key or [os.environ.get("VLLM_API_KEY")]) if k]  # vLLM's order: argument, then env
 mode = os.environ.get("FAKE_MODE", "ok")
 child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])  # like vLLM's engine core
 if os.environ.get("FAKE_DUMP"):
@@ -77,8 +79,8 @@ class H(BaseHTTPRequestHandler):
     def log_message(self, *a):
         pass
     def do_GET(self):
-        keyed = self.headers.get("Authorization") == f"Bearer {args.api_key}"
-        if args.api_key and self.path.startswith("/v1") and not keyed:
+        keyed = self.headers.get("Authorization") in [f"Bearer {k}" for k in keys]
+        if keys and self.path.startswith("/v1") and not keyed:
             self.send_response(401); self.end_headers(); return
         if self.path == "/health":
             body = b""
@@ -134,23 +136,62 @@ def _dump(server: VLLMServer) -> dict[str, Any]:
     return json.loads(Path(server.extra_env["FAKE_DUMP"]).read_text())
 
 
-def test_a_server_with_an_api_key_is_reached_with_it_and_never_shows_it(fake_vllm) -> None:
-    """``api_key``: vLLM gets ``--api-key``; PettingFlow's own requests carry it (the readiness check, model
-    listing), a request without it is refused, and the server's log shows a placeholder instead of the key."""
-    import httpx
-
+def test_a_server_with_an_api_key_is_reached_with_it_and_never_shows_it(fake_vllm, monkeypatch) -> None:
+    """``api_key``: the server gets it in its environment (``VLLM_API_KEY``), never on its command line, so it is in
+    no process list and a key that begins with "-" (forced here; one generated key in 64 does) cannot be read as
+    an option: as ``--api-key KEY`` it stopped the server's argparse, and the server never started. PettingFlow's
+    own requests carry the key (the readiness check, model listing), one without it is refused, and the log
+    shows the command as it ran, which holds no key."""
     from pettingflow.inference import auth
 
-    key = auth.new_key()
+    key = "-" + auth.new_key()
     server = fake_vllm(api_key=key)
-    assert server.command()[-2:] == ["--api-key", key]
+    assert "--api-key" not in server.command() and not any(key in part for part in server.command())
     with server:  # ready only if /v1/models answered, i.e. with the key
         assert httpx.get(f"{server.url}/v1/models", timeout=5).status_code == 401
         assert list_models(server) == ["tiny"]
         assert auth.headers(server.url + "/v1/") == {"Authorization": f"Bearer {key}"}
+        info = _dump(server)
+        assert info["env"]["VLLM_API_KEY"] == key and "--api-key" not in info["argv"]
+        for pid in (server.pid, info["pid"], info["child"]):  # the deathsig wrapper, the server, its engine
+            assert key.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes()
+        assert process_list.showing([key]) == []  # nor any other process's
     log = server.log_path.read_text()
-    assert key not in log and "--api-key <api key>" in log
+    assert key not in log and "--api-key" not in log and "starting: " in log
     auth.register(server.url, None)
+    # a VLLM_API_KEY of the caller's environment never reaches a server without a key of ours: it would refuse
+    # PettingFlow's own requests
+    monkeypatch.setenv("VLLM_API_KEY", "not-ours")
+    assert "VLLM_API_KEY" not in fake_vllm().environment()
+    assert fake_vllm(api_key=key).environment()["VLLM_API_KEY"] == key
+
+
+def test_the_fake_vllm_reads_its_key_as_vllm_does(fake_vllm, capsys) -> None:
+    """The fake's argument parsing agrees with the installed vLLM's on the key: both refuse ``--api-key`` followed
+    by a key that begins with "-" with the same message (the fake would have caught the key on the command line),
+    and vLLM takes ``VLLM_API_KEY`` when the argument is absent (its middleware reads ``envs.VLLM_API_KEY``)."""
+    import inspect
+
+    from vllm import envs
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.entrypoints.serve.middleware import register
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from pettingflow.inference import auth
+
+    refused = "argument --api-key: expected at least one argument"
+    key = "-" + auth.new_key()
+    parser = make_arg_parser(FlexibleArgumentParser(prog="vllm"))
+    plain = "k" + key  # the same key behind a letter: read as the argument's value
+    assert parser.parse_args(["--model", "m", "--api-key", plain]).api_key == [plain]
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--model", "m", "--api-key", key])
+    assert refused in capsys.readouterr().err
+    assert "args.api_key or [envs.VLLM_API_KEY]" in inspect.getsource(register.init_entrypoints_middleware)
+    assert "VLLM_API_KEY" in envs.environment_variables
+    server = fake_vllm(extra_args=["--api-key", key])
+    with pytest.raises(ServerStartupError, match=refused):
+        server.start()
 
 
 def test_start_health_command_env_and_group_stop(fake_vllm) -> None:
