@@ -74,10 +74,33 @@ Stages (``--device cuda``; ``--budget-s`` 420 s caps the stages, so give the com
 9. ``zero3_head``: where ZeRO-3 + checkpointing spends the big bf16 model's update time with the LM head at the
    loss positions: the head in chunks of 512 and 4096 tokens, whole, and the model's own logits, beside ZeRO-0 +
    checkpointing.
+10. ``mfu``: the learner's update MFU (goal >= 0.40) on a random Llama shaped like Qwen2.5-1.5B (hidden 1536, 28
+    layers, intermediate 8960, 12 heads / 2 KV heads, vocab 151936, tied embeddings: 1.54B params, 1.31B in the
+    decoder; built on the GPU in bf16, sdpa attention), bf16 with fp32 master weights, 1 rank, kl_coef 0, 1 epoch:
+    64 rows x 2048 tokens (prompt 256, 1792 trained), mini-batch 32 (2 optimizer steps, so the second window's old
+    log-probs take a forward of their own), micro-batch 8 (4 on a GPU under 120 GiB; halved again if the first
+    case runs out of memory). Cases one after the other, each its own process, 2 updates (the second resident and
+    timed), no weights saved: ZeRO-0 and ZeRO-2; if neither reaches the goal, levers: checkpointing with twice the
+    micro-batch, and ``master_weights: bf16``. A case starts only if the stage's 240 s still hold it (else
+    ``skipped_for_time``). FLOPs (``update_flops``), with ``N_dec = L (2 h^2 + 2 h kv + 3 h f)`` and ``N_head = V h``:
+    one forward of a row = ``2 N_dec s + 2 N_head (s - p) + 2 L h s^2`` (the head at the loss positions only;
+    causal attention: half of ``4 L h s^2``); model FLOPs = 3 forwards per row (6 N T) + 1 per row whose old
+    log-probs are recomputed; checkpointing's recompute counts in HFU only; ``mfu_palm`` counts attention over the
+    whole square (PaLM's ``6 N + 12 L h s`` per token). MFU = model FLOPs / (the warm update's wall time x peak),
+    peaks: the datasheet's dense bf16 (989.5 TFLOP/s for an H100 / H200 SXM, by device name) and an 8192^3 bf16
+    matmul measured in the stage. Per case also: old log-prob / train / other seconds, the training pass's
+    forward / head+loss / backward / optimizer step (CUDA events around the engine's calls: ``PhaseClock``),
+    tokens/s, peak memory, and ``checks`` that the worker did the work the count assumes. Pass: the best case's MFU
+    against the datasheet >= 0.40. Expected to take 150-200 s on an H200 (not yet run there). Device command: the
+    one above with ``--stages env mfu --budget-s 300`` (about 4 min in all; give it 420 s)::
+
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site && { python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/pf . || echo "pip install of pettingflow failed: gpu_check maps the source tree itself"; } && export PYTHONPATH=/tmp/pf:/tmp/site PYTHONUNBUFFERED=1 && python3 -m bench.gpu_check --device cuda --stages env mfu --budget-s 300 --out "$OUT"
 
 ``--device cpu``: the same stages on tiny models where CUDA is not needed (this is how the script is tested on
 the CPU machine): stage 2 compares 1 CPU thread with 2 threads (no GPU), stage 4 runs gloo and run_update on the CPU, stage
-5 uses a tiny "big" model; memory figures are the ranks' peak RSS instead of CUDA allocations.
+5 uses a tiny "big" model, stage 10 a tiny model (8 rows x 64 tokens) with ZeRO-0 and the checkpointing lever, its
+peak the CPU's measured 256^3 bf16 matmul, the goal not judged; memory figures are the ranks' peak RSS instead of
+CUDA allocations.
 
 Output (``--out``, default ``$OUT``): ``gpu_check.json`` (every stage's status, figures, error key lines and log
 tails), ``gpu_check.log`` (this console) and ``runs.log`` (the logs of every worker run, capped).
@@ -113,6 +136,7 @@ STAGES = (
     "levers",
     "device_plan",
     "zero3_head",
+    "mfu",
 )
 STAGE_TIMEOUT_S = {"env": 90, "cpu_vs_gpu_fp32": 180, "zero3_ckpt_vs_zero0": 180, "two_ranks_one_gpu": 200}
 STAGE_TIMEOUT_S["bf16_lora"] = 300
@@ -120,6 +144,7 @@ STAGE_TIMEOUT_S["resident_learner"] = 240
 STAGE_TIMEOUT_S["levers"] = 200
 STAGE_TIMEOUT_S["device_plan"] = 90
 STAGE_TIMEOUT_S["zero3_head"] = 300
+STAGE_TIMEOUT_S["mfu"] = 240
 PASS_REL = 1e-3
 AGENTS = ["code_generator", "test_generator"]
 # Llama shapes (tied embeddings like SmolLM2); seq = tokens per row, prompt = its prompt part
@@ -127,13 +152,19 @@ SHAPES: dict[str, dict[str, dict[str, int]]] = {
     "cuda": {
         "small": {"layers": 4, "hidden": 256, "intermediate": 688, "heads": 4, "kv_heads": 2, "vocab": 4096},
         "big": {"layers": 16, "hidden": 2048, "intermediate": 8192, "heads": 32, "kv_heads": 8, "vocab": 32000},
+        # Qwen2.5-1.5B's shape as a Llama (no q/k/v biases): 1.54B params, 1.31B of them in the decoder
+        "mfu": {"layers": 28, "hidden": 1536, "intermediate": 8960, "heads": 12, "kv_heads": 2, "vocab": 151936},
     },
     "cpu": {
         "small": {"layers": 2, "hidden": 64, "intermediate": 128, "heads": 4, "kv_heads": 2, "vocab": 512},
         "big": {"layers": 2, "hidden": 128, "intermediate": 256, "heads": 4, "kv_heads": 2, "vocab": 1024},
+        "mfu": {"layers": 2, "hidden": 64, "intermediate": 160, "heads": 4, "kv_heads": 2, "vocab": 512},
     },
 }
-SEQ = {"cuda": {"small": (128, 32), "big": (1024, 64)}, "cpu": {"small": (40, 12), "big": (96, 16)}}
+SEQ = {
+    "cuda": {"small": (128, 32), "big": (1024, 64), "mfu": (2048, 256)},
+    "cpu": {"small": (40, 12), "big": (96, 16), "mfu": (64, 16)},
+}
 ROWS = 8
 STARTED = float(os.environ.get("GPU_CHECK_STARTED") or time.time())  # the whole run's start, in every child
 
@@ -270,10 +301,16 @@ def ensure_model(work: Path, mode: str, size: str, dtype: str = "fp32", device: 
 
 
 def write_batch(
-    path: Path, mode: str, size: str, seed: int, agents: list[str] | None = None, zero_rows: int = 0
+    path: Path,
+    mode: str,
+    size: str,
+    seed: int,
+    agents: list[str] | None = None,
+    zero_rows: int = 0,
+    rows: int = ROWS,
 ) -> Path:
-    """``common.write_random_batch`` (8 rows, every response token trained, sampler log-probs -log V), with its
-    +-1 advantages replaced by random non-zero ones (the first ``zero_rows`` rows: 0) and, for LoRA, rows
+    """``common.write_random_batch`` (``rows`` rows, every response token trained, sampler log-probs -log V), with
+    its +-1 advantages replaced by random non-zero ones (the first ``zero_rows`` rows: 0) and, for LoRA, rows
     alternating between ``agents``."""
     import random
 
@@ -282,14 +319,14 @@ def write_batch(
 
     seq, prompt = SEQ[mode][size]
     vocab = SHAPES[mode][size]["vocab"]
-    common.write_random_batch(path, ROWS, seq, prompt, vocab, seed=seed, sampler_logprob=-math.log(vocab))
+    common.write_random_batch(path, rows, seq, prompt, vocab, seed=seed, sampler_logprob=-math.log(vocab))
     table = pq.read_table(path)
     rng = random.Random(seed)
-    advantages = [rng.choice((-1.0, 1.0)) * rng.uniform(0.2, 1.5) for _ in range(ROWS)]
+    advantages = [rng.choice((-1.0, 1.0)) * rng.uniform(0.2, 1.5) for _ in range(rows)]
     columns = {"advantage": [0.0] * zero_rows + advantages[zero_rows:]}
     if agents:
-        columns["agent_name"] = [agents[i % len(agents)] for i in range(ROWS)]
-        columns["agent_idx"] = [i % len(agents) for i in range(ROWS)]
+        columns["agent_name"] = [agents[i % len(agents)] for i in range(rows)]
+        columns["agent_idx"] = [i % len(agents) for i in range(rows)]
     for name, values in columns.items():
         i = table.schema.get_field_index(name)
         table = table.set_column(i, table.schema.field(i), pa.array(values, table.schema.field(i).type))
@@ -330,11 +367,80 @@ def spec_dict(batch: Path, out: Path, model: Path, seq: int, **kw: Any) -> dict[
 
 
 # ------------------------------------------------------------------------------------------------ worker runs
+class PhaseClock:
+    """Where the training pass's time goes, without adding a synchronisation: the engine's ``forward``,
+    ``backward`` and ``step`` of each micro-batch are bracketed by CUDA events on the current stream (on the CPU:
+    ``perf_counter``), read once after the pass. ``head_loss`` is the rest of each micro-batch (from its forward's
+    start to its step's end): the LM head at the loss positions, the log-softmax and the loss. ``optimizer_step``:
+    the ``step`` calls at an accumulation boundary (the AdamW step, clipping), ``step_other`` the others."""
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+        self.spans: list[tuple[str, Any, Any]] = []  # (phase, start, end) in call order
+
+    def mark(self) -> Any:
+        if not self.cuda:
+            return time.perf_counter()
+        import torch
+
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def wrap(self, engine: Any) -> None:
+        """Brackets ``engine.forward`` / ``backward`` / ``step`` (instance attributes: ``engine(...)`` runs
+        ``self.forward``, the worker calls the other two by name)."""
+        if getattr(engine, "_gpu_check_clock", None) is self:
+            return
+        forward, backward, step = engine.forward, engine.backward, engine.step
+
+        def timed(name: str | None, fn: Any) -> Any:
+            def call(*args: Any, **kwargs: Any) -> Any:
+                label = name or ("optimizer_step" if engine.is_gradient_accumulation_boundary() else "step_other")
+                start = self.mark()
+                out = fn(*args, **kwargs)
+                self.spans.append((label, start, self.mark()))
+                return out
+
+            return call
+
+        engine.forward = timed("forward", forward)
+        engine.backward = timed("backward", backward)
+        engine.step = timed(None, step)
+        engine._gpu_check_clock = self
+
+    def read(self) -> dict[str, Any]:
+        """Seconds per phase since the last read, ``micro_batches``, and ``head_loss`` (see the class), then
+        forgets them."""
+        if self.cuda:
+            import torch
+
+            torch.cuda.synchronize()
+        spans, self.spans = self.spans, []
+
+        def seconds(start: Any, end: Any) -> float:
+            return start.elapsed_time(end) / 1000 if self.cuda else end - start
+
+        out: dict[str, Any] = {}
+        for label, a, b in spans:
+            out[label] = out.get(label, 0.0) + seconds(a, b)
+        forwards = [a for label, a, _ in spans if label == "forward"]
+        step_ends = [b for label, _, b in spans if label in ("optimizer_step", "step_other")]
+        out["micro_batches"] = len(forwards)
+        if forwards and len(step_ends) == len(forwards):
+            total = sum(seconds(a, b) for a, b in zip(forwards, step_ends, strict=True))
+            known = sum(out.get(k, 0.0) for k in ("forward", "backward", "optimizer_step", "step_other"))
+            out["micro_batch_total"] = total
+            out["head_loss"] = max(0.0, total - known)
+        return {k: round(v, 4) if isinstance(v, float) else v for k, v in out.items()}
+
+
 def run_job(job_path: str) -> int:
     """``--run-job JOB``: one rank. Runs the job's specs one after another in one resident ``UpdateWorker``
     (so a second spec whose ``start_version`` is the first's ``version`` continues in memory) and writes
     ``result-rank<r>.json`` beside the job: metrics, device, CUDA memory (peak per update, before and during
-    ``train()``) and peak RSS."""
+    ``train()``) and peak RSS; with ``phases`` in the job, the training pass's time per phase (``PhaseClock``)
+    and the attention implementation the model runs."""
     import logging
     import resource
 
@@ -352,6 +458,7 @@ def run_job(job_path: str) -> int:
     ensure_dist_env()
     cuda = torch.cuda.is_available()
     skip_save = bool(job.get("skip_save"))
+    clock = PhaseClock(cuda) if job.get("phases") else None
 
     class CheckWorker(UpdateWorker):
         def train(self) -> None:
@@ -359,7 +466,11 @@ def run_job(job_path: str) -> int:
                 torch.cuda.synchronize()
                 before = torch.cuda.memory_allocated()
                 torch.cuda.reset_peak_memory_stats()
+            if clock is not None:
+                clock.wrap(self.engine)
             super().train()
+            if clock is not None:
+                self.phases = clock.read()
             if cuda:
                 torch.cuda.synchronize()
                 self.train_memory = {"before_train": before, "train_peak": torch.cuda.max_memory_allocated()}
@@ -391,6 +502,10 @@ def run_job(job_path: str) -> int:
         "outputs",
         "agents",
         "max_rss_mb_per_rank",
+        "tokens",
+        "model_tokens",
+        "old_logprob_forwards_skipped",
+        "step_s",
     )
     try:
         for i, raw in enumerate(job["specs"]):
@@ -404,6 +519,9 @@ def run_job(job_path: str) -> int:
             entry["engine_device"] = str(worker.engine.device)
             entry["param_device"] = str(next(worker.engine.module.parameters()).device)
             entry["backend"] = dist.get_backend()
+            if clock is not None:
+                entry["phases"] = getattr(worker, "phases", None)
+                entry["attn_implementation"] = getattr(worker.engine.module.config, "_attn_implementation", None)
             if cuda:
                 torch.cuda.synchronize()
                 entry["max_memory_allocated"] = torch.cuda.max_memory_allocated()
@@ -437,6 +555,7 @@ def start_job(
     env: dict[str, str] | None = None,
     same_gpu: bool = False,
     skip_save: bool = False,
+    phases: bool = False,
     timeout_s: float = 120,
 ) -> Proc:
     from pettingflow.processes import free_port
@@ -446,7 +565,9 @@ def start_job(
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
     job = folder / "job.json"
-    job.write_text(json.dumps({"specs": specs, "same_gpu": same_gpu, "skip_save": skip_save}, indent=1))
+    job.write_text(
+        json.dumps({"specs": specs, "same_gpu": same_gpu, "skip_save": skip_save, "phases": phases}, indent=1)
+    )
     if ranks == 1:
         cmd = [sys.executable, "-m", MODULE, "--run-job", str(job)]
         extra = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
@@ -1193,6 +1314,337 @@ def stage_device_plan(work: Path, mode: str, args: Any) -> dict[str, Any]:
     return out
 
 
+# ------------------------------------------------------------------------------------------------ MFU
+MFU_GOAL = 0.40
+# dense bf16 tensor-core peaks (no sparsity) from NVIDIA's datasheets, by a part of torch's device name; the first
+# match wins, so the narrower names come first (GH200 matches "H200": the same chip's rate)
+DATASHEET_BF16 = (
+    ("H200 NVL", 835.5e12),
+    ("H200", 989.5e12),
+    ("H100 PCIe", 756.0e12),
+    ("H100 NVL", 835.5e12),
+    ("H100", 989.5e12),
+    ("A100", 312.0e12),
+)
+MFU_ROWS = {"cuda": 64, "cpu": 8}  # rows per update
+MFU_MINI = {"cuda": 32, "cpu": 4}  # rows per optimizer step: two steps per update
+MFU_MATMUL_N = {"cuda": 8192, "cpu": 256}
+
+
+def datasheet_peak(device_name: str) -> float | None:
+    """The datasheet's dense bf16 FLOP/s of the GPU ``device_name`` names, or None when the table lacks it."""
+    for part, peak in DATASHEET_BF16:
+        if part.lower() in device_name.lower():
+            return peak
+    return None
+
+
+def matmul_rate(n: int, device: str, iters: int = 20, repeats: int = 5) -> float:
+    """FLOP/s of ``n x n x n`` bf16 matmuls on random data: the fastest of ``repeats`` timings of ``iters``
+    back-to-back products (CUDA events on the GPU), after a warm-up."""
+    import torch
+
+    a = torch.randn(n, n, device=device).to(torch.bfloat16)
+    b = torch.randn(n, n, device=device).to(torch.bfloat16)
+    c = torch.empty(n, n, device=device, dtype=torch.bfloat16)
+    cuda = device == "cuda"
+    for _ in range(iters):  # warm-up (and the clocks up)
+        torch.matmul(a, b, out=c)
+    best = math.inf
+    for _ in range(repeats):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            start.record()
+            for _ in range(iters):
+                torch.matmul(a, b, out=c)
+            end.record()
+            end.synchronize()
+            seconds = start.elapsed_time(end) / 1000
+        else:
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                torch.matmul(a, b, out=c)
+            seconds = time.perf_counter() - t0
+        best = min(best, seconds)
+    del a, b, c
+    return 2.0 * n**3 * iters / best
+
+
+def old_logprob_rows(rows: int, mini: int, epochs: int) -> int:
+    """Rows whose old log-probs the worker computes with a forward of its own: with one epoch the first window's
+    are the training forward's (no step precedes it), so every window after the first; with more epochs, all."""
+    return max(0, rows - mini) if epochs == 1 else rows
+
+
+def update_flops(
+    shape: dict[str, int],
+    rows: int,
+    seq: int,
+    prompt: int,
+    *,
+    epochs: int = 1,
+    logprob_rows: int = 0,
+    checkpointing: bool = False,
+    head_chunked: bool = False,
+) -> dict[str, float]:
+    """FLOPs of one update of ``rows`` rows of ``seq`` tokens (``prompt`` of them prompt, the rest trained), as
+    the worker computes it (no shared prompts: every row runs whole; the LM head at the loss positions only).
+
+    With ``N_dec = L (2 h^2 + 2 h kv + 3 h f)`` (q, o; k, v of ``kv = kv_heads * h / heads`` columns; gate, up,
+    down) and ``N_head = V h`` (the tied embedding as the LM head), one forward of a row costs
+    ``2 N_dec s + 2 N_head (s - p) + 2 L h s^2`` (``s = seq``, ``p = prompt``; the last term is attention's two
+    ``s x s`` products over the ``h`` query columns, causal: half of the square). Then:
+
+    - ``train`` = 3 forwards (forward + backward = 6 per weight per token) x rows x epochs;
+    - ``logprob`` = 1 forward x ``logprob_rows`` (the old log-probs' own forward, ``old_logprob_rows``);
+    - ``model`` = train + logprob: the work the algorithm needs, what MFU counts;
+    - ``recompute`` = what checkpointing re-runs: the decoder's forward (``2 N_dec s + 2 L h s^2`` per row) and,
+      with the head in chunks, the head's (``2 N_head (s - p)``), per epoch; ``hardware`` = model + recompute
+      (HFU's numerator);
+    - ``palm`` = model with attention counted over the whole square (PaLM's ``6 N + 12 L h s`` per token,
+      which published MFU figures often use): the same time gives a slightly higher MFU by it.
+    """
+    layers, hidden = shape["layers"], shape["hidden"]
+    kv = shape["kv_heads"] * (hidden // shape["heads"])
+    n_dec = layers * (2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * shape["intermediate"])
+    n_head = shape["vocab"] * hidden
+    loss = seq - prompt
+    decoder_fwd = 2.0 * n_dec * seq  # per row
+    head_fwd = 2.0 * n_head * loss
+    attention_fwd = 2.0 * layers * hidden * seq * seq
+    row_fwd = decoder_fwd + head_fwd + attention_fwd
+    train = 3 * row_fwd * rows * epochs
+    logprob = row_fwd * logprob_rows
+    recompute = 0.0
+    if checkpointing:
+        recompute += (decoder_fwd + attention_fwd) * rows * epochs
+    if head_chunked:
+        recompute += head_fwd * rows * epochs
+    model = train + logprob
+    attention_share = attention_fwd * (3 * rows * epochs + logprob_rows)
+    return {
+        "decoder_params": float(n_dec),
+        "head_params": float(n_head),
+        "tokens": float(rows * seq),
+        "loss_tokens": float(rows * loss),
+        "train": train,
+        "logprob": logprob,
+        "model": model,
+        "recompute": recompute,
+        "hardware": model + recompute,
+        "attention": attention_share,
+        "palm": model + attention_share,
+    }
+
+
+def mfu_cases(mode: str, micro: int) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
+    """(the cases always run, the first one the reference; the levers, run when none of those reaches
+    ``MFU_GOAL``), each a name -> training settings over bf16 with fp32 master weights: ZeRO-0 and ZeRO-2 (the
+    config's default) without checkpointing, ``micro`` rows per micro-batch; the levers: checkpointing with twice
+    the micro-batch (what fits once the activations are recomputed), and bf16 master weights (no fp32 copies:
+    a lighter optimizer step). On the CPU (a test of the stage, not of a machine): ZeRO-0, and checkpointing as
+    the lever, always run."""
+    base = {"zero_stage": 0, "micro_batch_size": micro}
+    ckpt = {"zero_stage": 0, "gradient_checkpointing": True, "micro_batch_size": 2 * micro}
+    if mode != "cuda":
+        return {f"z0_mb{micro}": base}, {f"z0_ckpt_mb{2 * micro}": ckpt}
+    return (
+        {f"z0_mb{micro}": base, f"z2_mb{micro}": {**base, "zero_stage": 2}},
+        {f"z0_ckpt_mb{2 * micro}": ckpt, f"z0_bf16master_mb{micro}": {**base, "master_weights": "bf16"}},
+    )
+
+
+def mfu_case_summary(
+    run: dict[str, Any],
+    training: dict[str, Any],
+    shape: dict[str, int],
+    rows: int,
+    seq: int,
+    prompt: int,
+    mini: int,
+    peaks: dict[str, float],
+) -> dict[str, Any]:
+    """A case's figures from its second (warm, resident) update: time, FLOPs, MFU / HFU against each peak, the
+    training pass's phases, memory; ``checks`` says whether the worker did the work the FLOPs assume."""
+    updates = run["updates"]
+    last = updates[-1]
+    m = last["metrics"]
+    timings = m.get("timings") or {}
+    micro = training["micro_batch_size"]
+    flops = update_flops(
+        shape,
+        rows,
+        seq,
+        prompt,
+        logprob_rows=old_logprob_rows(rows, mini, 1),
+        checkpointing=bool(training.get("gradient_checkpointing")),
+        head_chunked=bool(training.get("head_chunk_tokens")),
+    )
+    duration = float(m["duration_s"])
+    train_s, logprob_s = timings.get("train_s"), timings.get("logprob_s")
+    out: dict[str, Any] = {
+        "training": training,
+        "update_s": [u["metrics"]["duration_s"] for u in updates],
+        "setup_s": (updates[0]["metrics"].get("timings") or {}).get("setup_s"),
+        "warm_update_s": duration,
+        "train_s": train_s,
+        "old_logprob_s": logprob_s,
+        "other_s": round(duration - (train_s or 0) - (logprob_s or 0), 3),
+        "tokens_per_s": round(flops["tokens"] / duration, 1),
+        "flops": flops,
+        "model_tflops_per_s": round(flops["model"] / duration / 1e12, 2),
+        "mfu": {k: round(flops["model"] / duration / p, 4) for k, p in peaks.items()},
+        "hfu": {k: round(flops["hardware"] / duration / p, 4) for k, p in peaks.items()},
+        "mfu_palm": {k: round(flops["palm"] / duration / p, 4) for k, p in peaks.items()},
+        "phases": last.get("phases"),
+        "attn_implementation": last.get("attn_implementation"),
+        "loss": [u["metrics"]["loss"] for u in updates],
+        "optimizer_state": [u["metrics"]["optimizer_state"] for u in updates],
+        "optimizer_steps": m.get("optimizer_steps"),
+        "memory": [memory_of(u) for u in updates],
+    }
+    if train_s:
+        out["train_pass_mfu"] = {k: round(flops["train"] / train_s / p, 4) for k, p in peaks.items()}
+    out["checks"] = {
+        "tokens": m.get("tokens") == rows * seq,
+        "model_tokens": m.get("model_tokens") == rows * (seq - prompt),
+        "old_logprob_forwards_skipped": m.get("old_logprob_forwards_skipped") == -(-min(mini, rows) // micro),
+        "optimizer_steps": m.get("optimizer_steps") == -(-rows // mini),
+        "resident": out["optimizer_state"][-1] == "resident",
+    }
+    return out
+
+
+def stage_mfu(work: Path, mode: str, args: Any) -> dict[str, Any]:
+    """The learner's update MFU on a 1.5B model: model FLOPs (``update_flops``) / (the warm update's wall time x
+    the peak), against the datasheet's dense bf16 peak and an 8192^3 bf16 matmul measured here; the cases of
+    ``mfu_cases`` one after the other (their times are compared), each its own process with two updates (the
+    second resident and timed), the levers only while the stage's time allows."""
+    import torch
+
+    cuda = mode == "cuda"
+    scale = float(os.environ.get("GPU_CHECK_TIMEOUT_SCALE", "1"))
+    deadline = float(os.environ.get("GPU_CHECK_STAGE_DEADLINE") or time.time() + STAGE_TIMEOUT_S["mfu"] * scale)
+    device = "cuda" if cuda else "cpu"
+    out: dict[str, Any] = {"device": torch.cuda.get_device_name(0) if cuda else "cpu"}
+    total_gib = torch.cuda.get_device_properties(0).total_memory / 2**30 if cuda else None
+    out["total_memory_gib"] = total_gib and round(total_gib, 1)
+    n = MFU_MATMUL_N[mode]
+    iters, repeats = (20, 5) if cuda else (4, 3)
+    measured = matmul_rate(n, device, iters=iters, repeats=repeats)
+    peaks = {"measured_matmul": measured}
+    sheet = datasheet_peak(out["device"]) if cuda else None
+    if sheet:
+        peaks = {"datasheet": sheet, **peaks}
+    out["peaks_tflops"] = {k: round(v / 1e12, 3) for k, v in peaks.items()}
+    out["matmul"] = f"bf16 {n}^3 on random data, the fastest of {repeats} runs of {iters} products"
+    say(f"  peaks: {out['peaks_tflops']} TFLOP/s ({out['device']})")
+    shape = SHAPES[mode]["mfu"]
+    seq, prompt = SEQ[mode]["mfu"]
+    rows, mini = MFU_ROWS[mode], MFU_MINI[mode]
+    model = ensure_model(work, mode, "mfu", dtype="bf16", device=device)
+    if cuda:
+        torch.cuda.empty_cache()
+    out["params"] = json.loads((model / "params.json").read_text())["params"]
+    out["shape"], out["rows"], out["seq"], out["prompt"], out["mini_batch"] = shape, rows, seq, prompt, mini
+    batch = write_batch(work / "batch-mfu.parquet", mode, "mfu", seed=5, rows=rows)
+    micro = (8 if total_gib and total_gib >= 120 else 4) if cuda else 2
+    runs: dict[str, Any] = {}
+    cases: dict[str, Any] = {}
+    skipped: list[str] = []
+    walls: list[float] = []  # of the cases run: the next one is expected to take 1.15 x the longest
+
+    def run_case(name: str, training: dict[str, Any]) -> bool:
+        estimate = 1.15 * max(walls) if walls else 80.0
+        left = deadline - time.time()
+        if left < estimate + 15:
+            skipped.append(name)
+            say(f"  mfu case {name}: skipped ({left:.0f} s left, a case takes ~{estimate:.0f} s)")
+            return False
+        t = {"dtype": "bf16", "mini_batch_size": mini, "epochs": 1, "lr": 1e-5, **training}
+        out_dir = work / "out" / f"mfu-{name}"
+        specs = [
+            spec_dict(batch, out_dir, model, seq, training=t),
+            spec_dict(batch, out_dir, model, seq, training=t, start_version="u1", version="u2"),
+        ]
+        timeout = max(30.0, min(150.0, left - 10)) / scale
+        res = finish_job(
+            start_job(work, f"mfu-{name}", specs, threads=4, skip_save=True, phases=True, timeout_s=timeout)
+        )
+        runs[name] = res
+        walls.append(res["wall_s"])
+        if not res["ok"]:
+            return False
+        cases[name] = mfu_case_summary(res, training, shape, rows, seq, prompt, mini, peaks)
+        c = cases[name]
+        say(
+            f"  mfu case {name}: warm update {c['warm_update_s']} s, MFU {c['mfu']}, HFU {c['hfu']}, "
+            f"{c['tokens_per_s']:.0f} tok/s, phases {c['phases']}"
+        )
+        return True
+
+    def out_of_memory(res: dict[str, Any]) -> bool:
+        text = " ".join(res.get("key_lines") or []) + res.get("log_tail", "")
+        return "out of memory" in text.lower()
+
+    while True:  # the reference case; out of memory: every case with half the micro-batch
+        base, levers = mfu_cases(mode, micro)
+        first = next(iter(base))
+        if run_case(first, base.pop(first)) or micro == 1 or not out_of_memory(runs.get(first, {})):
+            break
+        micro //= 2
+        say(f"  mfu case {first} ran out of memory: micro-batch {micro} for every case")
+    for name, training in base.items():
+        run_case(name, training)
+    key = "datasheet" if "datasheet" in peaks else "measured_matmul"
+    best = max(cases, key=lambda c: cases[c]["mfu"][key], default=None)
+    ran_levers = not cuda or (best is not None and cases[best]["mfu"][key] < MFU_GOAL)
+    if ran_levers:
+        for name, training in levers.items():
+            run_case(name, training)
+    best = max(cases, key=lambda c: cases[c]["mfu"][key], default=None)
+    out.update(runs=runs, cases=cases, skipped_for_time=skipped, micro_batch=micro, levers_run=ran_levers)
+    out["goal"] = f"MFU >= {MFU_GOAL} of the {key.replace('_', ' ')} peak"
+    checks_ok = all(all(c["checks"].values()) for c in cases.values())
+    failed = sorted(set(runs) - set(cases))
+    if best is None:
+        out["status"] = "fail"
+        out["headline"] = "no case ran: " + "; ".join(f"{n}: {(runs[n].get('key_lines') or ['?'])[0]}" for n in failed)
+        out["headline"] += f"; skipped for time: {skipped}" if skipped else ""
+        return out
+    out["best"] = {"case": best, "mfu": cases[best]["mfu"][key]}
+    out["goal_met"] = cases[best]["mfu"][key] >= MFU_GOAL
+    ok = checks_ok and (out["goal_met"] if cuda else True)
+    out["status"] = "pass" if ok else "fail"
+    params = out["params"]
+    parts = [
+        (f"{params / 1e9:.2f}B" if params >= 1e8 else f"{params / 1e6:.2f}M")
+        + f" params, {rows} rows x {seq} tokens (prompt {prompt}), {-(-rows // mini)} optimizer steps, peaks "
+        f"{out['peaks_tflops']} TFLOP/s"
+    ]
+    for name, c in cases.items():
+        mem = c["memory"][-1]
+        peak_mem = mem.get("max_memory_allocated_gib", mem.get("max_rss_bytes_gib"))
+        ph = c["phases"] or {}
+        split = "/".join(f"{ph.get(k, 0):.2f}" for k in ("forward", "head_loss", "backward", "optimizer_step"))
+        parts.append(
+            f"{name}: MFU {c['mfu'][key]:.3f} (vs matmul {c['mfu']['measured_matmul']:.3f}), HFU {c['hfu'][key]:.3f}, "
+            f"update {c['warm_update_s']} s (old log-probs {c['old_logprob_s']}, train {c['train_s']} = fwd/head+loss/"
+            f"bwd/opt {split}), {c['tokens_per_s']:.0f} tok/s, peak {peak_mem} GiB"
+        )
+    verdict_text = "met" if out["goal_met"] else "NOT met"
+    parts.append(f"goal {out['goal']}: {verdict_text if cuda else 'not judged on the CPU'} (best {best})")
+    if failed:
+        parts.append("FAILED: " + ", ".join(f"{n} ({(runs[n].get('key_lines') or ['?'])[0][:160]})" for n in failed))
+    if skipped:
+        parts.append(f"skipped for time: {skipped}")
+    if not checks_ok:
+        parts.append(f"work differs from the FLOP count's assumptions: {[(n, c['checks']) for n, c in cases.items()]}")
+    out["headline"] = "; ".join(parts)
+    return out
+
+
 STAGE_FUNCS = {
     "env": stage_env,
     "cpu_vs_gpu_fp32": stage_cpu_vs_gpu,
@@ -1203,6 +1655,7 @@ STAGE_FUNCS = {
     "levers": stage_levers,
     "device_plan": stage_device_plan,
     "zero3_head": stage_zero3_head,
+    "mfu": stage_mfu,
 }
 
 
@@ -1350,13 +1803,14 @@ def main(argv: list[str] | None = None) -> int:
         say(f"stage {name}: start (timeout {timeout:.0f} s)")
         t0 = time.perf_counter()
         cmd = [sys.executable, "-m", MODULE, "--stage", name, "--work", str(work), "--device", args.device]
+        stage_deadline = {"GPU_CHECK_STAGE_DEADLINE": str(time.time() + timeout)}  # a stage may plan its runs by it
         proc = subprocess.Popen(
             with_parent(cmd),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             text=True,
-            env=child_env(4),
+            env=child_env(4, extra=stage_deadline),
             cwd=work,
             start_new_session=True,
         )
