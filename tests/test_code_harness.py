@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import json
 import math
+import os
 import signal
 import subprocess
 import sys
@@ -304,6 +305,21 @@ def test_exceptions_cross_as_builtin_classes_and_never_as_base_exceptions() -> N
     ]
     result = run_here(source_job(raises, steps))
     assert result["cases"] == [[True, None], [False, "SystemExit: 0"]]
+
+
+def test_runners_forked_by_the_zygote_score_as_fresh_ones_and_a_dead_zygote_falls_back() -> None:
+    jobs = [job(GOOD), job(BUGGY), job("import os\nos._exit(1)", ["assert add(1, 1) == 2"])]
+    fresh = [run_here(j) for j in jobs]
+    zygote = h.Zygote()
+    try:
+        assert zygote.alive
+        forked = [h.run_job(j, time.monotonic() + 30.0, 2.0, PROGRAM, zygote) for j in jobs]
+        assert forked == fresh
+        os.kill(zygote.pid, signal.SIGKILL)  # as a runner could: the next runner is a fresh interpreter
+        assert h.run_job(jobs[1], time.monotonic() + 30.0, 2.0, PROGRAM, zygote) == fresh[1]
+        assert not zygote.alive
+    finally:
+        zygote.close()
 
 
 def test_run_group_emits_one_entry_per_job_in_order() -> None:

@@ -146,7 +146,11 @@ PROBES: dict[str, str] = {
     "forks a process that writes later": WRITER + "import time\nif os.fork() == 0:\n    time.sleep(0.3)\n"
     "    spam()\n    os._exit(0)\ndef add(a, b):\n    return 7",
     "signals the judge": "import os, signal\ndef add(a, b):\n    os.kill(os.getppid(), signal.SIGALRM)\n    return 7",
-    "kills the judge": "import os, signal\ndef add(a, b):\n    os.kill(os.getppid(), signal.SIGKILL)\n    return 7",
+    "kills its parent": "import os, signal\ndef add(a, b):\n    os.kill(os.getppid(), signal.SIGKILL)\n    return 7",
+    "kills the judge": "import os, signal\ndef add(a, b):\n    pp = os.getppid()\n"
+    "    judge = int(open('/proc/%d/stat' % pp).read().rsplit(')', 1)[1].split()[1])\n"
+    "    os.kill(judge, signal.SIGKILL)\n    return 7",
+    "stops its parent": "import os, signal\nos.kill(os.getppid(), signal.SIGSTOP)\ndef add(a, b):\n    return 7",
     "kills every process": "import os, signal\ndef add(a, b):\n    os.kill(-1, signal.SIGKILL)\n    return 7",
     "generator": "def add(a, b):\n    return (x for x in [a + b])",
     "lazy map": "def add(a, b):\n    return map(int, [a + b])",

@@ -175,8 +175,11 @@ LEAVES_A_PROCESS = (  # a daemon that lets go of the harness's pipes, then kills
     "def add(a, b):\n    return a + b"
 )
 SLOW = "import time\ndef add(a, b):\n    time.sleep(0.3)\n    return a + b"
-KILLS_THE_HARNESS = "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\ndef add(a, b):\n    return a + b"
+KILLS_THE_HARNESS = "import os, signal\nos.kill(-1, signal.SIGKILL)\ndef add(a, b):\n    return a + b"  # judge too
 HANGS = "def add(a, b):\n    while True:\n        pass"
+STOPS_ITS_PARENT = (
+    "import os, signal\nos.kill(os.getppid(), signal.SIGSTOP)\ndef add(a, b):\n    return a + b"  # zygote
+)
 
 
 def real_envs(n: int, max_concurrency: int = 1) -> list[CodeEnv]:
@@ -207,7 +210,7 @@ def compare_merged_with_alone(codes: list[str]) -> tuple[list[Any], SandboxBatch
 @pytest.mark.sandbox
 def test_real_merged_run_leftover_files_and_processes_do_not_reach_the_next_episode() -> None:
     # the first call runs alone; the other five are merged into one run (one slot)
-    codes = [GOOD_CODE, LEAVES_A_FILE, SEES_A_FILE, LEAVES_A_PROCESS, SLOW, SEES_A_FILE]
+    codes = [GOOD_CODE, LEAVES_A_FILE, SEES_A_FILE, LEAVES_A_PROCESS, SLOW, SEES_A_FILE, STOPS_ITS_PARENT, GOOD_CODE]
     got, batcher = compare_merged_with_alone(codes)
     assert batcher.runs == 2  # no fallback: the daemon was gone before the slow episode ran
     assert all(ev.ground_truth.all_passed for ev in got)

@@ -28,7 +28,6 @@ it may signal and empties the working folder, /tmp and /dev/shm.
 from __future__ import annotations
 
 import ast
-import base64
 import builtins
 import contextlib
 import json
@@ -36,10 +35,9 @@ import os
 import signal
 import socket
 import struct
-import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 #: Bytes of one encoded value (a call's arguments or its return value) at most; a bigger one fails the case.
@@ -49,6 +47,8 @@ MAX_DEPTH = 64
 #: Integers at most this large travel as JSON numbers; larger ones as hex text (no 4300-digit str limit).
 _SMALL_INT = 1 << 63
 _HEADER = struct.Struct(">I")
+#: Seconds the judge waits for the zygote to fork a runner before it starts one as a fresh interpreter.
+FORK_TIMEOUT_S = 2.0
 
 
 # --------------------------------------------------------------------------------------------------
@@ -89,6 +89,8 @@ def encode(value: Any) -> Any:
             spend(len(v) + 2)
             return v
         if t is bytes:
+            import base64  # here, not at the top: every import is paid at each sandbox start
+
             spend(len(v) * 4 // 3 + 4)
             return {"b": base64.b64encode(v).decode("ascii")}
         if t is list:
@@ -127,6 +129,8 @@ def decode(data: Any) -> Any:
             if tag == "i" and type(body) is str:
                 return int(body, 16)
             if tag == "b" and type(body) is str:
+                import base64
+
                 return base64.b64decode(body.encode("ascii"), validate=True)
             if type(body) is list:
                 if tag == "t":
@@ -251,22 +255,159 @@ class CandidateError(Exception):
     """The solution raised an exception that is not a builtin one (or failed to answer): ``describe`` text."""
 
 
+class Zygote:
+    """A clean process that forks the runners: a fork costs a millisecond, a fresh ``python3`` 60-100 here.
+
+    The judge forks it first thing, before it reads its spec, so the zygote's memory never holds a test or the
+    marker; it loads no solution either (each runner gets its solution over its own socket after the fork). It
+    inherits the judge's non-dumpable flag, so a runner cannot read or ptrace it. A runner can only kill or stop
+    it: then ``fork_runner`` fails and the judge starts runners as fresh interpreters instead (slower, same
+    result), and the next episode of a merged run gets a new zygote: started with ``program`` as a fresh
+    interpreter (``--zygote FD``), never forked again from a judge that has read its spec.
+    """
+
+    def __init__(self, program: str | None = None) -> None:
+        self.ctl: socket.socket | None = None
+        self._pid: int | None = None
+        if not hasattr(socket, "send_fds"):  # Python < 3.9 in the sandbox: fresh runners only
+            return
+        ours, theirs = socket.socketpair()
+        if program is not None:
+            import subprocess  # only for a replacement zygote: every import is paid at each sandbox start
+
+            try:
+                self._pid = subprocess.Popen(
+                    [sys.executable, "-I", program, "--zygote", str(theirs.fileno())],
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                    pass_fds=(theirs.fileno(),),
+                    start_new_session=True,
+                ).pid
+                self.ctl = ours
+            except OSError:
+                ours.close()
+            finally:
+                theirs.close()
+            return
+        try:
+            pid = os.fork()
+        except OSError:
+            ours.close()
+            theirs.close()
+            return
+        if pid == 0:  # the zygote: nothing of the judge's but this code, and the descriptors closed below
+            try:
+                ours.close()
+                null = os.open(os.devnull, os.O_RDWR)
+                for fd in (0, 1, 2):
+                    os.dup2(null, fd)
+                zygote_main(theirs.detach())
+            finally:
+                os._exit(0)
+        theirs.close()
+        self.ctl, self._pid = ours, pid
+
+    @property
+    def pid(self) -> int | None:
+        return self._pid
+
+    def fork_runner(self) -> tuple[int, socket.socket] | None:
+        """A new runner's pid and the judge's end of its socket, or None when the zygote is gone."""
+        if self.ctl is None:
+            return None
+        ours, theirs = socket.socketpair()
+        try:
+            self.ctl.settimeout(FORK_TIMEOUT_S)  # a zygote that a runner stopped (SIGSTOP) is given up on
+            socket.send_fds(self.ctl, [b"f"], [theirs.fileno()])
+            (pid,) = _HEADER.unpack(_recv_exact(self.ctl, _HEADER.size))
+            return pid, ours
+        except _Timeout:
+            ours.close()
+            self.close()
+            raise
+        except Exception:
+            ours.close()
+            self.close()
+            return None
+        finally:
+            theirs.close()
+
+    @property
+    def alive(self) -> bool:
+        return self.ctl is not None
+
+    def resume(self) -> None:
+        """Undo a SIGSTOP a runner may have sent it (after every job)."""
+        if self._pid is not None:
+            with contextlib.suppress(OSError):
+                os.kill(self._pid, signal.SIGCONT)
+
+    def close(self) -> None:
+        if self.ctl is not None:
+            self.ctl.close()
+            self.ctl = None
+        if self._pid is not None:
+            with contextlib.suppress(OSError):
+                os.kill(self._pid, signal.SIGKILL)
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(self._pid, 0)
+            self._pid = None
+
+
+def zygote_main(fd: int) -> None:
+    """Fork a runner for every descriptor the judge sends; reply with its pid. Runs no model code itself."""
+    ctl = socket.socket(fileno=fd)
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the runners are reaped by the kernel
+    while True:
+        try:
+            msg, fds, _, _ = socket.recv_fds(ctl, 16, 1)
+        except OSError:
+            return
+        if not msg or not fds:
+            return
+        runner_fd = fds[0]
+        pid = os.fork()
+        if pid == 0:
+            try:
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                os.setsid()
+                os.closerange(3, runner_fd)  # the zygote's channel included: the runner keeps fds 0-2 (/dev/null)
+                os.closerange(runner_fd + 1, 1 << 16)  # and its own socket, nothing else
+                runner_main(runner_fd)
+            finally:
+                os._exit(0)
+        os.close(runner_fd)
+        try:
+            ctl.sendall(_HEADER.pack(pid))
+        except OSError:
+            return
+
+
 class Runner:
     """The judge's handle on one runner process: start it with the solution, call the entry point, kill it.
 
     A runner that timed out, died, or broke the protocol is killed; the next call starts a fresh one (the
     solution loaded again), so one bad case loses only itself."""
 
-    def __init__(self, job: dict[str, Any], program: str):
+    def __init__(self, job: dict[str, Any], program: str, zygote: Zygote | None = None):
         self.job = job
         self.program = program
-        self.proc: subprocess.Popen | None = None
+        self.zygote = zygote
+        self.proc: Any = None  # a runner started as a fresh interpreter (subprocess.Popen)
+        self.pid: int | None = None  # a runner forked by the zygote (not our child: the zygote reaps it)
         self.sock: socket.socket | None = None
         self.setup_error: str | None = None
 
     def start(self) -> str | None:
         """Start a runner and load the solution; the setup error (``None`` when the entry point is defined)."""
         self.kill()
+        forked = self.zygote.fork_runner() if self.zygote is not None else None
+        if forked is not None:
+            self.pid, self.sock = forked
+            return self._load()
+        import subprocess  # the fallback when there is no zygote: every import is paid at each sandbox start
+
         ours, theirs = socket.socketpair()
         try:
             self.proc = subprocess.Popen(
@@ -284,11 +425,14 @@ class Runner:
         finally:
             theirs.close()
         self.sock = ours
-        job = self.job
+        return self._load()
+
+    def _load(self) -> str | None:
+        job, sock = self.job, self.sock
         load = {"entry_point": job["entry_point"], "context": job["context"], "solution": job["solution"]}
         try:
-            send_message(ours, load)
-            reply = recv_message(ours, MAX_VALUE_BYTES)
+            send_message(sock, load)
+            reply = recv_message(sock, MAX_VALUE_BYTES)
             error = reply["setup_error"]
             self.setup_error = None if error is None else str(error)[:300]
         except _Timeout:
@@ -343,6 +487,10 @@ class Runner:
         if self.sock is not None:
             self.sock.close()
             self.sock = None
+        if self.pid is not None:
+            with contextlib.suppress(OSError):
+                os.killpg(self.pid, signal.SIGKILL)  # its own session (setsid after the fork)
+            self.pid = None
         if self.proc is not None:
             with contextlib.suppress(OSError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
@@ -416,13 +564,15 @@ def check_call(case: dict[str, Any], runner: Runner) -> str | None:
     return None if ok else "AssertionError" + shown
 
 
-def run_job(job: dict[str, Any], deadline: float, case_timeout_s: float, program: str) -> dict[str, Any]:
+def run_job(
+    job: dict[str, Any], deadline: float, case_timeout_s: float, program: str, zygote: Zygote | None = None
+) -> dict[str, Any]:
     """Evaluate one job: its summary entry ``{"setup_error", "cases": [[ok, error], ...]}``.
 
     The solution runs in a ``Runner``; the test steps run here. Each step has its own time limit (SIGALRM):
     a step that hangs (in the judge or waiting for the runner) fails alone, its runner killed and replaced."""
     signal.signal(signal.SIGALRM, _on_alarm)
-    runner = Runner(job, program)
+    runner = Runner(job, program, zygote)
     cases: list[list[Any]] = []
 
     def left() -> float:
@@ -517,6 +667,7 @@ def run_group(
     case_timeout_s: float,
     program: str,
     after_job: Callable[[], Any] | None = None,
+    zygote: Zygote | None = None,
 ) -> None:
     """Run ``jobs`` one after the other within ``budget_s``, calling ``emit`` with each job's summary entry.
 
@@ -530,7 +681,7 @@ def run_group(
         now = time.monotonic()
         share = (end - now) * n / remaining if remaining else 0.0
         remaining -= n
-        emit(run_job(job, now + max(share, 0.0), case_timeout_s, program))
+        emit(run_job(job, now + max(share, 0.0), case_timeout_s, program, zygote))
         if after_job is not None:
             after_job()
 
@@ -542,13 +693,35 @@ def in_own_pid_namespace() -> bool:
     return os.getpid() <= 2
 
 
-def kill_strays() -> None:
-    """Kill every process we may signal but ourselves and the namespace's init, and reap what was ours.
-    Does nothing outside a pid namespace of our own (``in_own_pid_namespace``)."""
+def kill_strays(spare: Sequence[int | None] = ()) -> None:
+    """Kill every process of the sandbox but ourselves, the namespace's init and ``spare`` (the zygote), and
+    reap what was ours. Repeats until none is left (a process may fork while we look). Does nothing outside a
+    pid namespace of our own (``in_own_pid_namespace``)."""
     if not in_own_pid_namespace():
         return
-    with contextlib.suppress(OSError):
-        os.kill(-1, signal.SIGKILL)
+    keep = {1, os.getpid(), *(p for p in spare if p)}
+    for _ in range(100):
+        alive = []
+        for name in os.listdir("/proc"):
+            if not name.isdigit() or int(name) in keep:
+                continue
+            try:
+                with open("/proc/" + name + "/stat", "rb") as f:
+                    state = f.read().rsplit(b")", 1)[1].split()[0]
+            except (OSError, IndexError):
+                continue
+            if state not in (b"Z", b"X"):
+                alive.append(int(name))
+        for pid in alive:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        _reap()
+        if not alive:
+            return
+        time.sleep(0.001)
+
+
+def _reap() -> None:
     while True:
         try:
             pid, _ = os.waitpid(-1, os.WNOHANG)
@@ -558,15 +731,15 @@ def kill_strays() -> None:
             return
 
 
-def clean_slate() -> None:
+def clean_slate(spare: Sequence[int | None] = ()) -> None:
     """Between the episodes of a merged run: what one left behind must not reach the next, as if each had
-    its own sandbox. Kill every other process we may signal, then empty the scratch folders. Does nothing
+    its own sandbox. Kill every other process but ``spare``, then empty the scratch folders. Does nothing
     outside a pid namespace of our own."""
     import shutil
 
     if not in_own_pid_namespace():
         return
-    kill_strays()
+    kill_strays(spare)
     for root in (os.getcwd(), "/tmp", "/dev/shm"):
         try:
             names = os.listdir(root)
@@ -610,13 +783,14 @@ def main() -> None:
     """Evaluate every job of the spec (group by group), writing ``marker + json([index, result])`` to the real
     stdout as each job ends: a judge killed later (by a runner that signals it) loses only the jobs not done."""
     make_undumpable()
+    program = os.path.abspath(sys.argv[0])
+    zygote = Zygote()  # forked now, before the spec exists in this process
     spec = read_spec()
     out = os.dup(1)
     null_fd = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):
         os.dup2(null_fd, fd)
     os.set_inheritable(out, False)
-    program = os.path.abspath(sys.argv[0])
     marker = spec["marker"]
     jobs = spec["jobs"]
     groups = spec.get("groups") or [[len(jobs), spec["budget_s"]]]
@@ -629,16 +803,27 @@ def main() -> None:
         while view:
             view = view[os.write(out, view) :]
 
+    def after_job() -> None:
+        kill_strays(spare=[zygote.pid])
+        zygote.resume()
+
     start = 0
     for g, (n, budget_s) in enumerate(groups):
         if g:
-            clean_slate()
-        run_group(jobs[start : start + n], budget_s, emit, spec["case_timeout_s"], program, kill_strays)
+            clean_slate(spare=[zygote.pid])
+            if not zygote.alive:  # a runner of the last episode killed it: a new one, as a fresh interpreter
+                zygote.close()
+                zygote = Zygote(program)
+        group = jobs[start : start + n]
+        run_group(group, budget_s, emit, spec["case_timeout_s"], program, after_job, zygote)
         start += n
+    zygote.close()
 
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--runner"]:
         runner_main(int(sys.argv[2]))
+    elif sys.argv[1:2] == ["--zygote"]:
+        zygote_main(int(sys.argv[2]))
     else:
         main()
