@@ -113,7 +113,8 @@ class ScriptedServer:
         entry = re.search(r"function `(\w+)`", prompt)
         name = entry.group(1) if entry else "f"
         if "careful Python tester" in prompt:
-            return f"```python\nassert {name}(*[]) is not None\nassert {name} is not None and {name}(1) == 1\n```"
+            # the test grammar (docs/code-env.md): literal calls only, one right on some tasks, one often wrong
+            return f"```python\nassert {name}(1) is not None\nassert {name}(1) == 1\n```"
         if seed % 2 == 0 and name in self.solutions:
             return f"```python\n{self.solutions[name]}\n```"
         return f"```python\ndef {name}(*args):\n    return None\n```"
