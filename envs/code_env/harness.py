@@ -37,7 +37,7 @@ import socket
 import struct
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 #: Bytes of one encoded value (a call's arguments or its return value) at most; a bigger one fails the case.
@@ -255,6 +255,21 @@ class CandidateError(Exception):
     """The solution raised an exception that is not a builtin one (or failed to answer): ``describe`` text."""
 
 
+def _spawn(program: str, role: str, fd: int) -> Any:
+    """``program`` as a fresh interpreter in ``role`` (``--zygote``/``--runner``) with ``fd`` its only channel,
+    /dev/null on 0-2, in a session of its own (``subprocess.Popen``; raises OSError)."""
+    import subprocess  # only here, off the usual path: every import is paid at each sandbox start
+
+    return subprocess.Popen(
+        [sys.executable, "-I", program, role, str(fd)],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        pass_fds=(fd,),
+        start_new_session=True,
+    )
+
+
 class Zygote:
     """A clean process that forks the runners: a fork costs a millisecond, a fresh ``python3`` 60-100 here.
 
@@ -272,26 +287,9 @@ class Zygote:
         if not hasattr(socket, "send_fds"):  # Python < 3.9 in the sandbox: fresh runners only
             return
         ours, theirs = socket.socketpair()
-        if program is not None:
-            import subprocess  # only for a replacement zygote: every import is paid at each sandbox start
-
-            try:
-                self._pid = subprocess.Popen(
-                    [sys.executable, "-I", program, "--zygote", str(theirs.fileno())],
-                    stdin=subprocess.DEVNULL,
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.DEVNULL,
-                    pass_fds=(theirs.fileno(),),
-                    start_new_session=True,
-                ).pid
-                self.ctl = ours
-            except OSError:
-                ours.close()
-            finally:
-                theirs.close()
-            return
+        ours.settimeout(FORK_TIMEOUT_S)  # a zygote that a runner stopped (SIGSTOP) is given up on
         try:
-            pid = os.fork()
+            pid = _spawn(program, "--zygote", theirs.fileno()).pid if program is not None else os.fork()
         except OSError:
             ours.close()
             theirs.close()
@@ -318,7 +316,6 @@ class Zygote:
             return None
         ours, theirs = socket.socketpair()
         try:
-            self.ctl.settimeout(FORK_TIMEOUT_S)  # a zygote that a runner stopped (SIGSTOP) is given up on
             socket.send_fds(self.ctl, [b"f"], [theirs.fileno()])
             (pid,) = _HEADER.unpack(_recv_exact(self.ctl, _HEADER.size))
             return pid, ours
@@ -397,7 +394,6 @@ class Runner:
         self.proc: Any = None  # a runner started as a fresh interpreter (subprocess.Popen)
         self.pid: int | None = None  # a runner forked by the zygote (not our child: the zygote reaps it)
         self.sock: socket.socket | None = None
-        self.setup_error: str | None = None
 
     def start(self) -> str | None:
         """Start a runner and load the solution; the setup error (``None`` when the entry point is defined)."""
@@ -406,22 +402,12 @@ class Runner:
         if forked is not None:
             self.pid, self.sock = forked
             return self._load()
-        import subprocess  # the fallback when there is no zygote: every import is paid at each sandbox start
-
         ours, theirs = socket.socketpair()
         try:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-I", self.program, "--runner", str(theirs.fileno())],
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-                pass_fds=(theirs.fileno(),),
-                start_new_session=True,
-            )
+            self.proc = _spawn(self.program, "--runner", theirs.fileno())
         except OSError as exc:
             ours.close()
-            self.setup_error = "could not start the solution's process: " + describe(exc)
-            return self.setup_error
+            return "could not start the solution's process: " + describe(exc)
         finally:
             theirs.close()
         self.sock = ours
@@ -434,14 +420,13 @@ class Runner:
             send_message(sock, load)
             reply = recv_message(sock, MAX_VALUE_BYTES)
             error = reply["setup_error"]
-            self.setup_error = None if error is None else str(error)[:300]
         except _Timeout:
             self.kill()
             raise
         except BaseException as exc:
             self.kill()
-            self.setup_error = "the solution's process failed while loading it (" + describe(exc) + ")"
-        return self.setup_error
+            return "the solution's process failed while loading it (" + describe(exc) + ")"
+        return None if error is None else str(error)[:300]
 
     def call(self, args: tuple, kwargs: dict[str, Any]) -> Any:
         """The entry point's return value for ``args``, as plain data; raises the solution's exception (a
@@ -493,9 +478,7 @@ class Runner:
             self.pid = None
         if self.proc is not None:
             with contextlib.suppress(OSError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            with contextlib.suppress(OSError):
-                self.proc.kill()
+                os.killpg(self.proc.pid, signal.SIGKILL)  # its own session too (start_new_session)
             self.proc.wait()
             self.proc = None
 
@@ -513,8 +496,16 @@ def _rebuild(name: str, text: str) -> Exception:
     return CandidateError(text)
 
 
-def _timed(seconds: float) -> None:
-    signal.setitimer(signal.ITIMER_REAL, max(seconds, 0.001))
+@contextlib.contextmanager
+def _alarm(seconds: float) -> Iterator[None]:
+    """Raise ``_Timeout`` in the block after ``seconds`` (at once when none are left); the timer off after it."""
+    if seconds <= 0:
+        raise _Timeout()
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
 
 
 def left_value(source: str, ns: dict[str, Any], deadline: float) -> str:
@@ -524,11 +515,8 @@ def left_value(source: str, ns: dict[str, Any], deadline: float) -> str:
         if not (isinstance(node, ast.Assert) and isinstance(node.test, ast.Compare)):
             return ""
         expr = ast.fix_missing_locations(ast.Expression(node.test.left))
-        _timed(min(0.5, deadline - time.monotonic()))
-        try:
+        with _alarm(min(0.5, deadline - time.monotonic())):
             value = eval(compile(expr, "<detail>", "eval"), ns)
-        finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)
         return " (left side was " + repr(value)[:150] + ")"
     except BaseException:
         return ""
@@ -581,13 +569,8 @@ def run_job(
     try:
         setup_error = None
         try:
-            if left() <= 0:
-                raise _Timeout()
-            _timed(left())
-            try:
+            with _alarm(left()):
                 setup_error = runner.start()
-            finally:
-                signal.setitimer(signal.ITIMER_REAL, 0)
         except _Timeout:
             setup_error = "the solution failed to load: timed out"
         ns: dict[str, Any] = {"__name__": "__pettingflow_check__"}
@@ -601,10 +584,7 @@ def run_job(
                 continue
             error = None
             try:
-                if left() <= 0:
-                    raise _Timeout()
-                _timed(left())
-                try:
+                with _alarm(left()):
                     if kind == "call":
                         error = check_call(step["call"], runner)
                     elif kind == "invalid":
@@ -614,8 +594,6 @@ def run_job(
                             exec(compile(step["source"], "<test>", "exec"), ns)
                         except AssertionError as exc:
                             error = describe(exc) + left_value(step["source"], ns, deadline)
-                finally:
-                    signal.setitimer(signal.ITIMER_REAL, 0)
             except _Timeout:
                 runner.kill()
                 error = "timed out" if time.monotonic() < deadline else "timed out (time budget of this run used up)"
@@ -633,20 +611,18 @@ def _setup_checks(job: dict[str, Any], ns: dict[str, Any], runner: Runner, left:
     """The judge's namespace for source steps: the prompt's helpers (trusted task text), the entry point and
     ``candidate`` as proxies to the runner, then the suite's preamble. The setup error or ``None``."""
     entry = job["entry_point"]
+    proxy = _proxy(runner, entry)
     try:
-        _timed(left())
-        try:
+        with _alarm(left()):
             if job["context"]:
                 with contextlib.suppress(Exception):
                     exec(compile(job["context"], "<prompt>", "exec"), ns)
-            ns[entry] = _proxy(runner, entry)
+            ns[entry] = proxy  # the prompt's stub replaced, before the preamble may use it
             if job["preamble"]:
                 exec(compile(job["preamble"], "<test setup>", "exec"), ns)
-            ns[entry] = _proxy(runner, entry)
+            ns[entry] = proxy  # and again, should the preamble have rebound the name
             if job["candidate_name"]:
-                ns[job["candidate_name"]] = ns[entry]
-        finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)
+                ns[job["candidate_name"]] = proxy
     except BaseException as exc:
         return "the test setup failed: " + describe(exc)
     return None
@@ -757,8 +733,7 @@ def clean_slate(spare: Sequence[int | None] = ()) -> None:
 
 
 def read_spec() -> dict[str, Any]:
-    """The spec from stdin, read to its end (so a process that reopens our stdin later finds it drained),
-    then stdin and stdout pointed at /dev/null: the summary goes to a private copy of stdout."""
+    """The spec from stdin, read to its end, so a process that reopens our stdin later finds it drained."""
     chunks = []
     while True:
         chunk = os.read(0, 1 << 20)

@@ -432,7 +432,7 @@ class _StdinFeeder:
             self._fd = -1
 
     def close(self) -> None:
-        if self._thread.is_alive() or self._thread.ident is not None:
+        if self._thread.ident is not None:  # started: it closes the pipe itself
             self._thread.join()
         elif self._fd >= 0:  # never started: an error before the program ran
             with contextlib.suppress(OSError):
