@@ -92,6 +92,27 @@ def test_killing_strays_does_nothing_outside_a_pid_namespace_of_our_own() -> Non
     assert Path(h.__file__).exists()
 
 
+#: Modules the harness must not import when it starts: each costs 1-3 ms at every sandbox start (measured in
+#: bench/reward_boundary.py); the harness imports its few uses lazily or does without.
+HEAVY_AT_START = {"socket", "typing", "contextlib", "ast", "ctypes", "subprocess", "shutil", "base64"}
+
+
+def test_the_harness_starts_without_its_heavy_imports_and_still_becomes_undumpable() -> None:
+    probe = (
+        "import sys\n"
+        f"ns = {{'__name__': 'harness'}}\n"
+        f"exec(compile(open({h.__file__!r}).read(), 'harness', 'exec'), ns)\n"
+        "print(' '.join(sorted(m for m in sys.modules if '.' not in m)))\n"
+        "print(ns['make_undumpable']())\n"
+        "import ctypes\n"
+        "print(ctypes.CDLL(None).prctl(3, 0, 0, 0, 0))\n"  # 3 = PR_GET_DUMPABLE
+    )
+    out = subprocess.run(["/usr/bin/python3", "-I", "-c", probe], capture_output=True, text=True, check=True)
+    modules, took, dumpable = out.stdout.splitlines()
+    assert HEAVY_AT_START.isdisjoint(modules.split()), sorted(HEAVY_AT_START & set(modules.split()))
+    assert (took, dumpable) == ("True", "0")
+
+
 # --------------------------------------------------------------------------------------------------
 # plain data: the only values that cross the boundary
 # --------------------------------------------------------------------------------------------------

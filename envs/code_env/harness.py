@@ -27,18 +27,18 @@ it may signal and empties the working folder, /tmp and /dev/shm.
 
 from __future__ import annotations
 
-import ast
+import _socket  # not ``socket``: its wrapper module (enums, selectors) costs 2-3 ms at every sandbox start
 import builtins
-import contextlib
 import json
 import os
 import signal
-import socket
-import struct
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+
+TYPE_CHECKING = False  # ``typing`` itself is not imported: annotations stay strings
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+    from typing import Any
 
 #: Bytes of one encoded value (a call's arguments or its return value) at most; a bigger one fails the case.
 MAX_VALUE_BYTES = 1 << 20
@@ -46,7 +46,7 @@ MAX_VALUE_BYTES = 1 << 20
 MAX_DEPTH = 64
 #: Integers at most this large travel as JSON numbers; larger ones as hex text (no 4300-digit str limit).
 _SMALL_INT = 1 << 63
-_HEADER = struct.Struct(">I")
+_HEADER_BYTES = 4  # a message is its length (4 bytes, big-endian), then that many bytes of JSON
 #: Seconds the judge waits for the zygote to fork a runner before it starts one as a fresh interpreter.
 FORK_TIMEOUT_S = 2.0
 
@@ -156,12 +156,12 @@ def _type_name(v: Any) -> str:
     return t.__name__ if t.__module__ == "builtins" else t.__module__ + "." + t.__qualname__
 
 
-def send_message(sock: socket.socket, obj: Any) -> None:
+def send_message(sock: _socket.socket, obj: Any) -> None:
     data = json.dumps(obj, separators=(",", ":")).encode()
-    sock.sendall(_HEADER.pack(len(data)) + data)
+    sock.sendall(len(data).to_bytes(_HEADER_BYTES, "big") + data)
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def _recv_exact(sock: _socket.socket, n: int) -> bytes:
     chunks, left = [], n
     while left:
         chunk = sock.recv(min(left, 1 << 16))
@@ -172,12 +172,38 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return b"".join(chunks)
 
 
-def recv_message(sock: socket.socket, limit: int) -> Any:
+def recv_message(sock: _socket.socket, limit: int) -> Any:
     """One length-prefixed JSON message; ``NotPlain`` when it announces more than ``limit`` bytes."""
-    (n,) = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
+    n = int.from_bytes(_recv_exact(sock, _HEADER_BYTES), "big")
     if n > limit:
         raise NotPlain(f"a message of {n} bytes (the limit is {limit})")
     return json.loads(_recv_exact(sock, n))
+
+
+_FD_BYTES = 4  # one file descriptor in an SCM_RIGHTS message: a C int
+
+
+def _fd_bytes(fd: int) -> bytes:
+    return fd.to_bytes(_FD_BYTES, sys.byteorder, signed=True)
+
+
+def _received_fds(ancillary: list[tuple[int, int, bytes]]) -> list[int]:
+    """The descriptors an SCM_RIGHTS message carried (``socket.recv_fds`` without importing ``socket``)."""
+    fds = []
+    for level, kind, data in ancillary:
+        if level == _socket.SOL_SOCKET and kind == _socket.SCM_RIGHTS:
+            usable = len(data) - len(data) % _FD_BYTES
+            fds += [
+                int.from_bytes(data[i : i + _FD_BYTES], sys.byteorder, signed=True) for i in range(0, usable, _FD_BYTES)
+            ]
+    return fds
+
+
+def _killpg(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except OSError:
+        pass
 
 
 # --------------------------------------------------------------------------------------------------
@@ -202,15 +228,17 @@ def describe(exc: BaseException) -> str:
 def runner_main(fd: int) -> None:
     """Load the solution, then answer calls until the channel closes. Everything the model's code can reach
     here is its own: the prompt, its solution, the arguments of the calls, and this socket."""
-    sock = socket.socket(fileno=fd)
+    sock = _socket.socket(fileno=fd)
     ns: dict[str, Any] = {"__name__": "__pettingflow_solution__"}
     load = recv_message(sock, 1 << 30)
     entry = load["entry_point"]
     error = None
     try:
         if load["context"]:
-            with contextlib.suppress(Exception):  # a prompt that fails to run still defines what it can
+            try:
                 exec(compile(load["context"], "<prompt>", "exec"), ns)
+            except Exception:  # a prompt that fails to run still defines what it can
+                pass
             ns.pop(entry, None)
         exec(compile(load["solution"], "<solution>", "exec"), ns)
         if not callable(ns.get(entry)):
@@ -282,11 +310,9 @@ class Zygote:
     """
 
     def __init__(self, program: str | None = None) -> None:
-        self.ctl: socket.socket | None = None
+        self.ctl: _socket.socket | None = None
         self._pid: int | None = None
-        if not hasattr(socket, "send_fds"):  # Python < 3.9 in the sandbox: fresh runners only
-            return
-        ours, theirs = socket.socketpair()
+        ours, theirs = _socket.socketpair()
         ours.settimeout(FORK_TIMEOUT_S)  # a zygote that a runner stopped (SIGSTOP) is given up on
         try:
             pid = _spawn(program, "--zygote", theirs.fileno()).pid if program is not None else os.fork()
@@ -310,14 +336,14 @@ class Zygote:
     def pid(self) -> int | None:
         return self._pid
 
-    def fork_runner(self) -> tuple[int, socket.socket] | None:
+    def fork_runner(self) -> tuple[int, _socket.socket] | None:
         """A new runner's pid and the judge's end of its socket, or None when the zygote is gone."""
         if self.ctl is None:
             return None
-        ours, theirs = socket.socketpair()
+        ours, theirs = _socket.socketpair()
         try:
-            socket.send_fds(self.ctl, [b"f"], [theirs.fileno()])
-            (pid,) = _HEADER.unpack(_recv_exact(self.ctl, _HEADER.size))
+            self.ctl.sendmsg([b"f"], [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, _fd_bytes(theirs.fileno()))])
+            pid = int.from_bytes(_recv_exact(self.ctl, _HEADER_BYTES), "big")
             return pid, ours
         except _Timeout:
             ours.close()
@@ -337,31 +363,37 @@ class Zygote:
     def resume(self) -> None:
         """Undo a SIGSTOP a runner may have sent it (after every job)."""
         if self._pid is not None:
-            with contextlib.suppress(OSError):
+            try:
                 os.kill(self._pid, signal.SIGCONT)
+            except OSError:
+                pass
 
     def close(self) -> None:
         if self.ctl is not None:
             self.ctl.close()
             self.ctl = None
         if self._pid is not None:
-            with contextlib.suppress(OSError):
+            try:
                 os.kill(self._pid, signal.SIGKILL)
-            with contextlib.suppress(ChildProcessError):
                 os.waitpid(self._pid, 0)
+            except OSError:  # gone already (ChildProcessError is an OSError)
+                pass
             self._pid = None
 
 
 def zygote_main(fd: int) -> None:
     """Fork a runner for every descriptor the judge sends; reply with its pid. Runs no model code itself."""
-    ctl = socket.socket(fileno=fd)
+    ctl = _socket.socket(fileno=fd)
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the runners are reaped by the kernel
     while True:
         try:
-            msg, fds, _, _ = socket.recv_fds(ctl, 16, 1)
+            msg, ancillary, _, _ = ctl.recvmsg(16, _socket.CMSG_SPACE(_FD_BYTES))
         except OSError:
             return
-        if not msg or not fds:
+        fds = _received_fds(ancillary)
+        if not msg or len(fds) != 1:
+            for extra in fds:
+                os.close(extra)
             return
         runner_fd = fds[0]
         pid = os.fork()
@@ -376,7 +408,7 @@ def zygote_main(fd: int) -> None:
                 os._exit(0)
         os.close(runner_fd)
         try:
-            ctl.sendall(_HEADER.pack(pid))
+            ctl.sendall(pid.to_bytes(_HEADER_BYTES, "big"))
         except OSError:
             return
 
@@ -393,7 +425,7 @@ class Runner:
         self.zygote = zygote
         self.proc: Any = None  # a runner started as a fresh interpreter (subprocess.Popen)
         self.pid: int | None = None  # a runner forked by the zygote (not our child: the zygote reaps it)
-        self.sock: socket.socket | None = None
+        self.sock: _socket.socket | None = None
 
     def start(self) -> str | None:
         """Start a runner and load the solution; the setup error (``None`` when the entry point is defined)."""
@@ -402,7 +434,7 @@ class Runner:
         if forked is not None:
             self.pid, self.sock = forked
             return self._load()
-        ours, theirs = socket.socketpair()
+        ours, theirs = _socket.socketpair()
         try:
             self.proc = _spawn(self.program, "--runner", theirs.fileno())
         except OSError as exc:
@@ -473,12 +505,10 @@ class Runner:
             self.sock.close()
             self.sock = None
         if self.pid is not None:
-            with contextlib.suppress(OSError):
-                os.killpg(self.pid, signal.SIGKILL)  # its own session (setsid after the fork)
+            _killpg(self.pid)  # its own session (setsid after the fork)
             self.pid = None
         if self.proc is not None:
-            with contextlib.suppress(OSError):
-                os.killpg(self.proc.pid, signal.SIGKILL)  # its own session too (start_new_session)
+            _killpg(self.proc.pid)  # its own session too (start_new_session)
             self.proc.wait()
             self.proc = None
 
@@ -496,21 +526,26 @@ def _rebuild(name: str, text: str) -> Exception:
     return CandidateError(text)
 
 
-@contextlib.contextmanager
-def _alarm(seconds: float) -> Iterator[None]:
+class _alarm:  # a class, not @contextlib.contextmanager: contextlib costs an import at every sandbox start
     """Raise ``_Timeout`` in the block after ``seconds`` (at once when none are left); the timer off after it."""
-    if seconds <= 0:
-        raise _Timeout()
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def __enter__(self) -> None:
+        if self.seconds <= 0:
+            raise _Timeout()
+        signal.setitimer(signal.ITIMER_REAL, self.seconds)
+
+    def __exit__(self, *exc: object) -> None:
         signal.setitimer(signal.ITIMER_REAL, 0)
 
 
 def left_value(source: str, ns: dict[str, Any], deadline: float) -> str:
     """For a failed ``assert lhs <op> rhs``: `` (left side was <repr>)``, else "" (the code agent sees it)."""
     try:
+        import ast  # only for a failed assert: every import is paid at each sandbox start
+
         node = ast.parse(source).body[0]
         if not (isinstance(node, ast.Assert) and isinstance(node.test, ast.Compare)):
             return ""
@@ -615,8 +650,10 @@ def _setup_checks(job: dict[str, Any], ns: dict[str, Any], runner: Runner, left:
     try:
         with _alarm(left()):
             if job["context"]:
-                with contextlib.suppress(Exception):
+                try:
                     exec(compile(job["context"], "<prompt>", "exec"), ns)
+                except Exception:
+                    pass
             ns[entry] = proxy  # the prompt's stub replaced, before the preamble may use it
             if job["preamble"]:
                 exec(compile(job["preamble"], "<test setup>", "exec"), ns)
@@ -689,8 +726,10 @@ def kill_strays(spare: Sequence[int | None] = ()) -> None:
             if state not in (b"Z", b"X"):
                 alive.append(int(name))
         for pid in alive:
-            with contextlib.suppress(OSError):
+            try:
                 os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
         _reap()
         if not alive:
             return
@@ -746,10 +785,17 @@ def read_spec() -> dict[str, Any]:
 def make_undumpable() -> bool:
     """PR_SET_DUMPABLE 0: /proc/<us>/{mem,fd,environ,maps} and ptrace are closed to every process of our uid
     (the runners included). True when it took; without ctypes the runners' other limits still hold."""
+    try:  # _ctypes, not ctypes: the wrapper module costs 2 ms at every sandbox start
+        import _ctypes
+
+        prctl = _ctypes.dlsym(_ctypes.dlopen(None), "prctl")
+        return _ctypes.call_function(prctl, (4, 0, 0, 0, 0)) == 0  # 4 = PR_SET_DUMPABLE
+    except Exception:
+        pass
     try:
         import ctypes
 
-        return ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0) == 0  # 4 = PR_SET_DUMPABLE
+        return ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0) == 0
     except Exception:
         return False
 
