@@ -33,7 +33,14 @@ app.add_typer(traj_app, name="trajectories")
 app.add_typer(hardware_app, name="hardware")
 app.add_typer(env_app, name="env")
 
-Overrides = Annotated[list[str] | None, typer.Argument(help="Config overrides like algorithm.filter_ratio=0.25.")]
+Overrides = Annotated[
+    list[str] | None,
+    typer.Argument(
+        help="Config overrides KEY=VALUE, e.g. algorithm.filter_ratio=0.25; a list entry by index or name: "
+        "agents[1].sampling.temperature=0.7, agents.code_generator.policy=shared (docs/reference/config.md, "
+        "'Overrides')."
+    ),
+]
 RootOpt = Annotated[
     str,
     typer.Option(

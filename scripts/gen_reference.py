@@ -119,6 +119,7 @@ def model_rows(model: type[BaseModel], prefix: str) -> tuple[list[str], list[tup
 
 
 def config_page() -> str:
+    from pettingflow.configs.loader import OVERRIDES_DOC
     from pettingflow.configs.settings import ExperimentConfig
 
     out = [
@@ -128,7 +129,8 @@ def config_page() -> str:
         "",
         "Every key of an experiment config (`configs/*.yaml`, or your own YAML file), generated from "
         "`configs/settings.py`. Set a key in the YAML file or as an override on the command line "
-        "(`pettingflow config show code-env training.lr=2e-5`). Unknown keys are errors. `[]`: one entry per list "
+        "(`pettingflow config show code-env training.lr=2e-5`; [Overrides](#overrides): list entries by index or "
+        "name). Unknown keys are errors. `[]`: one entry per list "
         "item; `<name>`: any key of a mapping. Rules between keys (a LoRA policy needs `lora.rank > 0`, agents "
         "must name a defined policy, ...) are checked when the config loads: `ExperimentConfig._check_combinations`.",
         "",
@@ -136,6 +138,7 @@ def config_page() -> str:
     doc = (ExperimentConfig.__doc__ or "").strip()
     if doc:
         out += [" ".join(doc.split()), ""]
+    out += [OVERRIDES_DOC.strip(), ""]  # written next to the code that applies the rules (configs/loader.py)
 
     def section(key: str, model: type[BaseModel]) -> None:
         """One table per settings model, each followed by the sections nested in it (depth first)."""

@@ -10,7 +10,14 @@ import pytest
 import yaml
 
 from pettingflow.configs import ConfigError, ExperimentConfig, available_configs, load_config
-from pettingflow.configs.loader import CONFIG_DIR, apply_override, dump_config, validate_config
+from pettingflow.configs.loader import (
+    CONFIG_DIR,
+    OVERRIDES_DOC,
+    apply_override,
+    dump_config,
+    parse_override,
+    validate_config,
+)
 
 
 def _base() -> dict:
@@ -113,14 +120,108 @@ def test_prompt_specialization_with_two_policies_is_rejected() -> None:
     ("override", "needle"),
     [
         ("no_equals_sign", "key.path=value"),
-        ("agents.7.policy=x", "out of range"),
-        ("agents.nobody.policy=x", "no list item"),
+        ("agents.7.policy=x", "agents[7]: the config has 2 agents (0..1)"),
+        ("agents.nobody.policy=x", "no agent named 'nobody'"),
     ],
 )
 def test_bad_override_syntax(override: str, needle: str) -> None:
     with pytest.raises(ConfigError) as info:
         load_config("code-env", [override])
     assert needle in str(info.value)
+
+
+def _agent(config: ExperimentConfig, name: str):
+    return next(a for a in config.agents if a.name == name)
+
+
+@pytest.mark.parametrize(
+    "selector", ["agents[1]", "agents.1", "agents[-1]", "agents.-1", "agents.test_generator"], ids=str
+)
+def test_a_list_entry_is_picked_by_index_in_brackets_dotted_or_by_name(selector: str) -> None:
+    """Every form changes the second agent and only it."""
+    base = load_config("code-env")
+    config = load_config(
+        "code-env", [f"{selector}.sampling.temperature=0.25", f"{selector}.class_path=mypkg.agents:Reviewer"]
+    )
+    changed = _agent(config, "test_generator")
+    assert (changed.sampling.temperature, changed.class_path) == (0.25, "mypkg.agents:Reviewer")
+    assert _agent(config, "code_generator") == _agent(base, "code_generator")
+
+
+@pytest.mark.parametrize("selector", ["policies[0]", "policies.0", "policies.shared"], ids=str)
+def test_policies_are_picked_the_same_ways(selector: str) -> None:
+    assert load_config("code-env", [f"{selector}.model=/models/other"]).policies[0].model == "/models/other"
+
+
+def test_brackets_and_dotted_indexes_parse_to_the_same_parts() -> None:
+    """Callers that read the parts (a re-run checks parts[0] and the dotted key) see one form."""
+    bracketed, value = parse_override("policies[0].lora.target_modules[1]=v_proj")
+    dotted, _ = parse_override("policies.0.lora.target_modules.1=v_proj")
+    assert bracketed == dotted == ["policies", "0", "lora", "target_modules", "1"]
+    assert value == "v_proj"
+
+
+def test_an_entry_of_a_nested_list_is_set_by_index() -> None:
+    data = {"policies": [{"name": "p", "lora": {"target_modules": ["q_proj", "k_proj"]}}]}
+    apply_override(data, *parse_override("policies[0].lora.target_modules[1]=v_proj"))
+    assert data["policies"][0]["lora"]["target_modules"] == ["q_proj", "v_proj"]
+
+
+@pytest.mark.parametrize(
+    ("override", "path", "needle"),
+    [
+        ("agents[5].policy=x", "agents[5]", "the config has 2 agents (0..1)"),
+        ("agents.5.policy=x", "agents[5]", "the config has 2 agents (0..1)"),
+        ("agents[-3].policy=x", "agents[-3]", "the config has 2 agents (0..1)"),
+        ("policies[1].model=x", "policies[1]", "the config has 1 policy (0..0)"),
+        ("agents.reviewer.policy=x", "agents.reviewer", "the config's agents: code_generator, test_generator"),
+        ("policies.main.model=x", "policies.main", "no policy named 'main'; the config's policies: shared"),
+        ("agents.sampling.temperature=1", "agents.sampling", "no agent named 'sampling'"),
+        ("agents[1].sampling.temprature=1", "agents.1.sampling.temprature", "unknown key"),
+        ("agents.test_generator.nosuch=1", "agents.1.nosuch", "unknown key"),
+        ("agents[code_generator].policy=x", "agents[code_generator].policy", "name: agents.code_generator"),
+        ("agents[].policy=x", "agents[].policy", "brackets hold a whole number"),
+        ("agents[1]x.policy=x", "agents[1]x.policy", "cannot read segment 'agents[1]x'"),
+        ("env.dataset[0]=x", "env.dataset[0]", "env.dataset is a mapping, not a list"),
+        ("run.code_paths[0]=x", "run.code_paths[0]", "set the whole list: run.code_paths=[...]"),
+        ("agent[1].policy=x", "agent[1]", "check the spelling"),
+        ("env.max_turns[0]=1", "env.max_turns[0]", "env.max_turns is 3 (int): it has no keys or entries"),
+    ],
+)
+def test_a_bad_list_override_names_its_key_and_what_is_there(override: str, path: str, needle: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config("code-env", [override])
+    problems = dict(info.value.problems)
+    assert path in problems and needle in problems[path], info.value.problems
+
+
+def test_a_name_two_entries_share_is_refused_before_validation() -> None:
+    """Overrides apply before validation (which rejects duplicate names), so a name must pick exactly one."""
+    data = {"agents": [{"name": "a"}, {"name": "a"}]}
+    with pytest.raises(ConfigError, match=r"2 agents are named 'a' \(at 0, 1\); pick one by index"):
+        apply_override(data, ["agents", "a", "policy"], "x")
+    apply_override(data, *parse_override("agents[1].policy=x"))
+    assert data["agents"][1] == {"name": "a", "policy": "x"}
+
+
+def test_entries_without_names_are_picked_by_index_only() -> None:
+    data = {"run": {"code_paths": ["src", "lib"]}}
+    with pytest.raises(ConfigError, match=r"no names: pick one by index, run.code_paths\[0\]..run.code_paths\[1\]"):
+        apply_override(data, ["run", "code_paths", "src"], "x")
+    with pytest.raises(ConfigError, match=r"run.code_paths is empty here"):
+        apply_override({"run": {"code_paths": []}}, *parse_override("run.code_paths[0]=x"))
+
+
+def test_the_error_lines_on_the_reference_page_are_what_the_loader_says() -> None:
+    """docs/reference/config.md shows three errors (configs/loader.py's OVERRIDES_DOC); each must be a line the
+    loader prints for its override, so a reworded message cannot leave the page behind."""
+    shown = OVERRIDES_DOC.split("```text\n", 1)[1].split("```", 1)[0].splitlines()
+    printed = []
+    for override in ["agents[5].policy=x", "agents.reviewer.policy=x", "agents[1].sampling.temprature=1"]:
+        with pytest.raises(ConfigError) as info:
+            load_config("code-env", [override])
+        printed += [f"{path}: {problem}" for path, problem in info.value.problems]
+    assert printed == shown
 
 
 def test_unknown_config_name_lists_shipped_ones() -> None:

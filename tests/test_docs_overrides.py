@@ -19,7 +19,7 @@ from pettingflow.configs.settings import ExperimentConfig
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 SECTIONS = "|".join(ExperimentConfig.model_fields)
-OVERRIDE = re.compile(rf"(?<![\w.])((?:{SECTIONS})(?:\.[A-Za-z_0-9]+)+=[^\s`\"')\],;]+)")
+OVERRIDE = re.compile(rf"(?<![\w.])((?:{SECTIONS})(?:\.[A-Za-z_0-9]+|\[-?\d+\])+=[^\s`\"')\],;]+)")
 
 
 def overrides_in(text: str) -> list[str]:
@@ -36,6 +36,8 @@ def overrides_in(text: str) -> list[str]:
 def test_the_pages_show_overrides() -> None:
     readme = overrides_in((ROOT / "README.md").read_text())
     assert "env.group_size=4" in readme and "training.lr=1e-6" in readme
+    config_page = overrides_in((ROOT / "docs" / "reference" / "config.md").read_text())
+    assert "agents[1].class_path=mypkg.agents:Reviewer" in config_page  # list entries in brackets are checked too
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
