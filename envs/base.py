@@ -6,7 +6,9 @@ Agents never talk to each other directly, so agents can be added, removed or reo
 
 The env does not decide who acts next: the execution engine takes the turn order from the config's
 ``agents`` list. The env only counts turns (one turn = one agent call, over all agents), records a
-history and decides when the episode is over (``solved()`` or ``max_turns`` reached).
+history and decides when the episode is over and how it ended (``outcome``): ``solved()``, ``failed()`` (the
+episode is lost, e.g. a rule was broken) or ``max_turns`` reached. The engine adds ``not_finished`` for an episode
+it stopped itself (token budget or model context exhausted).
 
 One ``Env`` object holds one episode. Expensive things that every episode of the same
 (class, config) can share -- a sandbox, a tokenizer -- are built once by ``shared_resources`` and
@@ -18,9 +20,19 @@ from __future__ import annotations
 import copy
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Final
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+#: How an episode ended (``Env.outcome``, the ``outcome`` column of trajectory rows). ``solved``: ``solved()`` was
+#: true after a turn. ``failed``: ``failed()`` was true after a turn (and ``solved()`` was not): the env ended the
+#: episode as lost. ``max_turns``: the turn limit came first. ``not_finished``: the episode stopped before the env
+#: ended it (the token budget or the model's context ran out); only the engine sets it.
+SOLVED: Final = "solved"
+FAILED: Final = "failed"
+MAX_TURNS: Final = "max_turns"
+NOT_FINISHED: Final = "not_finished"
+OUTCOMES: Final = (SOLVED, FAILED, MAX_TURNS, NOT_FINISHED)
 
 
 class EnvConfig(BaseModel):
@@ -52,6 +64,61 @@ def reported_team_reward(env: Any) -> float | None:
     return None if value is None else float(value)
 
 
+def terminal_outcome(env: Any) -> str | None:
+    """How ``env``'s episode ended (one of ``OUTCOMES`` but ``not_finished``), or None while it runs.
+
+    ``Env`` subclasses set ``env.outcome`` in ``finish_turn``; for other objects that quack like an env (test
+    doubles, envs of older code) it is derived from ``done``/``truncated`` and their ``solved``/``failed``, if any:
+    ended on a limit is ``max_turns``, else ``solved`` where ``solved()`` says so (or there is no ``solved``, as
+    ``done`` alone used to mean), else ``failed``.
+    """
+    outcome = getattr(env, "outcome", None)
+    if outcome in OUTCOMES:
+        return outcome
+    if not getattr(env, "done", False):
+        return None
+    if getattr(env, "truncated", False):
+        return MAX_TURNS
+    solved = getattr(env, "solved", None)
+    return SOLVED if not callable(solved) or solved() else FAILED
+
+
+def outcome_hook_problems(env_cls: type) -> list[str]:
+    """What is wrong with how ``env_cls`` decides its episodes' outcome, found without building one (for
+    ``pettingflow check``): ``solved``/``failed`` that are not methods taking only ``self``, and ``done``,
+    ``truncated`` or ``outcome`` overridden as class attributes or properties (``finish_turn`` sets them)."""
+    import inspect
+
+    problems = []
+    for name in ("solved", "failed"):
+        hook = inspect.getattr_static(env_cls, name, None)
+        if hook is None:
+            continue
+        if not inspect.isfunction(hook):
+            problems.append(
+                f"{env_cls.__qualname__}.{name} must be a plain method `def {name}(self) -> bool`, got "
+                f"{type(hook).__name__}"
+            )
+            continue
+        required = [
+            p
+            for p in list(inspect.signature(hook).parameters.values())[1:]
+            if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+        ]
+        if required:
+            problems.append(
+                f"{env_cls.__qualname__}.{name} takes {[p.name for p in required]}, but Env.finish_turn calls "
+                f"{name}() with no arguments; read what it needs from self.state"
+            )
+    for name in ("done", "truncated", "outcome"):
+        if any(name in vars(klass) for klass in env_cls.__mro__ if klass is not object):
+            problems.append(
+                f"{env_cls.__qualname__} defines {name!r} on the class; Env.finish_turn sets it per episode from "
+                "solved(), failed() and max_turns: remove it and end an episode through solved() or failed()"
+            )
+    return problems
+
+
 class EnvConfigError(ValueError):
     """An env config that does not validate against the env class's ``Config`` model."""
 
@@ -68,12 +135,14 @@ class Env:
     """One episode: task, shared state, turn counter, history.
 
     Attributes (as in PettingLLMs): ``env_idx`` (position in the batch), ``rollout_idx`` (sample within the
-    GRPO group), ``max_turns``, ``current_turn``, ``state`` (env-specific shared state), ``done``,
-    ``truncated`` (ended by ``max_turns`` without being solved), ``task`` (the task dict),
+    GRPO group), ``max_turns``, ``current_turn``, ``state`` (env-specific shared state), ``done`` (the episode is
+    over: solved, failed or out of turns), ``truncated`` (ended by ``max_turns``, neither solved nor failed),
+    ``outcome`` (how it ended: ``solved``, ``failed``, ``max_turns``; None while it runs), ``task`` (the task dict),
     ``history`` (one record per finished turn), ``config`` (the validated ``Config`` model) and
     ``seed`` (of the last ``reset``).
 
-    Subclasses implement ``initial_state`` and usually ``solved``.
+    Subclasses implement ``initial_state``, usually ``solved``, and ``failed`` where an episode can be lost
+    before its last turn.
     """
 
     Config: ClassVar[type[EnvConfig]] = EnvConfig
@@ -96,6 +165,7 @@ class Env:
         self.state: Any = None
         self.done = False
         self.truncated = False
+        self.outcome: str | None = None
         self.history: list[dict[str, Any]] = []
         self.seed: int | None = None
         self.reset(seed)
@@ -109,6 +179,17 @@ class Env:
 
     def solved(self) -> bool:
         """Whether the task is solved; a solved episode ends before ``max_turns``."""
+        return False
+
+    def failed(self) -> bool:
+        """Whether the episode is lost: it ends now, in failure, before ``max_turns`` (``outcome`` ``failed``).
+
+        Why: an env whose rules can end an episode early (a word game whose clue gave the word away, a move that
+        breaks the board) must not report that as solved, and must not run on to ``max_turns`` either; success
+        rates count such an episode as a failure even when the agent that decides the outcome never acted.
+        Checked after each turn, after ``solved()`` (solved wins); the default never fails. Usually the action
+        method that sees the broken rule records it in ``state`` and this returns it.
+        """
         return False
 
     def team_outcome(self) -> float | None:
@@ -165,14 +246,16 @@ class Env:
         self.current_turn = 0
         self.done = False
         self.truncated = False
+        self.outcome = None
         self.history = []
         self.state = self.initial_state()
 
     def finish_turn(self, record: Mapping[str, Any] | None = None) -> None:
-        """Close the current turn: record it, advance the counter, decide ``done``/``truncated``.
+        """Close the current turn: record it, advance the counter, decide ``done``/``truncated``/``outcome``.
 
         Called once per agent call (by ``Agent.step``), after the agent wrote its results into
-        ``state``.
+        ``state``. ``solved()`` ends the episode as ``solved``; else ``failed()`` as ``failed``; else reaching
+        ``max_turns`` as ``max_turns`` (``truncated``).
         """
         if self.done:
             raise RuntimeError(
@@ -181,10 +264,12 @@ class Env:
             )
         self.history.append({"turn": self.current_turn, **(record or {})})
         self.current_turn += 1
-        solved = self.solved()
+        solved = bool(self.solved())
+        failed = not solved and bool(self.failed())
         out_of_turns = self.current_turn >= self.max_turns
-        self.done = solved or out_of_turns
-        self.truncated = out_of_turns and not solved
+        self.done = solved or failed or out_of_turns
+        self.truncated = out_of_turns and not solved and not failed
+        self.outcome = SOLVED if solved else FAILED if failed else MAX_TURNS if out_of_turns else None
 
     def fork(self) -> Env:
         """An independent copy of this episode, for tree rollouts (``rollout.mode: tree``).
@@ -214,5 +299,5 @@ class Env:
         task_id = self.task.get("task_id", "?")
         return (
             f"{type(self).__name__}(task_id={task_id!r}, env_idx={self.env_idx}, rollout_idx={self.rollout_idx}, "
-            f"turn={self.current_turn}/{self.max_turns}, done={self.done})"
+            f"turn={self.current_turn}/{self.max_turns}, done={self.done}, outcome={self.outcome})"
         )

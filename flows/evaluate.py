@@ -90,5 +90,12 @@ def evaluate(
         if roles_swapped:
             cfg, endpoints = swap_roles(cfg, endpoints)
         outcome = validation_step(ctx, cfg, endpoints, env_cache=runtime.env_cache)
-    get_run_logger().info("%s: %s", tag, outcome.metrics.get("agents"))
-    return {"run_id": ref.run_id, "uri": outcome.uri, "source": source, "agents": outcome.metrics.get("agents")}
+    # agents: scores over every episode asked for; outcomes: how those episodes ended (analysis/outcomes.py)
+    get_run_logger().info("%s: %s; episodes %s", tag, outcome.metrics.get("agents"), outcome.metrics.get("outcomes"))
+    return {
+        "run_id": ref.run_id,
+        "uri": outcome.uri,
+        "source": source,
+        "agents": outcome.metrics.get("agents"),
+        "outcomes": outcome.metrics.get("outcomes"),
+    }

@@ -48,10 +48,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from pettingflow.envs.base import reported_team_reward
+from pettingflow.envs.base import MAX_TURNS, NOT_FINISHED, reported_team_reward, terminal_outcome
 from pettingflow.episode_context import episode_scope
 from pettingflow.rollout.chat import env_tokens_between
-from pettingflow.rollout.records import EpisodeId, EpisodeRecord, TurnRecord, agent_scores
+from pettingflow.rollout.records import EpisodeId, EpisodeRecord, TurnRecord, agent_scores, outcome_counts
 
 log = logging.getLogger(__name__)
 
@@ -217,6 +217,8 @@ class EngineStats:
     llm_s: float = 0.0
     env_s: float = 0.0
     per_agent: dict[str, dict[str, float]] = field(default_factory=dict)
+    # how the episodes ended: {solved, failed, max_turns, not_finished: count}; they add up to ``episodes``
+    outcomes: dict[str, float] = field(default_factory=dict)
     # env name -> {"episodes", "tokens_generated", "agents": {agent: scores}}: the same numbers split by env, for
     # a step whose tasks come from several envs (a mixed dataset)
     per_env: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -303,6 +305,7 @@ class ExecutionEngine:
         if missing:
             raise KeyError(f"no inference binding for agents {missing}; bound: {sorted(self.bindings)}")
         record = EpisodeRecord(spec.id, tree=self.fork, team_credit=self.team_credit if self.fork else "shared")
+        record.team = [a.name for a in agents]
         # per_episode: each agent's growing sequence and the messages behind it
         seq: dict[str, list[int]] = {}
         last_messages: dict[str, list[dict[str, str]]] = {}
@@ -384,9 +387,12 @@ class ExecutionEngine:
         episode_info = getattr(env, "episode_info", None)
         if callable(episode_info):
             record.info.update(episode_info())
-        # done: the episode is over. truncated: it ended on a limit (turns, tokens), not by success.
+        # done: the env ended the episode. truncated: it ended on a limit (turns, tokens), not by success or failure.
         record.done = bool(env.done) and not out_of_budget
         record.truncated = out_of_budget or bool(getattr(env, "truncated", False)) or not env.done
+        # outcome: the env's (solved, failed, max_turns); the engine's own turn limit counts as max_turns; a
+        # stop on the token budget or the context before the env ended it is not_finished
+        record.outcome = NOT_FINISHED if out_of_budget else terminal_outcome(env) or MAX_TURNS
         return record
 
     def _room(self, agent: Any, prompt_ids: list[int], used_tokens: int) -> int:
@@ -630,11 +636,14 @@ def timeline(stats: EngineStats) -> dict[str, float]:
 
 
 def summarize(records: Sequence[EpisodeRecord]) -> EngineStats:
-    """Reward mean/std and success rate per agent (over its final turns on the episode's path), tokens
-    (every generated token, all tree candidates included), turns (of the path); the same per env."""
+    """Reward mean/std and success rate per agent over every episode of its team (its final turn on the episode's
+    path; an episode that ended before its turn counts as reward 0, no success: ``records.agent_scores``), how
+    the episodes ended (``outcomes``), tokens (every generated token, all tree candidates included), turns (of
+    the path); the same per env."""
     stats = EngineStats(episodes=len(records))
-    finals: dict[str, list[tuple[float, bool]]] = {}
-    by_env: dict[str, dict[str, list[tuple[float, bool]]]] = {}
+    stats.outcomes = outcome_counts([rec.outcome for rec in records])
+    finals: dict[str, list[tuple[float, bool] | None]] = {}
+    by_env: dict[str, dict[str, list[tuple[float, bool] | None]]] = {}
     for rec in records:
         stats.turns += sum(t.continued for t in rec.turns)  # the episode's length (tree: its path)
         stats.tokens_generated += rec.tokens_generated
@@ -642,8 +651,9 @@ def summarize(records: Sequence[EpisodeRecord]) -> EngineStats:
         env = stats.per_env.setdefault(rec.id.env_name, {"episodes": 0, "tokens_generated": 0})
         env["episodes"] += 1
         env["tokens_generated"] += rec.tokens_generated
-        for name in dict.fromkeys(t.agent_name for t in rec.turns):
-            final = (rec.final_reward(name), rec.final_success(name))
+        # the episode's team (records of tests or older code without one: the agents that acted)
+        for name in dict.fromkeys([*rec.team, *(t.agent_name for t in rec.turns)]):
+            final = rec.final(name)
             finals.setdefault(name, []).append(final)
             by_env.setdefault(rec.id.env_name, {}).setdefault(name, []).append(final)
     for name, values in finals.items():

@@ -27,6 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from pettingflow.envs.base import NOT_FINISHED
 from pettingflow.rl.uids import assign_uids
 
 
@@ -90,6 +91,12 @@ class EpisodeRecord:
     turns: list[TurnRecord] = field(default_factory=list)
     done: bool = False
     truncated: bool = False
+    # how it ended: solved, failed, max_turns (the env's ``outcome``) or not_finished (stopped on the token budget
+    # or the model context before the env ended it); the ``outcome`` column of every row
+    outcome: str = NOT_FINISHED
+    # the agents that take turns in this episode's env (``Agent.acts_in``): each is scored on every episode of
+    # its env, also one that ended before its turn (``final``)
+    team: list[str] = field(default_factory=list)
     tokens_generated: int = 0
     # the env's ``episode_info()`` at the end (e.g. the team reward); merged into every row's info_json
     info: dict[str, Any] = field(default_factory=dict)
@@ -116,6 +123,14 @@ class EpisodeRecord:
                 return turn.success
         return False
 
+    def final(self, agent_name: str) -> tuple[float, bool] | None:
+        """The agent's (reward, success) at its last turn on the path; None where it never acted (the episode
+        ended before its turn): ``agent_scores`` counts that as reward 0 and no success."""
+        for turn in reversed(self.path()):
+            if turn.agent_name == agent_name:
+                return turn.reward, turn.success
+        return None
+
 
 def _base_row(run_id: str, iteration: int, ep: EpisodeRecord) -> dict[str, Any]:
     return {
@@ -128,6 +143,7 @@ def _base_row(run_id: str, iteration: int, ep: EpisodeRecord) -> dict[str, Any]:
         "rollout_idx": ep.id.rollout_idx,
         "done": ep.done,
         "truncated": ep.truncated,
+        "outcome": ep.outcome,
     }
 
 
@@ -291,16 +307,37 @@ def _attach_uids(rows: list[dict[str, Any]], group_size: int, namespace: str) ->
         row["uid"] = uid
 
 
-def agent_scores(finals: Sequence[tuple[float, bool]]) -> dict[str, float]:
-    """An agent's scores over its final turns (``(reward, success)`` per episode): reward mean and
-    (population) std, success rate and episode count. One definition for rollout stats and evaluations."""
+def agent_scores(finals: Sequence[tuple[float, bool] | None]) -> dict[str, float]:
+    """An agent's scores over every episode it takes part in: its final turn's ``(reward, success)`` per episode,
+    None for an episode that ended before its turn. Reward mean and (population) std, success rate, ``episodes``
+    (all of them) and ``episodes_acted`` (those with a turn of the agent).
+
+    Why every episode: an episode the env ended before the agent's turn (a failure of its teammate, or a token
+    budget spent) is still an episode the config asked for. Dropping it would raise the success rate of exactly
+    the runs whose teammates fail most; it counts as reward 0 and no success. One definition for rollout stats,
+    evaluations and the reports (``analysis/outcomes.py``)."""
     n = len(finals)
+    acted = [f for f in finals if f is not None]
     if n == 0:
-        return {"reward_mean": float("nan"), "reward_std": float("nan"), "success_rate": float("nan"), "episodes": 0.0}
-    mean = sum(r for r, _ in finals) / n
+        nan = float("nan")
+        return {"reward_mean": nan, "reward_std": nan, "success_rate": nan, "episodes": 0.0, "episodes_acted": 0.0}
+    rewards = [float(f[0]) if f is not None else 0.0 for f in finals]
+    mean = sum(rewards) / n
     return {
         "reward_mean": mean,
-        "reward_std": (sum((r - mean) ** 2 for r, _ in finals) / n) ** 0.5,
-        "success_rate": sum(bool(ok) for _, ok in finals) / n,
+        "reward_std": (sum((r - mean) ** 2 for r in rewards) / n) ** 0.5,
+        "success_rate": sum(bool(f[1]) for f in acted) / n,
         "episodes": float(n),
+        "episodes_acted": float(len(acted)),
     }
+
+
+def outcome_counts(outcomes: Sequence[str]) -> dict[str, float]:
+    """How many episodes ended each way (every label of ``envs.base.OUTCOMES``, 0 included), for the step
+    metrics (``<step>/outcomes/<label>``): the counts add up to the episodes that ran."""
+    from pettingflow.envs.base import OUTCOMES
+
+    unknown = sorted(set(outcomes) - set(OUTCOMES))
+    if unknown:
+        raise ValueError(f"episode outcomes {unknown} are not among {OUTCOMES}")
+    return {label: float(sum(o == label for o in outcomes)) for label in OUTCOMES}

@@ -4,8 +4,9 @@ Why: a wrong ``class_path``, a task file with a bad row or an unprepared model o
 run, after a Prefect server, Ray and a vLLM server have started. ``pettingflow check`` runs this in about a
 second. It imports the env and agent classes (so a user's own package must be importable here, as on the
 worker), validates each env's config, reads the task file, builds every task's env spec (a row may name its
-own env) and asks that env whether it can run the task (``Env.validate_task``), and checks that each agent's
-``envs`` names resolvable envs and that every env of the tasks has at least one agent. It builds no env
+own env) and asks that env whether it can run the task (``Env.validate_task``), checks that the env's
+``solved``/``failed`` hooks can be called as ``finish_turn`` calls them (``outcome_hook_problems``), and that
+each agent's ``envs`` names resolvable envs and that every env of the tasks has at least one agent. It builds no env
 instance and starts nothing (no sandbox, no server).
 """
 
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 from pettingflow.agents.base import resolve_agent_class
 from pettingflow.configs.settings import ExperimentConfig
 from pettingflow.envs import env_spec_from_settings, load_tasks, task_specs_from_rows
+from pettingflow.envs.base import outcome_hook_problems
 from pettingflow.envs.registry import ENV_REGISTRY, RegistryError, resolve_env_class
 from pettingflow.inference.models import ModelError, resolve_model
 
@@ -95,6 +97,8 @@ def preflight(config: ExperimentConfig, *, check_models: bool = True) -> Preflig
     for spec in specs:  # each task under the env it runs in (task files check their own rows on load too)
         if spec.env not in checked:
             env_cls = spec.env.env_class()
+            if problems := outcome_hook_problems(env_cls):  # how its episodes end (docs/guides/custom-env.md)
+                raise PreflightError(f"env {ENV_REGISTRY.short_name(spec.env.class_path)!r}: {'; '.join(problems)}")
             checked[spec.env] = (env_cls, env_cls.validate_config(spec.env.config))
         env_cls, env_config = checked[spec.env]
         try:

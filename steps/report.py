@@ -95,6 +95,7 @@ def iteration_metrics(
     for key in ("tokens_generated", "lookahead_tokens", "tokens_per_s", "episodes", "wall_s", "llm_s", "env_s"):
         if key in rollout:
             flat[f"{StepName.ROLLOUTS}/{key}"] = float(rollout[key])
+    flatten(f"{StepName.ROLLOUTS}/outcomes", rollout.get("outcomes") or {}, flat)  # solved, failed, ... counts
     flatten_envs(StepName.ROLLOUTS, rollout, flat)
     filtered = (outcomes.get(StepName.FILTERED) or {}).get("metrics") or {}
     for key in ("rows_in", "rows_kept", "removed_samples", "removed_groups"):
@@ -114,6 +115,7 @@ def iteration_metrics(
         scored = (outcomes.get(step) or {}).get("metrics") or {}
         for agent, values in (scored.get("agents") or {}).items():
             flatten(f"{step}/{agent}", values, flat)
+        flatten(f"{step}/outcomes", scored.get("outcomes") or {}, flat)
         flatten_envs(step, scored, flat)
     for key, number in (outcomes.get("async") or {}).items():  # rollouts of k+1 collected beside k's update
         flat[f"async/{key}"] = round(float(number), 3)
@@ -176,6 +178,25 @@ def generated_tokens(layout: RunLayout) -> int:
     """Tokens the policies generated in the run's training rollouts so far (committed reports): the
     budget ``run.max_generated_tokens`` counts, so arms are compared at equal generation."""
     return int(sum(report.get(f"{StepName.ROLLOUTS}/tokens_generated", 0.0) for report in history(layout)))
+
+
+def curve_points(
+    original: list[dict[str, Any]], iteration: int, metrics: Mapping[str, Any], attempt: int = 0
+) -> list[dict[str, Any]]:
+    """The points a report's curve draws, in iteration order. The original (attempt 0) of ``iteration`` is its
+    point; a re-run (``attempt`` >= 1) keeps the original's point of every iteration and adds its own scores as
+    series of their own (``<family>/<agent> attempt-<a>/...``): its metrics lack what it reused (the rollouts'
+    rewards), so putting them in the original's place would drop iteration k from the curve."""
+    if not attempt:
+        points = [p for p in original if p["iteration"] != iteration] + [{"iteration": iteration, **metrics}]
+    else:
+        own = {
+            f"{key.rsplit('/', 1)[0]} attempt-{attempt}/{key.rsplit('/', 1)[1]}": value
+            for key, value in metrics.items()
+            if key.startswith(CURVE_FAMILIES)
+        }
+        points = [*original, {"iteration": iteration, **own}]
+    return sorted(points, key=lambda p: p["iteration"])
 
 
 def curve_png(points: list[dict[str, Any]]) -> bytes:
@@ -298,10 +319,7 @@ def write_report(
         metrics = read_metrics(step)
         return {"uri": step.uri, "skipped": True, "metrics": metrics, "warnings": stored_warnings(step)}
     samples = sample_markdown(ctx)
-    points = [p for p in history(ctx.layout) if p["iteration"] != ctx.iteration] + [
-        {"iteration": ctx.iteration, **metrics}
-    ]
-    png = curve_png(sorted(points, key=lambda p: p["iteration"]))
+    png = curve_png(curve_points(history(ctx.layout), ctx.iteration, metrics, ctx.attempt))
     maybe_crash("report:mid")  # kill matrix: metrics and curve made, nothing written
     step.begin()
     step.write_json("metrics.json", dict(metrics))

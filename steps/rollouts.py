@@ -71,6 +71,7 @@ def stats_metrics(stats: EngineStats) -> dict[str, Any]:
         "env_s": round(stats.env_s, 3),
         "tokens_per_s": round(stats.tokens_generated / stats.wall_s, 2) if stats.wall_s else 0.0,
         "agents": stats.per_agent,
+        "outcomes": stats.outcomes,  # how the episodes ended: solved, failed, max_turns, not_finished
         **({"lookahead_tokens": stats.lookahead_tokens} if stats.lookahead_tokens else {}),
         **({"envs": stats.per_env} if len(stats.per_env) > 1 else {}),  # a mixed-env step, split by env
     }
@@ -142,6 +143,7 @@ def collect_step(
     if ran.workers is not None:  # which actor (pid, Ray node) ran which groups of this attempt
         metrics["workers"] = ran.workers
     metrics["tasks"] = [task_id(t, i) for i, t in enumerate(tasks)]
+    metrics["samples_per_task"] = episodes_per_task  # with tasks: the episodes asked for (analysis/outcomes.py)
     metrics["layout"] = config.env.sample_layout
     metrics["mode"] = config.rollout.mode
     # groups stored by an earlier attempt: their rows are in the step, their engine statistics are not
@@ -256,6 +258,7 @@ def _commit(
     rows = build_rows(records, config.env.sample_layout, ctx.layout.run_id, ctx.iteration, group_size, policy_versions)
     metrics = stats_metrics(stats)
     metrics["tasks"] = [task_id(t, i) for i, t in enumerate(tasks)]
+    metrics["samples_per_task"] = group_size  # with tasks: the episodes asked for (analysis/outcomes.py)
     metrics["layout"] = config.env.sample_layout
     manifest = write_trajectories(step, rows, metadata=metrics)
     return StepOutcome(step.name, step.uri, manifest.rows, False, metrics)

@@ -7,7 +7,7 @@ file is read, so every stored run stays readable.
 
 Versions: 1 (the first), 2 (``policy_version``: which weights generated the row, for async rollouts), 3
 (``branch_idx`` and ``continued``: tree rollouts, ``rollout.mode: tree``), 4 (``inference_server``: which
-replica generated the row).
+replica generated the row), 5 (``outcome``: how the episode ended, solved / failed / max_turns / not_finished).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-SCHEMA_VERSION = "4"
-READABLE_VERSIONS = ("1", "2", "3", "4")
+SCHEMA_VERSION = "5"
+READABLE_VERSIONS = ("1", "2", "3", "4", "5")
 META_SCHEMA_VERSION = b"pettingflow.schema_version"
 META_KIND = b"pettingflow.kind"
 
@@ -65,6 +65,8 @@ TRAJECTORY_FIELDS: list[pa.Field] = [
     pa.field("continued", pa.bool_(), nullable=False),
     # which inference server (replica) generated the row; null where unknown (older files, hand-made rows)
     pa.field("inference_server", pa.string(), nullable=True),
+    # how the episode ended (envs.base.OUTCOMES): solved, failed, max_turns, not_finished
+    pa.field("outcome", pa.string(), nullable=False),
 ]
 
 # what each column holds, for readers of the files (docs/reference/trajectories.md is generated from this)
@@ -89,8 +91,9 @@ COLUMN_DOCS: dict[str, str] = {
     "reward": "This turn's reward, as the agent's apply_action returned it (per_episode: its last turn's).",
     "final_reward": "The agent's reward at its last turn of the episode: its outcome for the episode.",
     "success": "Whether this turn succeeded (apply_action's second value).",
-    "done": "Whether the episode ended solved (before max_turns).",
-    "truncated": "Whether the episode ended at max_turns without being solved.",
+    "done": "Whether the env ended the episode (solved, failed or at max_turns); false when it stopped on the token "
+    "budget or the model context.",
+    "truncated": "Whether the episode ended on a limit (max_turns, token budget, context), neither solved nor failed.",
     "uid": "The advantage group: uuid5 of (rollout_idx // group_size, turn_idx, agent_idx); rows with one uid are "
     "compared with each other (docs/rl.md).",
     "prompt_text": "The prompt as text (for people; the ids are what was sampled from).",
@@ -103,6 +106,11 @@ COLUMN_DOCS: dict[str, str] = {
     "continued": "Tree rollouts: whether the episode went on from this candidate; true otherwise.",
     "inference_server": "The inference server (replica) root URL that generated the row (per_episode: its last "
     "turn's; the others are in info_json when they differ); null where unknown.",
+    "outcome": "How the episode ended: `solved` (the env's solved()), `failed` (its failed(): lost before the last "
+    "turn), `max_turns` (out of turns) or `not_finished` (stopped on the token budget or the model context). Files "
+    "before schema 5 get it derived from done and truncated (solved if done and not truncated, max_turns if both, "
+    "not_finished otherwise): they could not say failed, so an env that then reported a lost episode as solved "
+    "reads solved.",
 }
 
 # column -> (schema version that added it, value in files written before): see upgrade_table
@@ -114,6 +122,8 @@ ADDED_COLUMNS: dict[str, tuple[str, Any]] = {
     "continued": ("3", True),
     # files before version 4 do not say which server generated a row
     "inference_server": ("4", None),
+    # files before version 5: derived from done and truncated (``derived_outcomes``)
+    "outcome": ("5", None),
 }
 
 TRAJECTORY_SCHEMA = pa.schema(
@@ -142,6 +152,10 @@ def upgrade_table(table: pa.Table, version: str) -> pa.Table:
         field = TRAJECTORY_SCHEMA.field(name)
         if name == "policy_version" and "iteration" in table.column_names:
             column = table.column("iteration").cast(field.type)
+        elif name == "outcome":
+            column = pa.array(
+                derived_outcomes(table.column("done").to_pylist(), table.column("truncated").to_pylist()), field.type
+            )
         else:
             column = pa.array([default] * table.num_rows, field.type)
         position = min(TRAJECTORY_SCHEMA.get_field_index(name), table.num_columns)
@@ -149,14 +163,27 @@ def upgrade_table(table: pa.Table, version: str) -> pa.Table:
     return table
 
 
+def derived_outcomes(done: Iterable[bool], truncated: Iterable[bool]) -> list[str]:
+    """The ``outcome`` of rows written before the column existed, as well as ``done`` and ``truncated`` tell it.
+
+    Before schema 5 the env's contract had no failure: ``done`` without ``truncated`` was a solved episode, both
+    an episode out of turns, neither an episode stopped on the token budget or context (the engine's own turn
+    limit also left ``done`` false: read as not_finished, the one label these files cannot get right).
+    """
+    return [("solved" if not t else "max_turns") if d else "not_finished" for d, t in zip(done, truncated, strict=True)]
+
+
 def trajectories_to_table(rows: Iterable[Mapping[str, Any]]) -> pa.Table:
-    """Build a validated table from row dicts (missing nullable columns become null)."""
+    """Build a validated table from row dicts (missing nullable columns become null; a missing ``outcome`` is
+    derived from ``done`` and ``truncated`` as for older files, so rows made by hand or by older code still fit)."""
     rows = list(rows)
     columns: dict[str, list[Any]] = {f.name: [] for f in TRAJECTORY_FIELDS}
     for i, row in enumerate(rows):
         unknown = set(row) - set(columns)
         if unknown:
             raise SchemaError(f"row {i} has columns not in the trajectory schema: {sorted(unknown)}")
+        if "outcome" not in row and "done" in row and "truncated" in row:
+            row = {**row, "outcome": derived_outcomes([row["done"]], [row["truncated"]])[0]}
         for field in TRAJECTORY_FIELDS:
             if field.name not in row and not field.nullable:
                 raise SchemaError(f"row {i} is missing required column {field.name!r}")

@@ -360,7 +360,7 @@ def test_episode_ends_on_success() -> None:
     assert not env.done
     run(env.submit_code(GOOD_CODE))
     env.finish_turn()
-    assert env.done and not env.truncated and env.solved()
+    assert env.done and not env.truncated and env.solved() and env.outcome == "solved"
     assert env.current_turn == 2
 
 
@@ -370,7 +370,7 @@ def test_episode_ends_at_max_turns() -> None:
     env.finish_turn()
     run(env.submit_tests(["assert add(2, 3) == 5"]))
     env.finish_turn()
-    assert env.done and env.truncated and not env.solved()
+    assert env.done and env.truncated and not env.solved() and env.outcome == "max_turns"
     with pytest.raises(RuntimeError, match="already done"):
         env.finish_turn()
 

@@ -277,7 +277,7 @@ def _write_foreign_version(step, table: pa.Table, version: str) -> None:
 def test_version_1_files_are_read_with_policy_version_filled_in(layout: RunLayout) -> None:
     """Files written before ``policy_version`` existed stay readable: it is their iteration (sync rollouts)."""
     new = trajectories_to_table(trajectory_rows(3, iteration=4))
-    old = new.drop_columns(["policy_version", "branch_idx", "continued", "inference_server"]).append_column(
+    old = new.drop_columns(["policy_version", "branch_idx", "continued", "inference_server", "outcome"]).append_column(
         "advantage", pa.array([0.5, -1.0, 0.0], pa.float32())
     )
     step = layout.step(4, "advantages")
@@ -285,7 +285,14 @@ def test_version_1_files_are_read_with_policy_version_filled_in(layout: RunLayou
     table = read_step_trajectories(step)
     assert table.column("policy_version").to_pylist() == [4, 4, 4]
     # where a current batch has them: the trajectory columns in schema order, then the advantage
-    assert table.column_names[-5:] == ["policy_version", "branch_idx", "continued", "inference_server", "advantage"]
+    assert table.column_names[-6:] == [
+        "policy_version",
+        "branch_idx",
+        "continued",
+        "inference_server",
+        "outcome",
+        "advantage",
+    ]
     assert table.column("branch_idx").to_pylist() == [0, 0, 0] and table.column("continued").to_pylist() == [True] * 3
     assert table.column("inference_server").to_pylist() == [None] * 3  # older files do not say
     assert read_step_trajectories(step, columns=["uid", "policy_version"]).num_columns == 2
@@ -298,7 +305,7 @@ def test_version_2_files_are_read_as_independent_rollouts(layout: RunLayout) -> 
     """Files written before tree rollouts: every row is branch 0 of its call and on its episode's path."""
     new = trajectories_to_table(trajectory_rows(4, iteration=1, policy_version=1))
     step = layout.step(1, "rollouts")
-    _write_foreign_version(step, new.drop_columns(["branch_idx", "continued", "inference_server"]), "2")
+    _write_foreign_version(step, new.drop_columns(["branch_idx", "continued", "inference_server", "outcome"]), "2")
     table = read_step_trajectories(step)
     assert table.column("branch_idx").to_pylist() == [0] * 4
     assert table.column("continued").to_pylist() == [True] * 4
@@ -306,6 +313,22 @@ def test_version_2_files_are_read_as_independent_rollouts(layout: RunLayout) -> 
     assert table.column_names == new.column_names
     assert read_step_trajectories(step, columns=["continued"]).column("continued").to_pylist() == [True] * 4
     assert write_trajectories(layout.step(1, "copy"), table).rows == 4  # written back in the current schema
+
+
+def test_version_4_files_get_an_outcome_derived_from_done_and_truncated(layout: RunLayout) -> None:
+    """Files written before the ``outcome`` column: solved where done and not truncated, max_turns where both,
+    not_finished where neither (they could not say failed)."""
+    rows = trajectory_rows(3)
+    for row, (done, truncated) in zip(rows, [(True, False), (True, True), (False, True)], strict=True):
+        row.update(done=done, truncated=truncated)
+        row.pop("outcome", None)
+    new = trajectories_to_table(rows)
+    assert new.column("outcome").to_pylist() == ["solved", "max_turns", "not_finished"]  # hand-made rows too
+    step = layout.step(0, "rollouts")
+    _write_foreign_version(step, new.drop_columns(["outcome"]), "4")
+    table = read_step_trajectories(step)
+    assert table.column("outcome").to_pylist() == ["solved", "max_turns", "not_finished"]
+    assert table.column_names == new.column_names
 
 
 def test_files_of_a_newer_schema_are_refused_with_a_reason(layout: RunLayout) -> None:

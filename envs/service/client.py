@@ -41,7 +41,7 @@ import httpx
 from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_exponential
 
 from pettingflow.configs.addresses import is_loopback
-from pettingflow.envs.base import Env, EnvConfig
+from pettingflow.envs.base import FAILED, MAX_TURNS, SOLVED, Env, EnvConfig
 from pettingflow.envs.registry import ENV_REGISTRY, EnvSpec
 from pettingflow.envs.service.protocol import (
     BASE_METHODS,
@@ -357,6 +357,7 @@ class RemoteEnv(Env):
         env._outcome = {}
         env._pristine = False
         env.current_turn, env.done, env.truncated, env.history, env.seed, env.state = 0, False, False, [], None, None
+        env.outcome = None
         return env
 
     @property
@@ -406,10 +407,14 @@ class RemoteEnv(Env):
         self.max_turns = int(snap["max_turns"])
         self.done = bool(snap["done"])
         self.truncated = bool(snap["truncated"])
+        # a service of an older pettingflow sends no outcome: derived from done/truncated/solved as for any env
+        self.outcome = snap.get("outcome") if "outcome" in snap else None
         self.seed = snap.get("seed")
         self.history = list(snap.get("history") or [])
         self.state = from_json(snap["state"], state_type(self.env_class), "state")
-        self._outcome = {k: snap.get(k) for k in ("solved", "team_outcome", "episode_info", "outcome_error")}
+        self._outcome = {k: snap.get(k) for k in ("solved", "failed", "team_outcome", "episode_info", "outcome_error")}
+        if self.done and self.outcome is None:
+            self.outcome = MAX_TURNS if self.truncated else SOLVED if snap.get("solved") else FAILED
         if self.done:
             self._detach()
 
@@ -450,7 +455,17 @@ class RemoteEnv(Env):
         if self.env_class.fork is Env.fork:
             return Env.fork(self)  # the env class cannot fork: the same error as in-process
         twin = type(self)._blank(self._client)
-        for name in ("config", "task", "env_idx", "rollout_idx", "max_turns", "current_turn", "done", "truncated"):
+        for name in (
+            "config",
+            "task",
+            "env_idx",
+            "rollout_idx",
+            "max_turns",
+            "current_turn",
+            "done",
+            "truncated",
+            "outcome",
+        ):
             setattr(twin, name, getattr(self, name))
         twin.seed = self.seed
         twin.state = copy.deepcopy(self.state)
@@ -470,6 +485,9 @@ class RemoteEnv(Env):
 
     def solved(self) -> bool:
         return bool(self._reported("solved"))
+
+    def failed(self) -> bool:
+        return bool(self._reported("failed"))
 
     def team_outcome(self) -> float | None:
         value = self._reported("team_outcome")

@@ -345,7 +345,8 @@ def state_type(env_cls: type[Env]) -> Any:
 # --------------------------------------------------------------------------------------------------
 def snapshot(episode_id: str, env: Env) -> dict[str, Any]:
     """What every create/observe/step/fork answer carries: the episode's counters, history and state, and the
-    values the engine reads when the episode ends (``team_outcome``, ``episode_info``, ``solved``). Those are
+    values the engine reads when the episode ends (``outcome``, ``team_outcome``, ``episode_info``, ``solved``,
+    ``failed``). Those are
     computed here, with the state, so a trainer never has to ask for them again; an env whose ``team_outcome``
     or ``episode_info`` raises reports the error in ``outcome_error``."""
     out: dict[str, Any] = {
@@ -354,16 +355,20 @@ def snapshot(episode_id: str, env: Env) -> dict[str, Any]:
         "max_turns": env.max_turns,
         "done": bool(env.done),
         "truncated": bool(env.truncated),
+        # how the episode ended (solved, failed, max_turns; None while it runs): absent from older services
+        "outcome": getattr(env, "outcome", None),
         "seed": env.seed,
         "history": to_json(env.history, "history"),
         "state": to_json(env.state, "state"),
         "solved": None,
+        "failed": None,
         "team_outcome": None,
         "episode_info": None,
         "outcome_error": None,
     }
     try:
         out["solved"] = bool(env.solved())
+        out["failed"] = bool(env.failed())
         out["team_outcome"] = to_json(env.team_outcome(), "team_outcome")
         info = getattr(env, "episode_info", None)
         if callable(info):
