@@ -159,8 +159,8 @@ HEADLINE_UPDATE = (
 
 def _headline(metric: str) -> bool:
     """The metrics `runs show` prints: rewards and success, and the main update numbers."""
-    if metric.startswith(CURVE_FAMILIES):
-        return metric.endswith(("/reward_mean", "/success_rate"))
+    if metric.startswith(CURVE_FAMILIES):  # and how the episodes ended: <step>/outcomes/<solved|failed|...>
+        return metric.endswith(("/reward_mean", "/success_rate")) or "/outcomes/" in metric
     if metric.startswith(f"{StepName.ADVANTAGES}/"):  # non-zero advantage rows; zero_signal 1 = nothing to learn from
         return metric.endswith(("/nonzero_advantage_rows", "/zero_signal"))
     return metric.startswith("update/") and metric.rsplit("/", 1)[-1] in HEADLINE_UPDATE
@@ -172,7 +172,7 @@ def trajectories_table(
     """A readable table of one iteration's samples: who, reward, mask summary, response start."""
     data = read_step_trajectories(layout.step(iteration, step), agent=agent)
     table = Table(title=f"{layout.run_id} iter-{iteration} {step}: {data.num_rows} rows", show_lines=True)
-    for col in ("group", "s", "turn", "agent", "reward", "ok", "tokens (model/env)", "uid", "response"):
+    for col in ("group", "s", "turn", "agent", "reward", "ok", "episode", "tokens (model/env)", "uid", "response"):
         table.add_column(col, overflow="fold")
     for row in data.slice(0, limit).to_pylist():
         mask = row["response_mask"]
@@ -183,6 +183,7 @@ def trajectories_table(
             row["agent_name"],
             f"{row['reward']:.3f}",
             "yes" if row["success"] else "no",
+            episode_outcome(row),
             f"{sum(mask)}/{len(mask) - sum(mask)}",
             row["uid"][:8],
             row["response_text"][:160].replace("\n", " ⏎ "),
@@ -191,8 +192,12 @@ def trajectories_table(
 
 
 def episode_outcome(row: dict[str, Any]) -> str:
-    """How an episode ended, from any of its rows: solved, ended at max_turns, or not finished."""
-    return "solved" if row["done"] else "ended at max_turns" if row["truncated"] else "not finished"
+    """How an episode ended, in words, from any of its rows: solved, failed, ended at max turns, or not finished
+    (the ``outcome`` column; derived from ``done``/``truncated`` for rows stored before it, ``analysis/outcomes.py``).
+    """
+    from pettingflow.analysis.outcomes import outcome_label, row_outcome
+
+    return outcome_label(row_outcome(row))
 
 
 def episode_text(

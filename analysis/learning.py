@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from pettingflow.analysis import outcomes
 from pettingflow.analysis.figures import (
     HEADLINE_AGENT,
     comparison_table,
@@ -23,7 +24,6 @@ from pettingflow.analysis.figures import (
     summary_table,
 )
 from pettingflow.analysis.stats import first_last_mean, paired_arm_difference, paired_bootstrap
-from pettingflow.rollout import records
 from pettingflow.steps.report import history
 from pettingflow.storage import RunLayout
 from pettingflow.storage.layout import StepName
@@ -165,25 +165,30 @@ def outcome_agent(config: Any) -> str:
 
 
 def last_turns(rows: Sequence[Mapping[str, Any]]) -> dict[tuple[str, int, int], Mapping[str, Any]]:
-    """(agent, held-out task position ``env_idx``, sample) -> the agent's last turn in that episode.
+    """(agent, held-out task position ``env_idx``, sample) -> the agent's last turn on that episode's path.
 
     An episode's outcome for an agent is its last turn (the revised code in the two-agent team).
     """
-    last: dict[tuple[str, int, int], Mapping[str, Any]] = {}
-    for row in rows:
-        key = (row["agent_name"], int(row["env_idx"]), int(row["sample_idx"]))
-        if key not in last or row["turn_idx"] > last[key]["turn_idx"]:
-            last[key] = row
-    return last
+    return outcomes.last_turns(rows)
 
 
-def final_successes(rows: Sequence[Mapping[str, Any]], agent: str = HEADLINE_AGENT) -> dict[int, list[bool]]:
-    """Held-out task -> the agent's final success in each sampled episode (sample order)."""
-    out: dict[int, list[bool]] = {}
-    for (name, task, _sample), row in sorted(last_turns(rows).items()):
-        if name == agent:
-            out.setdefault(task, []).append(bool(row["success"]))
-    return out
+def final_successes(
+    rows: Sequence[Mapping[str, Any]], agent: str = HEADLINE_AGENT, asked: Sequence[tuple[int, int]] | None = None
+) -> dict[int, list[bool]]:
+    """Held-out task -> the agent's final success in each sampled episode (sample order), over every ``asked``
+    episode: one that ended before the agent's turn is a failure, not left out (``analysis/outcomes.py``)."""
+    return outcomes.episode_successes(rows, agent, asked)
+
+
+def asked_of(layout: RunLayout, step_name: str, iteration: int = 0) -> list[tuple[int, int]] | None:
+    """The episodes a committed step of ``layout`` asked for (``outcomes.step_request``); None where it does not
+    say which tasks it ran."""
+    from pettingflow.runs.run import RunRef, load_run_config
+
+    step = layout.step(iteration, step_name)
+    config = load_run_config(RunRef(root=layout.root, run_id=layout.run_id, storage_options=layout.storage_options))
+    request = outcomes.step_request(step.manifest().metadata, config, step_name)
+    return None if request is None else outcomes.asked_episodes(*request)
 
 
 def revisited_train_tasks(layout: RunLayout, agent: str = HEADLINE_AGENT) -> dict[str, float] | None:
@@ -205,8 +210,10 @@ def revisited_train_tasks(layout: RunLayout, agent: str = HEADLINE_AGENT) -> dic
         step = layout.step(k, StepName.ROLLOUTS)
         if not step.is_committed():
             continue
-        cols = ["env_idx", "sample_idx", "turn_idx", "agent_name", "success"]
-        by_position = final_successes(read_step_trajectories(step).select(cols).to_pylist(), agent)
+        cols = ["env_idx", "sample_idx", "turn_idx", "agent_name", "success", "continued"]
+        request = outcomes.step_request(step.manifest().metadata, config, StepName.ROLLOUTS)
+        asked = None if request is None else outcomes.asked_episodes(*request)
+        by_position = final_successes(read_step_trajectories(step).select(cols).to_pylist(), agent, asked)
         tasks = select_train_tasks(config, k)
         for position, successes in by_position.items():
             visits.setdefault(task_key(tasks[position]), []).append(successes)
@@ -288,27 +295,36 @@ def arm_from_runs(
         when: {view: read_trajectories_of(RunLayout(root, eid, storage_options)) for view, eid in views.items()}
         for when, views in evaluations.items()
     }
+    asked = {
+        when: {
+            view: asked_of(RunLayout(root, eid, storage_options), StepName.VALIDATION) for view, eid in views.items()
+        }
+        for when, views in evaluations.items()
+    }
     trained = RunLayout(root, run_id, storage_options)
     config = load_run_config(RunRef(root=root, run_id=run_id, storage_options=storage_options or {}))
     agent = outcome_agent(config)
-    outcomes = {when: {view: final_successes(r, agent) for view, r in views.items()} for when, views in rows.items()}
+    scored = {
+        when: {view: final_successes(r, agent, asked[when][view]) for view, r in views.items()}
+        for when, views in rows.items()
+    }
     return ArmResult(
         config=trained.read_run_info()["config_name"],
         run_id=run_id,
         run_uri=trained.run_uri,
-        before={view: agent_scores(r) for view, r in rows["before"].items()},
-        after={view: agent_scores(r) for view, r in rows["after"].items()},
+        before={view: agent_scores(r, asked["before"][view]) for view, r in rows["before"].items()},
+        after={view: agent_scores(r, asked["after"][view]) for view, r in rows["after"].items()},
         curve=run_curve(trained, agent),
         revisits=revisited_train_tasks(trained, agent),
         evaluations=evaluations,
         paired={
-            view: paired_bootstrap(outcomes["before"][view], after)
-            for view, after in outcomes["after"].items()
-            if view in outcomes["before"]
+            view: paired_bootstrap(scored["before"][view], after)
+            for view, after in scored["after"].items()
+            if view in scored["before"]
         },
         headline_agent=agent,
         seed=config.run.seed,
-        outcomes=outcomes,
+        outcomes=scored,
     )
 
 
@@ -317,15 +333,16 @@ def read_trajectories_of(layout: RunLayout) -> list[dict[str, Any]]:
     from pettingflow.storage import read_step_trajectories
 
     table = read_step_trajectories(layout.step(0, StepName.VALIDATION))
-    return table.select(["env_idx", "sample_idx", "turn_idx", "agent_name", "success", "reward"]).to_pylist()
+    columns = ["env_name", "env_idx", "sample_idx", "turn_idx", "agent_name", "success", "reward", "continued"]
+    return table.select(columns).to_pylist()
 
 
-def agent_scores(rows: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, float]]:
-    """Per agent over its final turns of stored rows: the scores rollouts report (``rollout.records.agent_scores``)."""
-    finals: dict[str, list[tuple[float, bool]]] = {}
-    for (agent, _task, _sample), row in last_turns(rows).items():
-        finals.setdefault(agent, []).append((float(row["reward"]), bool(row["success"])))
-    return {agent: records.agent_scores(values) for agent, values in finals.items()}
+def agent_scores(
+    rows: Sequence[Mapping[str, Any]], asked: Sequence[tuple[int, int]] | None = None
+) -> dict[str, dict[str, float]]:
+    """Per agent over every ``asked`` episode of stored rows: the scores rollouts report (``outcomes.agent_scores``:
+    an episode that ended before the agent's turn counts as reward 0, no success)."""
+    return outcomes.agent_scores(rows, asked)
 
 
 def results_table(arms: Sequence[ArmResult]) -> list[dict[str, Any]]:

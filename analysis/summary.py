@@ -1,12 +1,15 @@
 """What happened in a training run, in a dozen lines: ``make run`` ends with it, and so does the run's last
 Prefect artifact (the ``train`` flow writes it as ``summary.md`` beside ``run.json``).
 
-Per iteration: the training reward of each agent, and whether there was anything to learn from (a batch
-without a non-zero advantage changes nothing: ``rl.signal``). Then the held-out success of the agent that
-decides the outcome, before the first update (``iter-0/baseline``) and after the last (the last committed
-``validation``), paired task by task with a 95 % interval over tasks (``analysis.stats.paired_bootstrap``),
-the tokens generated and the wall time per phase. The verdict says plainly when the interval includes 0:
-a short run cannot tell then, and the summary must not pretend otherwise.
+Per iteration: what each agent earned over every episode of the rollouts (its last turn's reward and success,
+0 where the episode ended before its turn: ``analysis/outcomes.py``) and what its trained rows were credited
+with (the training reward: turn reward plus the team's share, ``algorithm.team_reward_weight``, so a role
+rewarded only through the team does not read as 0), how the episodes ended, and whether there was anything to
+learn from (a batch without a non-zero advantage changes nothing: ``rl.signal``). Then the held-out success of
+the agent that decides the outcome, before the first update (``iter-0/baseline``) and after the last (the last
+committed ``validation``), over every episode asked for, paired task by task with a 95 % interval over tasks
+(``analysis.stats.paired_bootstrap``), the tokens generated and the wall time per phase. The verdict says
+plainly when the interval includes 0: a short run cannot tell then, and the summary must not pretend otherwise.
 
 ``summarize_run`` reads a stored run; ``summary_lines`` and ``summary_markdown`` only format.
 """
@@ -17,6 +20,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from pettingflow.analysis.outcomes import EpisodeCounts
 from pettingflow.steps.report import REPORT_STEP, history, stored_warnings
 from pettingflow.storage import RunLayout, read_step_trajectories
 from pettingflow.storage.layout import UPDATE_STEP_PREFIX, StepName
@@ -43,11 +47,14 @@ PHASE_ORDER = (
 @dataclass
 class IterationLine:
     iteration: int
-    rewards: dict[str, float]  # agent -> training reward mean
-    success: dict[str, float]  # agent -> training success rate
+    rewards: dict[str, float]  # agent -> its last turn's reward per episode, mean over every episode (0: no turn)
+    success: dict[str, float]  # agent -> success rate over every episode of the rollouts
     tokens: int
     rows_trained: int
     zero_signal: list[str] = field(default_factory=list)  # policies with nothing to learn from
+    # agent -> mean training reward of its rows in the advantage batches (turn reward + team credit)
+    credited: dict[str, float] = field(default_factory=dict)
+    episodes: EpisodeCounts | None = None  # what the rollouts asked for and how those episodes ended
 
 
 @dataclass
@@ -58,8 +65,10 @@ class HeldOut:
     after_iteration: int
     delta: float
     ci95: tuple[float, float]
-    tasks: int
-    episodes: int  # per evaluation
+    tasks: int  # paired: asked for by both evaluations
+    episodes: int  # per evaluation: asked for (tasks x samples per task)
+    counts_before: EpisodeCounts | None = None
+    counts_after: EpisodeCounts | None = None
 
 
 @dataclass
@@ -77,6 +86,7 @@ class RunSummary:
 def summarize_run(layout: RunLayout) -> RunSummary:
     """Read the run's committed reports and its baseline and last validation; compute the paired change."""
     reports = history(layout)
+    config = _run_config(layout)
     lines = []
     phases = dict.fromkeys(PHASE_ORDER, 0.0)
     wall = 0.0
@@ -90,16 +100,17 @@ def summarize_run(layout: RunLayout) -> RunSummary:
         zero = sorted(
             key.split("/")[1] for key, value in report.items() if key.endswith("/zero_signal") and value >= 1.0
         )
-        lines.append(
-            IterationLine(
-                k,
-                rewards,
-                success,
-                int(report.get(f"{rollouts}/tokens_generated", 0)),
-                int(report.get(f"{StepName.FILTERED}/rows_kept", 0)),
-                zero,
-            )
+        line = IterationLine(
+            k,
+            rewards,
+            success,
+            int(report.get(f"{rollouts}/tokens_generated", 0)),
+            int(report.get(f"{StepName.FILTERED}/rows_kept", 0)),
+            zero,
+            credited_rewards(layout, k),
         )
+        _rescore(layout, k, config, line)
+        lines.append(line)
         warnings += [f"iteration {k}: {w}" for w in stored_warnings(layout.step(k, REPORT_STEP))]
         timed = 0.0
         for key, seconds in report.items():
@@ -112,7 +123,7 @@ def summarize_run(layout: RunLayout) -> RunSummary:
         total = float(report.get("duration/iteration_before_report_s", timed))
         phases["other"] += max(total - timed, 0.0)
         wall += total
-    heldout, missing = _heldout(layout, [line.iteration for line in lines])
+    heldout, missing = _heldout(layout, [line.iteration for line in lines], config)
     return RunSummary(
         layout.run_id,
         lines,
@@ -125,11 +136,102 @@ def summarize_run(layout: RunLayout) -> RunSummary:
     )
 
 
-def _heldout(layout: RunLayout, iterations: list[int]) -> tuple[HeldOut | None, str | None]:
-    """The outcome agent's held-out success before the first update and after the last validated one."""
-    from pettingflow.analysis.learning import final_successes, outcome_agent
-    from pettingflow.analysis.stats import paired_bootstrap
+# the columns the episode outcomes are computed from (analysis/outcomes.py)
+OUTCOME_COLUMNS = [
+    "env_name",
+    "env_idx",
+    "sample_idx",
+    "turn_idx",
+    "agent_name",
+    "reward",
+    "success",
+    "done",
+    "truncated",
+    "continued",
+    "outcome",
+]
+
+
+def _run_config(layout: RunLayout) -> Any | None:
+    """The run's validated config (None for a run folder without one, e.g. hand-made reports in tests)."""
     from pettingflow.configs.loader import validate_config
+
+    try:
+        info = layout.read_run_info()
+    except FileNotFoundError:
+        return None
+    return validate_config(info["config"], source=f"{layout.run_uri}/run.json")
+
+
+def scored_step(
+    layout: RunLayout, iteration: int, step_name: str, config: Any, agent: str | None
+) -> tuple[dict[int, list[bool]], dict[str, dict[str, float]], EpisodeCounts] | None:
+    """One committed step's episodes, every asked one counted: ``agent``'s success per task position, every
+    agent's scores, and the counts. None: the step is not committed, or does not say what it asked for."""
+    from pettingflow.analysis import outcomes
+
+    step = layout.step(iteration, step_name)
+    if not step.is_committed() or config is None:
+        return None
+    request = outcomes.step_request(step.manifest().metadata, config, step_name)
+    if request is None:
+        return None
+    rows = read_step_trajectories(step, columns=OUTCOME_COLUMNS).to_pylist()
+    asked = outcomes.asked_episodes(*request)
+    agent = agent or outcome_agent_of(config)
+    return (
+        outcomes.episode_successes(rows, agent, asked),
+        outcomes.agent_scores(rows, asked),
+        outcomes.count_episodes(rows, agent, *request),
+    )
+
+
+def outcome_agent_of(config: Any) -> str:
+    from pettingflow.analysis.learning import outcome_agent
+
+    return outcome_agent(config)
+
+
+def _rescore(layout: RunLayout, iteration: int, config: Any, line: IterationLine) -> None:
+    """The iteration's training scores recomputed from its rollouts over every asked episode, so runs stored
+    before that definition read the same as new ones; the report's numbers stay where that is not possible."""
+    try:
+        scored = scored_step(layout, iteration, StepName.ROLLOUTS, config, None)
+    except ValueError:  # no agent decides the outcome: the report's per-agent numbers are all there is
+        return
+    if scored is None:
+        return
+    _, scores, counts = scored
+    line.rewards = {a: v["reward_mean"] for a, v in scores.items()}
+    line.success = {a: v["success_rate"] for a, v in scores.items()}
+    line.episodes = counts
+
+
+def credited_rewards(layout: RunLayout, iteration: int) -> dict[str, float]:
+    """Agent -> mean training reward of its rows in the iteration's advantage batches: what its update was
+    computed from (its turn reward mixed with the team reward, ``algorithm.team_reward_weight``, and
+    ``gamma``). Empty where the advantages step is not committed or holds no training reward."""
+    step = layout.step(iteration, StepName.ADVANTAGES)
+    if not step.is_committed():
+        return {}
+    sums: dict[str, list[float]] = {}
+    for name in step.files():
+        if not (name.startswith("batch-") and name.endswith(".parquet")):
+            continue
+        table = step.read_table(name)
+        if "training_reward" not in table.column_names:
+            continue
+        for agent, reward in zip(
+            table.column("agent_name").to_pylist(), table.column("training_reward").to_pylist(), strict=True
+        ):
+            sums.setdefault(agent, []).append(float(reward))
+    return {agent: sum(values) / len(values) for agent, values in sorted(sums.items()) if values}
+
+
+def _heldout(layout: RunLayout, iterations: list[int], config: Any) -> tuple[HeldOut | None, str | None]:
+    """The outcome agent's held-out success before the first update and after the last validated one, over
+    every episode each evaluation asked for (one that ended before the agent's turn is a failure)."""
+    from pettingflow.analysis.stats import paired_bootstrap
 
     baseline = layout.step(0, StepName.BASELINE)
     if not baseline.is_committed():
@@ -138,15 +240,16 @@ def _heldout(layout: RunLayout, iterations: list[int]) -> tuple[HeldOut | None, 
     if not validated:
         return None, "no validation after an update yet"
     last = validated[-1]
-    agent = outcome_agent(validate_config(layout.read_run_info()["config"], source=f"{layout.run_uri}/run.json"))
-    columns = ["env_idx", "sample_idx", "turn_idx", "agent_name", "success"]
-    before = final_successes(read_step_trajectories(baseline).select(columns).to_pylist(), agent)
-    after = final_successes(
-        read_step_trajectories(layout.step(last, StepName.VALIDATION)).select(columns).to_pylist(), agent
-    )
+    agent = outcome_agent_of(config)
+    scored_before = scored_step(layout, 0, StepName.BASELINE, config, agent)
+    scored_after = scored_step(layout, last, StepName.VALIDATION, config, agent)
+    if scored_before is None or scored_after is None:
+        return None, "the held-out steps do not record which tasks they ran (stored before the manifest said so)"
+    before, _, counts_before = scored_before
+    after, _, counts_after = scored_after
     if not before or not after:
-        return None, f"the held-out episodes have no turn of {agent!r}"
-    paired = paired_bootstrap(before, after)
+        return None, "the held-out evaluations asked for no episode"
+    paired = paired_bootstrap(before, after)  # over the tasks both asked for: the same tasks on both sides
     return (
         HeldOut(
             agent,
@@ -156,7 +259,9 @@ def _heldout(layout: RunLayout, iterations: list[int]) -> tuple[HeldOut | None, 
             paired["delta"],
             (paired["ci95_low"], paired["ci95_high"]),
             int(paired["tasks"]),
-            sum(map(len, after.values())),
+            counts_after.episodes,
+            counts_before,
+            counts_after,
         ),
         None,
     )
@@ -185,13 +290,20 @@ def summary_lines(summary: RunSummary) -> list[str]:
     out = [f"what happened in run {summary.run_id}:"]
     if not summary.iterations:
         return [*out, "  no iteration has a committed report yet"]
-    out.append("  training reward per iteration (each agent's last turn per episode: mean, success rate):")
+    out.append(
+        "  training reward per iteration (each agent's last turn per episode, over every episode, 0 where it had "
+        "no turn: mean, success rate; trained on: mean training reward of its rows, team credit included):"
+    )
     for line in summary.iterations:
         agents = "  ".join(
-            f"{a} {r:.3f} ({line.success.get(a, float('nan')):.0%})" for a, r in sorted(line.rewards.items())
+            f"{a} {r:.3f} ({line.success.get(a, float('nan')):.0%})"
+            + (f" trained on {line.credited[a]:.3f}" if a in line.credited else "")
+            for a, r in sorted(line.rewards.items())
         )
         flag = f"  NO LEARNING SIGNAL ({', '.join(line.zero_signal)})" if line.zero_signal else ""
         out.append(f"    iter {line.iteration}: {agents}  rows trained {line.rows_trained}{flag}")
+        if line.episodes is not None:
+            out.append(f"      episodes: {line.episodes.text()}")
     held = summary.heldout
     if held is None:
         out.append(f"  held-out success: not measured ({summary.heldout_missing})")
@@ -203,6 +315,9 @@ def summary_lines(summary: RunSummary) -> list[str]:
             f"change {100 * held.delta:+.1f} pts (95 % CI [{100 * low:+.1f}, {100 * high:+.1f}])"
         )
         out.append(f"    {verdict(held)}")
+        for when, counts in (("before", held.counts_before), ("after", held.counts_after)):
+            if counts is not None:
+                out.append(f"    held-out episodes {when}: {counts.text()}")
     out.append(f"  tokens generated in training: {summary.tokens_generated:,}")
     phases = ", ".join(f"{name} {summary.phases_s[name]:.0f} s" for name in PHASE_ORDER if summary.phases_s.get(name))
     out.append(f"  wall time {summary.wall_s / 60:.1f} min over the iterations: {phases}")

@@ -70,7 +70,7 @@ class Episode:
     env: str
     group: str
     sample: int
-    outcome: str
+    outcome: str  # how it ended, in words (analysis/outcomes.py LABELS): solved, failed, ended at max turns, ...
     info: dict[str, Any]
     turns: list[Turn]
 

@@ -18,6 +18,7 @@ from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import HTMLResponse, RedirectResponse
 from fastapi.templating import Jinja2Templates
 
+from pettingflow.analysis.outcomes import LABELS as OUTCOME_LABELS
 from pettingflow.analysis.viewer import (
     DEFAULT_PORT,
     VIEW_STEPS,
@@ -127,7 +128,8 @@ def create_app(layout: RunLayout, decode: TokenDecoder | None = None) -> Any:
             total=len(episodes),
             agents=sorted({a for e in episodes for a in e.agents}),
             envs=sorted({e.env for e in episodes}),
-            outcomes=sorted({e.outcome for e in episodes}),
+            # every label, so "failed" can be asked for where none did; then any other value the rows hold
+            outcomes=[*OUTCOME_LABELS.values(), *sorted({e.outcome for e in episodes} - set(OUTCOME_LABELS.values()))],
             filter=chosen,
             min_reward=min_reward,
             max_reward=max_reward,

@@ -77,7 +77,11 @@ def test_final_successes_take_each_episodes_last_turn_of_the_agent():
         {"env_idx": 1, "sample_idx": 0, "turn_idx": 0, "agent_name": "code_generator", "success": True},
     ]
     assert final_successes(rows) == {0: [True, False], 1: [True]}
-    assert final_successes(rows, "test_generator") == {0: [True]}
+    # episodes that ended before the test writer's turn are its failures, not left out
+    assert final_successes(rows, "test_generator") == {0: [True, False], 1: [False]}
+    # an asked episode that left no row at all (task 2) counts too, as a failure
+    asked = [(t, s) for t in range(3) for s in range(2)]
+    assert final_successes(rows, asked=asked) == {0: [True, False], 1: [True, False], 2: [False, False]}
 
 
 def test_paired_bootstrap_counts_tasks_and_brackets_the_change():

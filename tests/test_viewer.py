@@ -35,8 +35,8 @@ SANDBOX = [
 
 
 def stored_rows() -> list[dict]:
-    """Episode 0: coder (3 tree candidates at turn 0, the second continued) then tester. Episode 1: plan-path-like
-    env name, coder only, failed."""
+    """Episode 0: coder (3 tree candidates at turn 0, the second continued) then tester, solved. Episode 1: another
+    env, coder only, ended at max turns."""
     rows = []
     for branch, reward in enumerate([0.0, 1.0, 0.5]):
         rows.append(
@@ -77,8 +77,9 @@ def stored_rows() -> list[dict]:
             uid="u-other",
             reward=0.0,
             success=False,
-            done=False,
+            done=True,
             truncated=True,
+            outcome="max_turns",
             prompt_text="second episode",
             response_text="nope",
             info_json=_info({}, 0.0),
@@ -126,12 +127,16 @@ def client(layout) -> TestClient:
 def test_episode_list_and_its_filters(client) -> None:
     page = client.get("/iteration/0").text
     assert "2 of 2 episodes" in page and page.count('class="episode-row"') == 2
-    assert "team_reward=1.0" in page and "ended at max_turns" in page
+    assert "team_reward=1.0" in page and "<td>ended at max turns</td>" in page and "<td>solved</td>" in page
     only_tester = client.get("/iteration/0", params={"agent": "test_generator"}).text
     assert "1 of 2 episodes" in only_tester and 'href="/episode/0/0' in only_tester
     assert client.get("/iteration/0", params={"env": "other-env"}).text.count('class="episode-row"') == 1
     assert "1 of 2 episodes" in client.get("/iteration/0", params={"min_reward": "0.5"}).text
     assert "1 of 2 episodes" in client.get("/iteration/0", params={"outcome": "solved"}).text
+    assert "1 of 2 episodes" in client.get("/iteration/0", params={"outcome": "ended at max turns"}).text
+    # every label is offered, also one no episode has
+    assert "0 of 2 episodes" in client.get("/iteration/0", params={"outcome": "failed"}).text
+    assert "<option>failed</option>" in page and "<option>not finished</option>" in page
     assert client.get("/", follow_redirects=False).headers["location"] == "/iteration/0"
 
 
