@@ -9,8 +9,9 @@ the latest generated tests; a test turn = the tests on the canonical solution an
 Method: N basic-python tasks (or HumanEval with ``--dataset humaneval``); per task one episode of two turns
 (the canonical solution as the code, 4 generated asserts as the tests), each turn one sandbox run of the real
 bubblewrap sandbox. The old harness is read from git (``--old-ref``, default the commit before the split) and
-fed the same jobs; rounds alternate old/new; the figure is the median over rounds of (new / old) wall time per
-episode. ``--check-humaneval`` also scores HumanEval's 164 canonical solutions on the new harness (one run).
+fed the same jobs; each turn runs on both back to back, the order alternating from turn to turn; the figure is
+the median over rounds of (new / old) wall time per episode. ``--check-humaneval`` also scores HumanEval's 164
+canonical solutions on the new harness (one run).
 
     .venv/bin/python -m bench.reward_boundary [--tasks 20] [--rounds 5] [--check-humaneval]
 """
@@ -18,10 +19,13 @@ episode. ``--check-humaneval`` also scores HumanEval's 164 canonical solutions o
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import subprocess
 import sys
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,9 +33,10 @@ from bench import common
 from pettingflow.configs.settings import SandboxSettings
 from pettingflow.envs.basic_python import load_basic_python
 from pettingflow.envs.code_env import Job, build_program, generated_suite, new_marker, parse_ground_truth
+from pettingflow.envs.code_env.program import Program
 from pettingflow.envs.code_env.results import parse_program_output
 from pettingflow.envs.humaneval import load_humaneval
-from pettingflow.envs.sandbox import make_sandbox
+from pettingflow.envs.sandbox import ExecResult, make_sandbox
 
 OLD_REF = "147bd45"  # main before the judge/runner split
 CASE_TIMEOUT_S = 5.0
@@ -48,14 +53,62 @@ def old_harness(ref: str) -> str:
     return text
 
 
-def old_program(harness: str, jobs: list[Job], marker: str) -> str:
-    spec = {
+def old_program(
+    harness: str,
+    jobs: list[Job],
+    marker: str,
+    case_timeout_s: float = CASE_TIMEOUT_S,
+    budget_s: float = BUDGET_S,
+    groups: Sequence[int] | None = None,
+) -> str:
+    spec: dict[str, Any] = {
         "marker": marker,
-        "case_timeout_s": CASE_TIMEOUT_S,
-        "budget_s": BUDGET_S,
+        "case_timeout_s": case_timeout_s,
+        "budget_s": budget_s,
         "jobs": [j.to_json() for j in jobs],  # old harness: runs each step's "source"
     }
+    if groups is not None:
+        spec["groups"] = [[n, budget_s] for n in groups]
     return harness.replace('"__PETTINGFLOW_SPEC__"', repr(json.dumps(spec)), 1)
+
+
+def as_per_job_lines(result: ExecResult, marker: str) -> ExecResult:
+    """The old harness's one summary line rewritten as the new one's ``marker + [index, result]`` lines."""
+    for line in reversed(result.stdout.splitlines()):
+        if line.startswith(marker):
+            try:
+                entries = json.loads(line[len(marker) :])
+            except ValueError:
+                break
+            lines = [marker + json.dumps([i, e]) for i, e in enumerate(entries)]
+            return dataclasses.replace(result, stdout="\n".join(lines) + "\n")
+    return result
+
+
+@contextlib.contextmanager
+def old_harness_in_code_env(ref: str = OLD_REF) -> Iterator[None]:
+    """Within the block, the code env's sandbox evaluations (``code_env.batching``, merged runs included) run on
+    the old single-process harness of ``ref``: for ``bench/rollout.py --old-harness``, the same rollouts timed
+    on both sides of the reward boundary."""
+    from pettingflow.envs.code_env import batching
+
+    harness = old_harness(ref)
+    saved = (batching.build_program, batching.parse_program_output, batching.complete_summary)
+
+    def build(jobs: Sequence[Job], *, case_timeout_s: float, budget_s: float, marker: str | None = None, groups=None):
+        marker = marker or new_marker()
+        code = old_program(harness, list(jobs), marker, case_timeout_s, budget_s, groups)
+        return Program(code, "")
+
+    batching.build_program = build
+    batching.parse_program_output = lambda result, jobs, marker: saved[1](
+        as_per_job_lines(result, marker), jobs, marker
+    )
+    batching.complete_summary = lambda result, marker, n: saved[2](as_per_job_lines(result, marker), marker, n)
+    try:
+        yield
+    finally:
+        batching.build_program, batching.parse_program_output, batching.complete_summary = saved
 
 
 def old_results(stdout: str, marker: str, n: int) -> list[list[bool]]:
@@ -130,17 +183,16 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(tasks)} {args.dataset} episodes x 2 turns per round, {args.rounds} rounds, old = {args.old_ref}")
     ratios, rows = [], []
     for r in range(args.rounds):
-        times: dict[str, float] = {}
-        order = ("old", "new") if r % 2 == 0 else ("new", "old")
+        totals = {"old": 0.0, "new": 0.0}
         flags: dict[str, list[Any]] = {"old": [], "new": []}
-        for which in order:
-            t_total = 0.0
-            for episode in turns:
-                for jobs in episode:
-                    dt, f = run_turn(sandbox, jobs, old if which == "old" else None)
-                    t_total += dt
-                    flags[which].append(f)
-            times[which] = t_total / len(turns)
+        for t, jobs in enumerate(jobs for episode in turns for jobs in episode):
+            # old and new back to back on each turn, the order alternating: a load that drifts (another
+            # process on a 2-core machine) hits both sides alike
+            for which in ("old", "new") if (t + r) % 2 == 0 else ("new", "old"):
+                dt, f = run_turn(sandbox, jobs, old if which == "old" else None)
+                totals[which] += dt
+                flags[which].append(f)
+        times = {k: v / len(turns) for k, v in totals.items()}
         agree = flags["old"] == flags["new"]
         ratios.append(times["new"] / times["old"])
         rows.append((r + 1, times["old"], times["new"], ratios[-1], agree))

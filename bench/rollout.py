@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import sys
 import time
 from typing import Any
@@ -129,6 +130,14 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="ablation: every sandbox evaluation runs on its own (code_env.batching.MAX_MERGED_EPISODES = 1)",
     )
+    parser.add_argument(
+        "--old-harness",
+        nargs="?",
+        const="147bd45",
+        metavar="REF",
+        help="instead of the raw arm: the engine arm twice per round, the code env's evaluations on the current "
+        "judge/runner harness and on the single-process one of REF (default 147bd45), same seeds, same tasks",
+    )
     parser.add_argument("overrides", nargs="*", help="extra config overrides, e.g. env.max_turns=4")
     args = common.parse_args(parser, argv)
 
@@ -181,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     ) as server:
         endpoints = common.rollout_endpoints(config, server, args.served_name, model)
         common.run_rollouts(config, endpoints, tasks[:2], 1, "bench/warmup/", cache)  # warm-up: env, connections
+        if args.old_harness:
+            return compare_harnesses(config, endpoints, tasks, group_size, rounds, cache, args.old_harness)
         for r in range(rounds):
             result: dict[str, Any] = {}
 
@@ -252,6 +263,41 @@ def main(argv: list[str] | None = None) -> int:
         f"{med([x['stats'].llm_s for x in rows]):.1f} s"
     )
     print(common.ratio_line("engine/raw generated-tokens/s ratio", ratios, goal))
+    return 0
+
+
+def compare_harnesses(
+    config: Any, endpoints: dict[str, Any], tasks: list[Any], group_size: int, rounds: int, cache: Any, ref: str
+) -> int:
+    """``--old-harness``: the same rounds (same tasks, same seeds) with the code env's evaluations on the current
+    harness and on the old one, in alternating order; the new/old ratio of the round's wall time and of the env
+    time summed over episodes. The goal: at most 1.10 (docs/benchmarks.md)."""
+    from bench.reward_boundary import old_harness_in_code_env
+
+    rows = []
+    for r in range(rounds):
+        measured: dict[str, tuple[float, float, int]] = {}
+        for which in ("new", "old") if r % 2 == 0 else ("old", "new"):
+            with old_harness_in_code_env(ref) if which == "old" else contextlib.nullcontext():
+                records, stats, wall = common.run_rollouts(config, endpoints, tasks, group_size, f"bench/{r}/", cache)
+            tokens = sum(len(t.response_ids) for rec in records for t in rec.turns)
+            measured[which] = (wall, stats.env_s, tokens)
+        (new_wall, new_env, new_tok), (old_wall, old_env, old_tok) = measured["new"], measured["old"]
+        rows.append((r + 1, old_wall, new_wall, new_wall / old_wall, old_env, new_env, new_env / old_env))
+        print(
+            f"  round {r + 1}: wall old {old_wall:.1f} s new {new_wall:.1f} s (new/old {new_wall / old_wall:.3f}); "
+            f"env time summed old {old_env:.1f} s new {new_env:.1f} s (new/old {new_env / old_env:.3f}); "
+            f"tokens old {old_tok} new {new_tok}",
+            flush=True,
+        )
+    med = common.median
+    common.print_table(
+        ["round", "old wall s", "new wall s", "new/old wall", "old env s", "new env s", "new/old env"],
+        rows,
+        title=f"code env evaluations: judge/runner harness (new) vs single-process harness of {ref} (old)",
+    )
+    print(common.ratio_line("new/old rollout wall time", [row[3] for row in rows], 1.10, higher_is_better=False))
+    print(f"new/old env time summed over episodes: median {med([row[6] for row in rows]):.3f}")
     return 0
 
 

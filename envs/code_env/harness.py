@@ -7,10 +7,17 @@ expected values, the result marker) on its stdin. One file plays two roles:
   no other process of the sandbox uid can read its memory, its descriptors or its environment through /proc or
   ptrace), then, per job, starts a **runner** and evaluates every case itself. It prints one line per job behind
   the marker as the job ends; nothing else reaches stdout.
-* **the runner** (``python3 -I main.py --runner FD``): a fresh interpreter (not a fork: it holds none of
-  the judge's memory) with /dev/null on fds 0-2 and one socket (fd FD), its only channel. It loads the
-  problem's prompt and the model's solution, then answers calls of the entry point: arguments in, the return value out
-  as plain data (``encode``/``decode``), or the exception's class name and message.
+* **the runner**: a process forked per job by the **zygote**, a clean child the judge forks before it reads
+  its spec (so neither holds a test, an expected value or the marker); as a fallback, a fresh interpreter
+  (``python3 -I main.py --runner FD``). It has /dev/null on fds 0-2 and one socket, its only channel. It loads
+  the problem's prompt and the model's solution, then answers calls of the entry point: arguments in, the return
+  value out as plain data (``encode``/``decode``), or the exception's class name and message.
+
+What it costs, and how that is kept small (``bench/reward_boundary.py`` measures it against the single-process
+harness it replaced): the file imports only what every run needs (``_socket``, not ``socket``; no ``typing``,
+``contextlib``, ``ast`` or ``ctypes``: each is milliseconds at every sandbox start); the zygote pre-imports
+the modules the prompts import, so each runner starts with them loaded; and a job's runner is forked and loads
+its solution while the judge sets up the job's checks (``Runner.begin``/``finish``).
 
 Why two processes: when model code shares a process with the tests, it can return an object equal to
 everything, write "passed" records to the result channel, or read the expected values out of memory. Here
@@ -49,6 +56,9 @@ _SMALL_INT = 1 << 63
 _HEADER_BYTES = 4  # a message is its length (4 bytes, big-endian), then that many bytes of JSON
 #: Seconds the judge waits for the zygote to fork a runner before it starts one as a fresh interpreter.
 FORK_TIMEOUT_S = 2.0
+#: A runner's load message at most this big is queued on its socket before it exists (a Unix socket's buffer
+#: holds far more), so that sending it never waits for the runner.
+PIPELINE_BYTES = 64 * 1024
 
 
 # --------------------------------------------------------------------------------------------------
@@ -156,9 +166,14 @@ def _type_name(v: Any) -> str:
     return t.__name__ if t.__module__ == "builtins" else t.__module__ + "." + t.__qualname__
 
 
-def send_message(sock: _socket.socket, obj: Any) -> None:
+def frame(obj: Any) -> bytes:
+    """``obj`` as one message: its JSON's length (4 bytes, big-endian), then the JSON."""
     data = json.dumps(obj, separators=(",", ":")).encode()
-    sock.sendall(len(data).to_bytes(_HEADER_BYTES, "big") + data)
+    return len(data).to_bytes(_HEADER_BYTES, "big") + data
+
+
+def send_message(sock: _socket.socket, obj: Any) -> None:
+    sock.sendall(frame(obj))
 
 
 def _recv_exact(sock: _socket.socket, n: int) -> bytes:
@@ -336,25 +351,47 @@ class Zygote:
     def pid(self) -> int | None:
         return self._pid
 
-    def fork_runner(self) -> tuple[int, _socket.socket] | None:
-        """A new runner's pid and the judge's end of its socket, or None when the zygote is gone."""
+    def preimport(self, names: Sequence[str]) -> None:
+        """Have the zygote import ``names`` (it does while the judge goes on); nothing when it is gone."""
+        data = ",".join(names).encode()
+        if self.ctl is None or not data:
+            return
+        try:
+            self.ctl.sendall(b"w" + len(data).to_bytes(_HEADER_BYTES, "big") + data)
+        except OSError:
+            self.close()
+
+    def request(self, first: bytes = b"") -> _socket.socket | None:
+        """Ask for a new runner; the judge's end of its socket, or None when the zygote is gone. ``first`` (a
+        small message) is queued on that socket at once: the runner reads it as soon as it exists. The runner's
+        pid comes with ``forked_pid``, so the judge can work while the zygote forks."""
         if self.ctl is None:
             return None
         ours, theirs = _socket.socketpair()
         try:
             self.ctl.sendmsg([b"f"], [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, _fd_bytes(theirs.fileno()))])
-            pid = int.from_bytes(_recv_exact(self.ctl, _HEADER_BYTES), "big")
-            return pid, ours
-        except _Timeout:
-            ours.close()
-            self.close()
-            raise
+            if first:
+                ours.sendall(first)  # fits the socket's buffer (PIPELINE_BYTES): never blocks
+            return ours
         except Exception:
             ours.close()
             self.close()
             return None
         finally:
             theirs.close()
+
+    def forked_pid(self) -> int | None:
+        """The pid of the runner ``request`` asked for, or None when the zygote is gone or stuck (then closed)."""
+        if self.ctl is None:
+            return None
+        try:
+            return int.from_bytes(_recv_exact(self.ctl, _HEADER_BYTES), "big")
+        except _Timeout:
+            self.close()
+            raise
+        except Exception:
+            self.close()
+            return None
 
     @property
     def alive(self) -> bool:
@@ -382,16 +419,22 @@ class Zygote:
 
 
 def zygote_main(fd: int) -> None:
-    """Fork a runner for every descriptor the judge sends; reply with its pid. Runs no model code itself."""
+    """Fork a runner for every descriptor the judge sends (``f`` + the descriptor); reply with its pid. Import the
+    modules the judge names (``w`` + length + names): the task prompts' imports, so each runner starts with them
+    loaded (``typing`` alone is 3 ms a job). Runs no model code itself."""
     ctl = _socket.socket(fileno=fd)
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the runners are reaped by the kernel
     while True:
         try:
-            msg, ancillary, _, _ = ctl.recvmsg(16, _socket.CMSG_SPACE(_FD_BYTES))
-        except OSError:
+            msg, ancillary, _, _ = ctl.recvmsg(1, _socket.CMSG_SPACE(_FD_BYTES))
+            fds = _received_fds(ancillary)
+            if msg == b"w" and not fds:
+                n = int.from_bytes(_recv_exact(ctl, _HEADER_BYTES), "big")
+                _preimport(_recv_exact(ctl, n).decode().split(","))
+                continue
+        except (OSError, EOFError, UnicodeDecodeError):
             return
-        fds = _received_fds(ancillary)
-        if not msg or len(fds) != 1:
+        if msg != b"f" or len(fds) != 1:
             for extra in fds:
                 os.close(extra)
             return
@@ -413,6 +456,30 @@ def zygote_main(fd: int) -> None:
             return
 
 
+def _preimport(names: Sequence[str]) -> None:
+    for name in names:
+        if name and all(part.isidentifier() for part in name.split(".")):
+            try:
+                __import__(name)
+            except BaseException:  # a module this python lacks (or that refuses to load): the runner's problem
+                pass
+
+
+def prompt_imports(jobs: Sequence[dict[str, Any]]) -> list[str]:
+    """The modules the jobs' prompts import (``import a.b``, ``from a import b``), by a line scan: the prompts are
+    trusted task text, and ``ast`` would cost an import. The model's solution is never read here."""
+    names: dict[str, None] = {}
+    for job in jobs:
+        for line in (job.get("context") or "").splitlines():
+            text = line.strip()
+            if text.startswith("import "):
+                for part in text[7:].split(","):
+                    names[part.split(" as ")[0].strip()] = None
+            elif text.startswith("from ") and " import " in text:
+                names[text[5:].split(" import ")[0].strip()] = None
+    return [n for n in names if n and not n.startswith(".")][:64]
+
+
 class Runner:
     """The judge's handle on one runner process: start it with the solution, call the entry point, kill it.
 
@@ -426,14 +493,39 @@ class Runner:
         self.proc: Any = None  # a runner started as a fresh interpreter (subprocess.Popen)
         self.pid: int | None = None  # a runner forked by the zygote (not our child: the zygote reaps it)
         self.sock: _socket.socket | None = None
+        self._load_msg = b""  # the solution's load message (begin)
+        self._queued = False  # it is queued on sock already
+        self.pending = False  # begun, not finished
 
     def start(self) -> str | None:
         """Start a runner and load the solution; the setup error (``None`` when the entry point is defined)."""
+        self.begin()
+        return self.finish()
+
+    def begin(self) -> None:
+        """Ask the zygote for a runner with the solution queued on its socket, without waiting: the judge can
+        do its own setup while the runner starts and loads (``finish`` collects it)."""
         self.kill()
-        forked = self.zygote.fork_runner() if self.zygote is not None else None
-        if forked is not None:
-            self.pid, self.sock = forked
-            return self._load()
+        job = self.job
+        load = {"entry_point": job["entry_point"], "context": job["context"], "solution": job["solution"]}
+        self._load_msg = frame(load)
+        early = self._load_msg if len(self._load_msg) <= PIPELINE_BYTES else b""
+        self.sock = self.zygote.request(early) if self.zygote is not None else None
+        self._queued = bool(early) and self.sock is not None
+        self.pending = True
+
+    def finish(self) -> str | None:
+        """The setup error of the runner ``begin`` asked for (None: loaded); a fresh interpreter when the zygote
+        failed to fork it."""
+        self.pending = False
+        load = self._load_msg
+        if self.sock is not None:
+            pid = self.zygote.forked_pid()  # type: ignore[union-attr]
+            if pid is not None:
+                self.pid = pid
+                return self._load(b"" if self._queued else load)
+            self.sock.close()
+            self.sock = None
         ours, theirs = _socket.socketpair()
         try:
             self.proc = _spawn(self.program, "--runner", theirs.fileno())
@@ -443,13 +535,14 @@ class Runner:
         finally:
             theirs.close()
         self.sock = ours
-        return self._load()
+        return self._load(load)
 
-    def _load(self) -> str | None:
-        job, sock = self.job, self.sock
-        load = {"entry_point": job["entry_point"], "context": job["context"], "solution": job["solution"]}
+    def _load(self, load: bytes) -> str | None:
+        """Send the solution (``load``; empty when it was queued already) and read whether it loaded."""
+        sock = self.sock
         try:
-            send_message(sock, load)
+            if load:
+                sock.sendall(load)
             reply = recv_message(sock, MAX_VALUE_BYTES)
             error = reply["setup_error"]
         except _Timeout:
@@ -467,8 +560,8 @@ class Runner:
             payload = {"args": encode(list(args)), "kwargs": encode(dict(kwargs))}
         except NotPlain as exc:
             raise CandidateError("an argument cannot cross to the solution's process: " + str(exc)) from None
-        if self.sock is None:
-            error = self.start()
+        if self.sock is None or self.pending:
+            error = self.finish() if self.pending else self.start()
             if error is not None:
                 raise CandidateError(error)
         sock = self.sock
@@ -501,6 +594,13 @@ class Runner:
         raise CandidateError("the solution's process broke the protocol")
 
     def kill(self) -> None:
+        if self.pending:  # a fork asked for and not collected: read its pid (the zygote's replies stay in step)
+            self.pending = False
+            if self.sock is not None and self.zygote is not None:
+                try:
+                    self.pid = self.zygote.forked_pid()
+                except _Timeout:
+                    pass
         if self.sock is not None:
             self.sock.close()
             self.sock = None
@@ -603,14 +703,22 @@ def run_job(
 
     try:
         setup_error = None
+        ns: dict[str, Any] = {"__name__": "__pettingflow_check__"}
+        # the judge's namespace first (only source steps use it: ground truth, not parsed tests): its imports of
+        # the prompt run while the zygote pre-imports the same modules for the runner
         try:
             with _alarm(left()):
-                setup_error = runner.start()
+                runner.begin()  # the zygote forks the runner and it loads the solution while the judge sets up
         except _Timeout:
             setup_error = "the solution failed to load: timed out"
-        ns: dict[str, Any] = {"__name__": "__pettingflow_check__"}
-        if setup_error is None:
+        if setup_error is None and (job["preamble"] or any(s.get("kind", "source") == "source" for s in job["steps"])):
             setup_error = _setup_checks(job, ns, runner, left)
+        if setup_error is None and runner.pending:  # (unless the preamble called the solution already)
+            try:
+                with _alarm(left()):
+                    setup_error = runner.finish()
+            except _Timeout:
+                setup_error = "the solution failed to load: timed out"
         for step in job["steps"]:
             kind = step.get("kind", "source")
             if setup_error is not None:
@@ -733,7 +841,7 @@ def kill_strays(spare: Sequence[int | None] = ()) -> None:
         _reap()
         if not alive:
             return
-        time.sleep(0.001)
+        time.sleep(0.0002)  # a killed process needs a moment to leave /proc
 
 
 def _reap() -> None:
@@ -814,6 +922,7 @@ def main() -> None:
     os.set_inheritable(out, False)
     marker = spec["marker"]
     jobs = spec["jobs"]
+    zygote.preimport(prompt_imports(jobs))
     groups = spec.get("groups") or [[len(jobs), spec["budget_s"]]]
     done = [0]
 
@@ -835,6 +944,7 @@ def main() -> None:
             if not zygote.alive:  # a runner of the last episode killed it: a new one, as a fresh interpreter
                 zygote.close()
                 zygote = Zygote(program)
+                zygote.preimport(prompt_imports(jobs[start:]))
         group = jobs[start : start + n]
         run_group(group, budget_s, emit, spec["case_timeout_s"], program, after_job, zygote)
         start += n
