@@ -1,4 +1,4 @@
-"""Every episode counts (issue 45): how an episode ends (solved, failed, max_turns, not_finished), the envs that
+"""Every episode counts: how an episode ends (solved, failed, max_turns, not_finished), the envs that
 say so, and success rates over every episode asked for, with counts that add up.
 
 The word game is the case that found it: a describer gives a clue, a guesser guesses; a clue that contains the word
