@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from pettingflow.analysis.summary import HeldOut, IterationLine, RunSummary, summary_lines, summary_markdown, verdict
 
 
@@ -81,3 +83,74 @@ def test_a_run_stored_with_the_old_metric_names_reads_under_the_step_names(tmp_p
         12,
     )
     assert line.zero_signal == ["shared"]
+
+
+def test_a_role_rewarded_through_the_team_shows_what_it_was_trained_on() -> None:
+    summary = _summary((0.05, 0.25))
+    summary.iterations[0].credited = {"test_generator": 0.42}
+    text = "\n".join(summary_lines(summary))
+    assert "test_generator 0.100 (nan%) trained on 0.420" in text
+
+
+def test_heldout_success_counts_every_asked_episode_and_the_same_tasks_before_and_after(tmp_path) -> None:
+    """Episodes that ended before the code writer's turn, or left no row, are its failures; the counts add up."""
+    import pyarrow as pa
+    from factories import trajectory_row
+
+    from pettingflow.analysis.summary import summarize_run
+    from pettingflow.configs.loader import load_config
+    from pettingflow.runs.run import start_or_resume
+    from pettingflow.storage import trajectories_to_table, write_trajectories
+
+    overrides = [f"run.storage_root={tmp_path}"]
+    ref, _ = start_or_resume(load_config("code-env", overrides), "code-env", overrides, "run-sum", {})
+    layout = ref.layout()
+
+    def row(task: int, sample: int, agent: str, success: bool, **kw) -> dict:
+        return trajectory_row(
+            env_idx=task,
+            sample_idx=sample,
+            rollout_idx=2 * task + sample,
+            agent_name=agent,
+            agent_idx=int(agent != "code_generator"),
+            success=success,
+            reward=float(success),
+            **kw,
+        )
+
+    # before: the coder solved 1 of 6 (task 0 sample 1 ended before its turn, task 2 left no row)
+    before = [
+        row(0, 0, "code_generator", True),
+        row(0, 1, "test_generator", False, outcome="failed"),
+        row(1, 0, "code_generator", False, outcome="max_turns"),
+        row(1, 1, "code_generator", False, outcome="max_turns"),
+    ]
+    after = [row(0, 0, "code_generator", True), row(0, 1, "code_generator", True), row(1, 0, "code_generator", True)]
+    after += [row(2, s, "code_generator", False, outcome="max_turns") for s in (0, 1)]
+    asked = {"tasks": ["a", "b", "c"], "samples_per_task": 2}
+    write_trajectories(layout.step(0, "baseline").begin(), before, metadata=asked)
+    write_trajectories(layout.step(0, "validation").begin(), after, metadata=asked)
+    batch = trajectories_to_table([row(0, 0, "code_generator", True), row(0, 1, "test_generator", False)])
+    batch = batch.append_column("training_reward", pa.array([1.0, 0.6], pa.float32()))
+    advantages = layout.step(0, "advantages").begin()
+    advantages.write_table("batch-shared.parquet", batch)
+    advantages.commit()
+    report = layout.step(0, "report").begin()
+    report.write_json("metrics.json", {"rollouts/test_generator/reward_mean": 0.0})
+    report.commit()
+
+    summary = summarize_run(layout)
+    held = summary.heldout
+    assert held is not None and (held.before, held.after) == (1 / 6, 3 / 6)
+    assert (held.tasks, held.episodes) == (3, 6)  # the same three tasks on both sides
+    counts = held.counts_before
+    assert counts.episodes == sum(counts.outcomes.values()) == counts.agent_acted + counts.ended_before_agent == 6
+    assert counts.outcomes == {"solved": 1, "failed": 1, "max_turns": 2, "no_rows": 2}
+    assert counts.ended_before_agent == 3
+    assert summary.iterations[0].credited == {"code_generator": 1.0, "test_generator": pytest.approx(0.6)}
+    text = "\n".join(summary_lines(summary))
+    assert "held-out success of code_generator (3 tasks, 6 episodes): 16.7% before -> 50.0% after" in text
+    assert (
+        "held-out episodes before: 3 tasks x 2 samples = 6 episodes (1 solved, 1 failed, 2 ended at max turns, "
+        "2 left no rows); 3 ended before code_generator's turn, counted as failures"
+    ) in text
