@@ -315,6 +315,7 @@ def test_a_remote_env_behaves_like_the_env_for_agents_and_engine(service: TestCl
             env.finish_turn({"agent_name": "executor"})
         assert (remote.current_turn, remote.done, remote.history) == (local.current_turn, local.done, local.history)
     assert remote.done and local.done and remote.episode_id is None  # over: closed on the service
+    assert remote.outcome == local.outcome == "solved" and not remote.failed()
     assert remote.team_outcome() == local.team_outcome() == 1.0 and remote.episode_info() == local.episode_info()
     assert remote.solved() and remote.fork().state == remote.state  # a finished episode is copied here
     with pytest.raises(RuntimeError, match="already done"):
@@ -439,7 +440,7 @@ def test_the_code_env_agents_work_against_a_remote_code_env() -> None:
             agent.update_from_model(turn, env, text)
             asyncio.run(agent.step(env))
             seen.append((prompt, agent.agent_reward, agent.success, agent.turn_info))
-        return [*seen, env.done, env.truncated, env.episode_info(), env.history]
+        return [*seen, env.done, env.truncated, env.outcome, env.episode_info(), env.history]
 
     with TestClient(create_app("code-env"), raise_server_exceptions=False) as tc:
         remote = remote_class(CodeEnv).open(ServiceClient(URL, http=tc), task, config, seed=0)
@@ -447,7 +448,7 @@ def test_the_code_env_agents_work_against_a_remote_code_env() -> None:
         got = play(remote)
     want = play(CodeEnv(task, config, seed=0))
     assert got == want
-    assert want[2][1] == 1.0 and want[-4] is True  # the right code solved it
+    assert want[2][1] == 1.0 and want[-5] is True and want[-3] == "solved"  # the right code solved it
 
 
 def test_env_server_must_be_urls() -> None:
