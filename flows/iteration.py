@@ -16,6 +16,7 @@ from contextlib import ExitStack
 from typing import Any
 
 from prefect import flow, get_run_logger
+from prefect.runtime import flow_run
 
 from pettingflow.configs.settings import ExperimentConfig
 from pettingflow.runs.context import IterationContext
@@ -108,7 +109,21 @@ def step_runs(
     return True
 
 
-@flow(name="iteration", flow_run_name="{run.run_id} iter-{iteration}", log_prints=True)
+def iteration_run_name(run_id: str, iteration: int, attempt: int = 0) -> str:
+    """``<run> iter-<k>`` for the original, ``<run> iter-<k>/attempt-<a>`` for a re-run: the UI lists both under
+    the same flow, and only the name tells a re-run's subflow from the original's."""
+    return f"{run_id} iter-{iteration}" + (f"/attempt-{attempt}" if attempt else "")
+
+
+def _flow_run_name() -> str:
+    """The ``iteration`` flow's run name, from its parameters (a format string cannot leave out attempt 0)."""
+    params = flow_run.parameters
+    run = params.get("run")
+    run_id = run.get("run_id") if isinstance(run, dict) else getattr(run, "run_id", "?")
+    return iteration_run_name(str(run_id), params.get("iteration", "?"), params.get("attempt") or 0)
+
+
+@flow(name="iteration", flow_run_name=_flow_run_name, log_prints=True)
 def iteration(
     run: RunRef, iteration: int, attempt: int = 0, from_step: str = StepName.ROLLOUTS, validate_now: bool | None = None
 ) -> dict[str, Any]:

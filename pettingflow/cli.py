@@ -595,14 +595,15 @@ def rerun(
     e.g. `algorithm.filter_method=std algorithm.filter_ratio=0.5 training.lr=1e-6`. Runs the `rerun` flow here
     (against PREFECT_API_URL if set, else a temporary local Prefect).
     """
-    from pettingflow.flows.rerun import rerun as rerun_flow
-    from pettingflow.runs.run import RerunOverrideError, RunRef, format_change, rerun_config
+    from pettingflow.runs.run import RunRef, check_rerun, format_change
 
     root = _root_for(run_id, root)
-    try:  # refuse bad overrides before a Prefect server is started
-        _, changes = rerun_config(RunRef(root=root, run_id=run_id), overrides or [], from_step)
-    except (ConfigError, RerunOverrideError, FileNotFoundError, ValueError) as exc:
+    try:  # refuse a bad request (iteration, step, pruned weights, overrides) before any flow run or server starts
+        _, changes = check_rerun(RunRef(root=root, run_id=run_id), iteration, from_step, overrides or [])
+    except (ConfigError, FileNotFoundError, ValueError) as exc:  # RerunRequestError, RerunOverrideError: ValueError
         fail(str(exc))
+    from pettingflow.flows.rerun import rerun as rerun_flow  # Prefect's import: only for a request that will run
+
     for change in changes:
         typer.echo(f"  {format_change(change)}")
     if os.environ.get("PREFECT_API_URL") is None:

@@ -99,6 +99,98 @@ class RerunOverrideError(ValueError):
     """A re-run override that cannot apply to stored trajectories (or would have no effect)."""
 
 
+class RerunRequestError(ValueError):
+    """A re-run that cannot start: no such run or iteration, a step it reuses was never committed, or the weights it
+    starts from were pruned. The message is one line, saying what was wrong and what to ask for instead."""
+
+
+#: the steps a re-run may start from (the rollouts are always reused)
+RERUN_FROM_STEPS = (StepName.FILTERED, StepName.ADVANTAGES, StepName.UPDATE)
+
+
+def check_rerun(
+    ref: RunRef, iteration: int, from_step: str = StepName.FILTERED, overrides: list[str] | tuple[str, ...] = ()
+) -> tuple[ExperimentConfig, list[dict[str, Any]]]:
+    """Refuse a re-run request that cannot succeed, from storage alone, before any flow run starts; else return
+    ``rerun_config``'s (config, changes).
+
+    Why here and not in the flow: a request refused inside a flow run leaves a Failed run in the UI and a
+    traceback; ``pettingflow rerun`` calls this first and exits 2 with the one-line message, and the ``rerun``
+    flow (the deployment path) calls it before anything else and fails with that line. Raises
+    ``RerunRequestError`` (no such run, iteration or step; an unknown ``from_step``; pruned starting weights),
+    ``RerunOverrideError`` or ``ConfigError`` (the overrides).
+    """
+    kind = _rerun_start(from_step)
+    try:
+        layout = ref.layout()
+        layout.read_run_info()
+    except FileNotFoundError:
+        raise RerunRequestError(
+            f"no run {ref.run_id!r} under {ref.root} (`pettingflow runs list` shows the runs; --root or `root` "
+            "points at another storage root)"
+        ) from None
+    except ValueError as exc:  # a run id that cannot name a folder
+        raise RerunRequestError(str(exc)) from None
+    config, changes = rerun_config(ref, overrides, from_step)
+    ran = layout.iterations()
+    span = (f"iterations 0-{ran[-1]}" if ran[-1] else "iteration 0") if ran else "no iteration yet"
+    if isinstance(iteration, bool) or not isinstance(iteration, int) or iteration < 0:
+        raise RerunRequestError(
+            f"iteration {iteration!r} of run {ref.run_id!r}: iterations are numbered from 0 (this run has {span})"
+        )
+    if iteration not in ran:
+        raise RerunRequestError(f"run {ref.run_id!r} has no iteration {iteration}: it has {span}")
+    for step in STEP_ORDER[: STEP_ORDER.index(kind)]:  # what the re-run reads from the original attempt
+        if not layout.step(iteration, step).is_committed():
+            instead = (
+                f"re-run with --from-step {step}"
+                if step is not StepName.ROLLOUTS
+                else "nothing to re-run from; resume the run to collect them"
+            )
+            raise RerunRequestError(
+                f"iteration {iteration} of run {ref.run_id!r} has no committed {step!r} step (the run stopped "
+                f"before it), which a re-run from {from_step!r} reuses: {instead}"
+            )
+    for policy in dict.fromkeys(agent.policy for agent in config.agents):
+        if pruned := _pruned_start(layout, policy, iteration):
+            raise RerunRequestError(
+                f"iteration {iteration} of run {ref.run_id!r} starts from the weights of policy {policy!r} after "
+                f"iteration {pruned[0]}, which `pettingflow runs prune` removed ({pruned[1]}): re-run an iteration "
+                "whose starting weights were kept (`pettingflow runs show` lists them)"
+            )
+    return config, changes
+
+
+def _rerun_start(from_step: str) -> StepName:
+    """The step a re-run starts at, or ``RerunRequestError`` naming the ones it may start at."""
+    try:
+        kind = step_kind(from_step)
+    except ValueError:
+        kind = None
+    if kind not in RERUN_FROM_STEPS:
+        reason = (
+            "a re-run reuses the stored rollouts (to collect new ones, start a new run)" if kind else "no such step"
+        )
+        raise RerunRequestError(
+            f"--from-step {from_step!r}: {reason}; a re-run starts from filtered, advantages or update"
+        )
+    return kind
+
+
+def _pruned_start(layout: RunLayout, policy: str, iteration: int) -> tuple[int, str] | None:
+    """(k, how) when the weights ``policy`` starts ``iteration`` from — those after iteration k, the newest update
+    before it that did its work, as ``runs.lineage.weights_before`` picks it — were pruned; else None. Reads the
+    commit markers alone (``weights_before`` would download the weights)."""
+    from pettingflow.runs.lineage import pruned_weights  # slow imports (~0.5 s): paid by a request that got here
+
+    for k in range(iteration - 1, -1, -1):
+        step = layout.step(k, StepName.UPDATE.folder(policy))
+        if step.did_work():
+            gone = pruned_weights(step.manifest().metadata)
+            return (k, gone) if gone else None
+    return None
+
+
 def rerun_config(
     ref: RunRef, overrides: list[str] | tuple[str, ...] = (), from_step: str = StepName.FILTERED
 ) -> tuple[ExperimentConfig, list[dict[str, Any]]]:

@@ -59,14 +59,55 @@ def publish_report(call: StepCall) -> dict[str, Any]:
             key=f"{key}-report", link=f"file://{ctx.step(StepName.REPORT).path}", description="report folder"
         )
     png = result.get("png") or ctx.step(StepName.REPORT).read_bytes("curve.png")
-    create_markdown_artifact(
-        key=artifact_key(run_id, "curve"),
-        markdown=report.png_markdown(png, f"Reward and success, run {run_id}"),
-        description="reward/success per iteration (updated every iteration)",
-    )
+    create_markdown_artifact(**curve_artifact(run_id, iteration, attempt, png))
     report.log_metrics(ctx.layout, iteration, metrics, config.run.mlflow_tracking_uri, attempt=attempt)
-    get_run_logger().info("iteration %s: %s", ctx.label, {k: v for k, v in metrics.items() if "/success_rate" in k})
+    info = ctx.layout.read_attempt_info(iteration, attempt) if attempt else None
+    get_run_logger().info(report_line(iteration, attempt, metrics, info))
     return {"uri": result["uri"], "metrics": metrics}
+
+
+def curve_artifact(run_id: str, iteration: int, attempt: int, png: bytes) -> dict[str, str]:
+    """The curve artifact of a report (``create_markdown_artifact``'s arguments). The original's reports update the
+    run-wide ``<run>-curve``; a re-run publishes its own ``<run>-iter-<k>-attempt-<a>-curve`` (the original's
+    curve with the re-run's scores beside it, ``steps/report.curve_points``), so re-running never changes what the
+    UI shows for the original."""
+    if not attempt:
+        return {
+            "key": artifact_key(run_id, "curve"),
+            "markdown": report.png_markdown(png, f"Reward and success, run {run_id}"),
+            "description": "reward/success per iteration (updated every iteration)",
+        }
+    return {
+        "key": artifact_key(run_id, f"iter-{iteration}", f"attempt-{attempt}", "curve"),
+        "markdown": report.png_markdown(
+            png, f"Reward and success, run {run_id}, with re-run iter-{iteration}/attempt-{attempt}"
+        ),
+        "description": f"the original run's curve with re-run attempt {attempt} of iteration {iteration} beside it",
+    }
+
+
+#: the update numbers a report's log line shows (success rates are always shown)
+LOGGED_UPDATE = ("loss", "grad_norm", "optimizer_exact")
+
+
+def report_line(iteration: int, attempt: int, metrics: dict[str, Any], info: dict[str, Any] | None = None) -> str:
+    """The report task's log line: the success rates and, for a re-run, what was re-run (from which step, with which
+    overrides, from ``attempt.json``: ``info``) and its update's headline numbers; a re-run has no rollouts of its
+    own, so success rates alone would log ``{}``."""
+    shown = {k: v for k, v in metrics.items() if "/success_rate" in k}
+    if not attempt:
+        return f"iteration {iteration}: {_numbers(shown)}"
+    shown |= {k: v for k, v in metrics.items() if k.startswith("update/") and k.rsplit("/", 1)[-1] in LOGGED_UPDATE}
+    info = info or {}
+    overrides = " ".join(info.get("overrides") or []) or "none (the run's own config)"
+    return (
+        f"re-run of iteration {iteration} as attempt {attempt}, from {info.get('from_step', '?')!r}, overrides: "
+        f"{overrides}: {_numbers(shown)}"
+    )
+
+
+def _numbers(metrics: dict[str, Any]) -> str:
+    return ", ".join(f"{k} {v:.6g}" if isinstance(v, float) else f"{k} {v}" for k, v in sorted(metrics.items())) or "-"
 
 
 @task(name="summarize_run", cache_policy=NO_CACHE)

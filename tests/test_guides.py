@@ -158,6 +158,63 @@ def test_rerun_guide_commands_are_accepted(tmp_path: Path) -> None:
             assert words[1] in command.commands and words[2] in command.commands[words[1]].commands, words
 
 
+def test_rerun_guide_deployment_form_runs(tmp_path: Path, prefect_env, monkeypatch) -> None:
+    """docs/guides/rerun-and-compare.md, "From the Prefect UI or a deployment": its parameter table names exactly
+    the ``rerun`` flow's parameters, and each ``prefect deployment run rerun/code-env`` line, its ``--param`` values
+    read as Prefect's CLI reads them, runs the flow on a stored run (the iteration itself replaced by a stand-in
+    that records its call): the attempt gets the documented overrides and the flow runs are named after it."""
+    import inspect
+
+    from prefect import flow
+    from prefect.cli._utilities import load_json_key_values
+    from test_rerun_requests import commit_iteration, flow_run_names
+
+    import pettingflow.flows.rerun as rerun_module
+    from pettingflow.configs.loader import load_config
+    from pettingflow.flows.iteration import _flow_run_name
+    from pettingflow.runs.run import start_or_resume
+
+    page = ROOT / "docs" / "guides" / "rerun-and-compare.md"
+    text = page.read_text()
+    section = text[text.index("## From the Prefect UI or a deployment") :]
+    table = re.findall(r"^\| `(\w+)` \|", section[: section.index("<!-- commands: deployment -->")], re.M)
+    assert sorted(table) == sorted(inspect.signature(rerun_module.rerun.fn).parameters), table
+
+    config = load_config("code-env", [f"run.storage_root={tmp_path}"])
+    ref, _ = start_or_resume(config, "code-env", [], "run-d", {})
+    for k in range(4):
+        commit_iteration(ref.layout(), k)
+    calls: list[dict] = []
+
+    @flow(name="iteration", flow_run_name=_flow_run_name)
+    def stand_in(run, iteration: int, attempt: int = 0, from_step: str = "rollouts", validate_now=None) -> dict:
+        calls.append({"iteration": iteration, "attempt": attempt, "from_step": from_step, "validate": validate_now})
+        return {"iteration": iteration, "attempt": attempt, "report": "-", "metrics": {}}
+
+    monkeypatch.setattr(rerun_module, "iteration_flow", stand_in)
+    lines = command_block(page, "deployment")
+    assert len(lines) >= 2
+    for attempt, words in enumerate(lines, start=1):
+        assert words[:4] == ["prefect", "deployment", "run", "rerun/code-env"], words
+        assert words[4::2] == ["--param"] * len(words[4::2]), words
+        params = load_json_key_values(words[5::2], "parameter")
+        params = {**params, "run_id": "run-d", "root": str(tmp_path)}  # the page's placeholders
+        state = rerun_module.rerun(**params, return_state=True)
+        assert state.is_completed(), state
+        assert calls[-1] == {
+            "iteration": params["iteration"],
+            "attempt": attempt,
+            "from_step": params["from_step"],
+            "validate": params.get("with_validation", False),
+        }
+        assert ref.layout().read_attempt_info(params["iteration"], attempt)["overrides"] == params["overrides"]
+        k, step = params["iteration"], params["from_step"]
+        assert flow_run_names(state.state_details.flow_run_id) == [
+            f"rerun run-d iter-{k}/attempt-{attempt} from {step}",
+            f"run-d iter-{k}/attempt-{attempt}",
+        ]
+
+
 def test_inspect_guide_runs(tmp_path: Path) -> None:
     """docs/guides/inspect.md: the commands it shows exist with the options it uses, and its pandas script runs on
     a stored rollouts step and prints the episode's turns."""
