@@ -296,8 +296,9 @@ def test_bf16_weights_without_master_copies_step_in_bf16(tiny_model_dir, tmp_pat
 def test_skipping_zero_advantage_rows_changes_no_weight(tiny_model_dir, tmp_path, in_process):
     """training.skip_zero_advantage_rows: the rows whose advantage is exactly 0 are not computed, the loss
     denominators still count them and a mini-batch of nothing but such rows still steps (Adam's moments and
-    weight decay move the weights there too), so the weights equal those of training on every row; with a KL
-    term the switch is refused."""
+    weight decay move the weights there too), so the weights equal those of training on every row, and so do the
+    reported loss (the all-zero step counts with its loss, 0) and grad norm; with a KL term the switch is
+    refused."""
     from safetensors.torch import load_file
 
     advantages = [1.0, 0.0, 0.0, -1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.5, -0.5, 0.0]  # window 2: all zero
@@ -312,6 +313,9 @@ def test_skipping_zero_advantage_rows_changes_no_weight(tiny_model_dir, tmp_path
     assert metrics[True]["rows_skipped_zero_advantage"] == 8 and metrics[False]["rows_skipped_zero_advantage"] == 0
     assert metrics[True]["optimizer_steps"] == metrics[False]["optimizer_steps"] == 3
     assert metrics[True]["model_tokens"] < metrics[False]["model_tokens"]
+    for key in ("loss", "pg_loss", "grad_norm"):  # float rounding of other micro-batches, as the weights below
+        assert metrics[True][key] == pytest.approx(metrics[False][key], rel=1e-5, abs=1e-7), key
+    assert metrics[True]["loss"] != 0.0
     start = load_file(str(tiny_model_dir / "model.safetensors"))
     assert any(not torch.equal(weights[True][k], start[k]) for k in start)
     for name in weights[False]:
@@ -532,24 +536,92 @@ def test_cli_builds_the_spec_from_a_config(tmp_path, monkeypatch, tiny_model_dir
 
 
 # ------------------------------------------------------------------------------------------------ multi-process
-def test_two_processes_under_torchrun_match_one_process(tiny_model_dir, tmp_path):
-    """2 ranks (torchrun, gloo) make the optimizer steps of 1 rank on the same rows, up to float rounding.
+# Metrics that say how the work was split or how long it took, not what the update computed: they may differ with
+# the world size (micro-batches and the forwards they ran, shared-prompt savings, timings, memory, paths).
+EXECUTION_METRICS = frozenset(
+    {
+        "num_processes",
+        "micro_batches",
+        "computed_tokens",
+        "old_logprob_forwards_skipped",
+        "max_rss_mb_per_rank",
+        "duration_s",
+        "wall_s",
+        "step_s",
+        "tokens_per_s",
+        "model_tokens_per_s",
+        "computed_tokens_per_s",
+        "timings",
+        "out_dir",
+        "log_path",
+        "outputs",
+    }
+)
 
-    7 rows, mini-batches of 4 rows, micro-batches of 1: the same 2 steps at either world size; at 2 ranks each
-    rank takes 2 of the first mini-batch's rows and 2 + 1 of the second's (one filler), with the loss
-    normalised over each whole mini-batch (token-mean), so the gradients are the 1-rank ones.
+
+def reported_metrics(metrics: dict) -> dict[str, object]:
+    """Every leaf of ``metrics.json`` outside ``EXECUTION_METRICS``, flattened to ``a/b/0/c`` keys, so that a metric
+    added later is compared too unless it is declared an execution metric."""
+    flat: dict[str, object] = {}
+
+    def walk(key: str, value: object) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{key}/{k}", v)
+        elif isinstance(value, list):
+            for i, v in enumerate(value):
+                walk(f"{key}/{i}", v)
+        else:
+            flat[key] = value
+
+    for key, value in metrics.items():
+        if key not in EXECUTION_METRICS:
+            walk(key, value)
+    return flat
+
+
+def assert_same_metrics(got: dict, want: dict, rel: float) -> None:
+    """The same keys, numbers within ``rel`` (relative; absolute 1e-7 for values near 0), everything else equal."""
+    a, b = reported_metrics(got), reported_metrics(want)
+    assert a.keys() == b.keys()
+    for key, value in b.items():
+        if isinstance(value, float) or isinstance(a[key], float):
+            assert a[key] == pytest.approx(value, rel=rel, abs=1e-7), key
+        else:
+            assert a[key] == value, key
+
+
+def test_two_processes_under_torchrun_match_one_process(tiny_model_dir, tmp_path):
+    """2 ranks (torchrun, gloo) make the optimizer steps of 1 rank on the same rows and report the same metrics,
+    up to float rounding.
+
+    7 rows, mini-batches of 6 rows, micro-batches of 2, 2 epochs: the same 4 steps at either world size. 1 rank
+    runs the first mini-batch as 3 micro-batches of 2 rows; 2 ranks split it 3 + 3 rows, so each rank runs 2 + 1
+    rows: micro-batches of other sizes and token counts than at 1 rank. The second mini-batch (1 row) leaves
+    rank 0 a filler and rank 1 two. The loss is normalised over each whole mini-batch (token-mean), so the
+    gradients are the 1-rank ones; every reported metric (loss, KL, entropy, clip fraction, grad norm, token
+    counts, per epoch...) is the global one, whichever rank computed which rows.
     """
     rows = make_rows(7, seed=4)
     batch = write_batch(tmp_path / "b.parquet", rows, [1.0, -1.0, 0.5, -0.5, 2.0, -2.0, 0.25])
-    base = {"micro_batch_size": 1, "mini_batch_size": 4, "zero_stage": 2}
+    base = {"micro_batch_size": 2, "mini_batch_size": 6, "zero_stage": 2, "epochs": 2}
+    # a narrow clip range, so the second epoch's ratios leave it and clip_fraction is not 0; a KL and entropy term
+    algorithm = {"kl_coef": 0.05, "entropy_coef": 0.001, "clip_ratio_low": 0.02, "clip_ratio_high": 0.03}
     two = run_update(
-        spec_for(batch, tmp_path / "two", tiny_model_dir, training=base | {"num_processes": 2}), timeout_s=300
+        spec_for(batch, tmp_path / "two", tiny_model_dir, training=base | {"num_processes": 2}, algorithm=algorithm),
+        timeout_s=300,
     )
-    one = run_update(spec_for(batch, tmp_path / "one", tiny_model_dir, training=base), timeout_s=300)
+    one = run_update(
+        spec_for(batch, tmp_path / "one", tiny_model_dir, training=base, algorithm=algorithm), timeout_s=300
+    )
     assert two["num_processes"] == 2 and one["num_processes"] == 1
-    assert two["optimizer_steps"] == one["optimizer_steps"] == 2
-    assert two["micro_batches"] == one["micro_batches"] == 7  # fillers are not counted
-    assert two["model_tokens"] == one["model_tokens"]
+    assert two["optimizer_steps"] == one["optimizer_steps"] == 4
+    assert (one["micro_batches"], two["micro_batches"]) == (2 * 4, 2 * 5)  # the split differs; fillers not counted
+    assert one["clip_fraction"] > 0 and one["kl"] > 0 and len(one["epoch_metrics"]) == 2
+    # fp32 sums of the same terms in another order (other padding, other micro-batches, the gradient all-reduce)
+    # over 4 steps: measured <= 7e-7 relative (kl of epoch 0, ~4e-4, 1.2e-8 absolute), so 1e-5 leaves ~14x; the
+    # mean of per-micro-batch means this replaced was off by 2e-5 (entropy) to 200 % (loss, of another sign)
+    assert_same_metrics(two, one, rel=1e-5)
     a = load_file(str(tmp_path / "two" / "model" / "model.safetensors"))
     b = load_file(str(tmp_path / "one" / "model" / "model.safetensors"))
     assert all(torch.allclose(a[k], b[k], atol=1e-6, rtol=0) for k in a)

@@ -344,6 +344,10 @@ class Window:
     denominator: float = 1.0
     first: Sample | None = None  # the window's first row, trained or not: what its filler slots are cut from
     skipped: int = 0  # rows left out for an advantage of exactly 0 (``plan_windows``' ``skip_zero_advantage``)
+    # ``denominator`` and model tokens of the rows the ranks compute (``skipped`` ones left out): what each rank
+    # weighs its micro-batches' metrics against, so that a step's reported value needs no collective
+    trained_denominator: float = 1.0
+    trained_tokens: int = 0
 
     @property
     def n_real(self) -> int:
@@ -434,6 +438,8 @@ def plan_windows(
                     denominator=denominator,
                     first=chunk[0],
                     skipped=len(chunk) - len(trained),
+                    trained_denominator=loss_denominator([s.model_tokens for s in trained], loss_agg_mode),
+                    trained_tokens=sum(s.model_tokens for s in trained),
                 )
             )
     return windows

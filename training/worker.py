@@ -58,6 +58,12 @@ from pettingflow.training.launch import METRICS_FILE, UpdateSpec, build_key
 log = logging.getLogger("pettingflow.training.worker")
 
 LOSS_METRICS = ("loss", "pg_loss", "clip_fraction", "dual_clip_fraction", "approx_kl", "ratio_mean", "entropy", "kl")
+# the loss terms: means in ``algorithm.loss_agg_mode`` (the others are means over model tokens, whatever the mode)
+AGG_MODE_METRICS = ("loss", "pg_loss", "kl", "entropy")
+# the terms of the loss whose gradient a step takes: over the whole window's denominator, skipped rows included
+GRADIENT_METRICS = ("loss", "pg_loss")
+# summed over ranks, not averaged (``_loss_metrics``)
+COUNT_METRICS = ("model_tokens", "tokens", "computed_tokens", "micro_batches", "old_logprob_forwards_skipped")
 
 
 def _env_int(name: str, default: int) -> int:
@@ -236,7 +242,11 @@ def deepspeed_config(t: Any, world_size: int, dtype: str, hidden_size: int | Non
 
 
 class _Accumulator:
-    """Sums and counts of named metrics, reduced over ranks at the end (means of micro-batch values)."""
+    """Weighted sums and weights of named metrics, summed over ranks at the end; a metric is its sum / weight.
+
+    Why sums and not each rank's mean: the ranks hold different shares of the rows (uneven splits, fillers), so
+    only sums over all ranks give a value that does not depend on the world size (``UpdateWorker._record``).
+    """
 
     def __init__(self) -> None:
         self.sums: dict[str, float] = defaultdict(float)
@@ -585,7 +595,7 @@ class UpdateWorker:
                     mb.old_logprobs = mb.sampler_logprobs
                 elif w == 0 and first_is_current:
                     mb.old_logprobs = None
-                    forwards_skipped += 1
+                    forwards_skipped += 1  # fillers too: a forward each rank did not run
                 else:
                     mb.old_logprobs = L.micro_batch_logprobs(module, mb, share, chunk, agree)
                     if not mb.is_padding:
@@ -599,9 +609,9 @@ class UpdateWorker:
                     else:
                         mb.ref_logprobs = L.micro_batch_logprobs(self.reference, mb, share, chunk)
         self.timings["logprob_s"] = time.perf_counter() - t0
-        self.metrics["old_logprob_forwards_skipped"] = forwards_skipped
 
         acc = _Accumulator()
+        acc.add("old_logprob_forwards_skipped", float(forwards_skipped), 0.0)  # over all ranks, not rank 0's
         engine.train()
         # transformers turns the KV cache off in checkpointed layers while training, and a shared prompt's
         # responses need that cache: the loss forward runs padded rows then (the log-prob passes above ran in
@@ -636,10 +646,13 @@ class UpdateWorker:
                         del grads  # else the list keeps this step's gradients alive into the next (4 B/param)
                     engine.step()
                     if not mb.is_padding:
-                        self._record(acc, m, epoch, window.adapter, mb, share)
+                        self._record(acc, m, epoch, window, window.slots[self.rank][i], mb, share)
                         if "sampler_abs_diff_sum" in m:
                             diff_sum += m["sampler_abs_diff_sum"]
                             diff_n += int(m["model_tokens"])
+                if self.rank == 0:  # once per step, on one rank: also a step whose rows were all skipped
+                    for key in self._metric_keys(GRADIENT_METRICS, epoch, window.adapter):
+                        acc.add(key, 0.0, 1.0)
                 norm = engine.get_global_grad_norm()
                 norm = manual_norm if norm is None else float(norm)
                 if norm is not None and math.isfinite(norm):
@@ -783,18 +796,55 @@ class UpdateWorker:
             group["lr"] = self.spec.training.lr
 
     def _record(
-        self, acc: _Accumulator, m: dict[str, float], epoch: int, adapter: str | None, mb: Any, share: bool
+        self,
+        acc: _Accumulator,
+        m: dict[str, float],
+        epoch: int,
+        window: Any,
+        samples: list[Any],
+        mb: Any,
+        share: bool,
     ) -> None:
+        """Add one real micro-batch's metrics (its own means, ``micro_batch_loss``) as its part of its step's value.
+
+        Why weighted: which rows make a micro-batch depends on the world size and ``micro_batch_size`` (each rank
+        takes a share of every window), so a mean of micro-batch means would too. A step's value is over its
+        whole window, as its gradient is: the loss terms (``AGG_MODE_METRICS``) weigh a micro-batch by its count in
+        ``loss_agg_mode`` (model tokens for token-mean, rows for the seq modes) over the window's, the token
+        diagnostics (clip fractions, ``approx_kl``, ``ratio_mean``, ``logprob_mean``) by its model tokens over the
+        window's, so that the weights of a step's micro-batches sum to 1 over all ranks. ``loss`` and ``pg_loss``
+        are divided by the whole window's denominator, as the gradient is (a row skipped for a zero advantage
+        counts there with its loss, 0), and weighed 1 per step by ``train`` (a step of skipped rows only has loss
+        0 and still counts). A reported metric is thus the mean over optimizer steps (per epoch, per adapter) of
+        the step's value.
+        """
+        from pettingflow.rl.losses import loss_denominator
+
+        mode = self.spec.algorithm.loss_agg_mode
+        count = loss_denominator([s.model_tokens for s in samples], mode)
+        count_share = count / window.trained_denominator  # the step's computed rows: shares that sum to 1
+        token_share = sum(s.model_tokens for s in samples) / window.trained_tokens
         for key in (*LOSS_METRICS, "logprob_mean"):
-            if key in m:
-                acc.add(key, m[key])
-                acc.add(f"epoch{epoch}/{key}", m[key])
-                if adapter is not None:
-                    acc.add(f"agent/{adapter}/{key}", m[key])
+            if key not in m:
+                continue
+            if key in GRADIENT_METRICS:
+                value, weight = m[key] * count / window.denominator, 0.0
+            elif key in AGG_MODE_METRICS:
+                value, weight = m[key] * count_share, count_share
+            else:
+                value, weight = m[key] * token_share, token_share
+            for name in self._metric_keys((key,), epoch, window.adapter):
+                acc.add(name, value, weight)
         acc.add("model_tokens", m["model_tokens"], 0.0)
         acc.add("tokens", float(mb.tokens), 0.0)
         acc.add("computed_tokens", float(mb.computed_tokens(share)), 0.0)
         acc.add("micro_batches", 1.0, 0.0)
+
+    @staticmethod
+    def _metric_keys(keys: tuple[str, ...], epoch: int, adapter: str | None) -> list[str]:
+        """Where a loss metric is accumulated: overall, for its epoch and, in L2, for its adapter."""
+        scopes = ["", f"epoch{epoch}/"] + ([f"agent/{adapter}/"] if adapter is not None else [])
+        return [scope + key for scope in scopes for key in keys]
 
     def _loss_metrics(self, acc: _Accumulator, steps: int) -> dict[str, Any]:
         import torch
@@ -811,8 +861,8 @@ class UpdateWorker:
         epochs: dict[int, dict[str, float]] = defaultdict(dict)
         agents: dict[str, dict[str, float]] = defaultdict(dict)
         for key, (total, count) in reduced.items():
-            if key in ("model_tokens", "tokens", "computed_tokens", "micro_batches"):
-                out[key] = int(total)
+            if key in COUNT_METRICS:
+                out[key] = round(total)
                 continue
             value = total / count if count else 0.0
             if key.startswith("epoch"):
