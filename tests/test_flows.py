@@ -132,6 +132,8 @@ def test_train_two_iterations_then_resume_then_rerun(tmp_path, prefect_env, tiny
     # the run's summary (make run's last lines, the last artifact): held-out before -> after with an interval
     summary = (tmp_path / "runs" / run_id / "summary.md").read_text()
     assert "held-out success of code_generator (2 tasks, 2 episodes)" in summary and "95 % CI" in summary
+    # every asked episode is counted, with how it ended (analysis/outcomes.py)
+    assert "held-out episodes after: 2 tasks x 1 samples = 2 episodes (" in summary
     assert "iter 0:" in summary and "iter 1:" in summary and "tokens generated in training" in summary
     # the last update's optimizer snapshot was written after its commit, off the critical path, and resume finds it
     assert upd[1]["optimizer_snapshot"] == "background" and not upd[1]["optimizer_saved"]
