@@ -162,6 +162,13 @@ class Agent(ABC):
         """
         return ""
 
+    @property
+    def prefill(self) -> str:
+        """This turn's ``answer_prefix`` (set by ``update_from_env``): the reply's first characters, written by the
+        prompt, not by the model. The engine stores it with the turn (the ``prefill`` column), so a printout or
+        the viewer shows the reply as the parser saw it: prefill + model text."""
+        return self._prefix
+
     def observation(self, env: Env) -> str:
         """The user message appended in per_episode mode after this agent's previous response:
         what changed since then. Defaults to the full ``turn_prompt``."""
@@ -169,7 +176,11 @@ class Agent(ABC):
 
     @abstractmethod
     def parse_response(self, response_text: str, env: Env) -> Any:
-        """The action in ``response_text``; must not raise on malformed text (bad text = bad action)."""
+        """The action in ``response_text``; must not raise on malformed text (bad text = bad action).
+
+        ``response_text`` is the whole reply as the parser should read it: this turn's ``answer_prefix`` (the
+        prefill) followed by the model's text. The stored turn keeps the two apart (``prefill`` and
+        ``response_text`` columns), because only the model's tokens are trained."""
 
     @abstractmethod
     async def apply_action(self, env: Env) -> tuple[float, bool]:

@@ -19,7 +19,7 @@ from pettingflow.runs.context import STEP_ORDER
 from pettingflow.runs.run import format_change
 from pettingflow.steps.report import CURVE_FAMILIES, REPORT_STEP, read_metrics, stored_warnings
 from pettingflow.storage import RunLayout, list_runs, read_step_trajectories
-from pettingflow.storage.layout import StepName
+from pettingflow.storage.layout import UPDATE_STEP_PREFIX, StepName
 
 
 def run_rows(root: str, storage_options: dict[str, Any] | None = None) -> list[dict[str, Any]]:
@@ -89,7 +89,7 @@ def show_run(layout: RunLayout, console: Console) -> None:
                     state = f"committed ({', '.join(gone)} pruned)"
             table.add_row(name, state, size)
         console.print(table)
-        for line in attempt_lines(layout, k):
+        for line in attempt_lines(layout, k) + optimizer_lines(layout, k):
             console.print(line, markup=False)
         reports = attempt_metrics(layout, k)
         if len(reports) > 1:  # re-runs: the headline metrics of every attempt side by side
@@ -145,6 +145,41 @@ def attempt_lines(layout: RunLayout, iteration: int) -> list[str]:
     return lines
 
 
+def optimizer_lines(layout: RunLayout, iteration: int) -> list[str]:
+    """One line per attempt and policy whose update committed: the optimizer state it started from, with what else
+    decides its numbers, and for a re-run whether it replayed the original exactly (``runs/replay.py``)."""
+    lines = []
+    policies = [name.removeprefix(UPDATE_STEP_PREFIX) for name in layout.update_steps(iteration)]
+    for attempt in layout.attempts(iteration):
+        for policy in policies:
+            step = layout.step(iteration, StepName.UPDATE.folder(policy), attempt=attempt or None)
+            if not step.is_committed():
+                continue
+            meta = step.manifest().metadata
+            m = meta.get("metrics", {})
+            who = f"attempt {attempt}" + (" (original)" if attempt == 0 else "")
+            if meta.get("skipped") or "optimizer_state" not in m:
+                lines.append(f"  optimizer of {policy}, {who}: none (the update was skipped: no rows)")
+                continue
+            state = str(m["optimizer_state"]) + (f" (age {m['optimizer_age']})" if m.get("optimizer_age") else "")
+            how = [state]
+            if "global_step_start" in m:
+                masters = f"{m.get('master_weights')} masters" if m.get("master_weights") != m.get("dtype") else ""
+                how.append(f"from step {m['global_step_start']}")
+                how.append(f"{m.get('dtype')}" + (f" ({masters})" if masters else ""))
+                ranks = f"{m.get('num_processes')} rank(s), ZeRO-{m.get('zero_stage')}"
+                how.append(f"{m.get('torch_threads')} thread(s), {ranks}")
+            if attempt:
+                exact = m.get("exact_replay")
+                how.append(
+                    "exact replay"
+                    if exact
+                    else "not an exact replay: " + (m.get("replay_reason") or "not recorded (a re-run from before)")
+                )
+            lines.append(f"  optimizer of {policy}, {who}: " + ", ".join(how))
+    return lines
+
+
 HEADLINE_UPDATE = (
     "loss",
     "kl",
@@ -186,9 +221,20 @@ def trajectories_table(
             episode_outcome(row),
             f"{sum(mask)}/{len(mask) - sum(mask)}",
             row["uid"][:8],
-            row["response_text"][:160].replace("\n", " ⏎ "),
+            reply_text(row)[:160].replace("\n", " ⏎ "),
         )
     return table
+
+
+#: How a table row marks the prefill in front of the model's reply (the reply as the agent parsed it).
+PREFILL_MARK = "⟦{}⟧"
+
+
+def reply_text(row: dict[str, Any]) -> str:
+    """The reply as the agent's ``parse_response`` read it: the prefill (marked ``⟦…⟧``: written by the prompt,
+    not sampled, never trained) followed by the model's text."""
+    prefill = row.get("prefill") or ""
+    return (PREFILL_MARK.format(prefill) if prefill else "") + row["response_text"]
 
 
 def episode_outcome(row: dict[str, Any]) -> str:
@@ -249,6 +295,8 @@ def episode_text(
             lines.append(f"turn info: {json.dumps(turn, sort_keys=True)}")
         if prompts:
             lines += ["[prompt]", row["prompt_text"]]
+        if row.get("prefill"):
+            lines += ["[prefill: written by the prompt, not trained]", row["prefill"]]
         lines += ["[response]", row["response_text"]]
     return lines
 

@@ -60,6 +60,7 @@ class Turn:
     model_tokens: int
     env_tokens: int
     info: dict[str, Any] = field(default_factory=dict)
+    prefill: str = ""  # the reply's start, written by the prompt (answer_prefix): shown before it, marked
 
 
 @dataclass
@@ -194,6 +195,7 @@ def load_episodes(
                     model_tokens=sum(mask),
                     env_tokens=len(mask) - sum(mask),
                     info=info.get("turn") or {},
+                    prefill=row.get("prefill") or "",
                 )
             )
         episodes.append(

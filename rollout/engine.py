@@ -372,6 +372,7 @@ class ExecutionEngine:
                     team_credit=credit.value,
                     lookahead=credit.calls,
                     scripted=scripted,
+                    prefill=str(getattr(b_agent, "prefill", "") or ""),
                 )
                 for k, ((b_agent, _), completion, credit) in enumerate(zip(branches, completions, credits, strict=True))
             ]

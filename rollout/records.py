@@ -65,6 +65,8 @@ class TurnRecord:
     lookahead: list[dict[str, Any]] = field(default_factory=list)
     # a scripted agent's turn (``Agent.scripted``): no model tokens; on the episode's path, never a training row
     scripted: bool = False
+    # the agent's answer_prefix of this turn: the reply's start, written by the prompt (its tokens end prompt_ids)
+    prefill: str = ""
 
 
 @dataclass(frozen=True)
@@ -171,6 +173,7 @@ def per_turn_rows(episodes: list[EpisodeRecord], run_id: str, iteration: int, gr
                 success=bool(turn.success),
                 prompt_text=turn.prompt_text,
                 response_text=turn.response_text,
+                prefill=turn.prefill,
                 branch_idx=turn.branch_idx,
                 continued=turn.continued,
                 inference_server=turn.server or None,
@@ -245,6 +248,7 @@ def per_episode_rows(
                 success=bool(last.success),
                 prompt_text=first.prompt_text,
                 response_text="\n<<turn>>\n".join(texts),
+                prefill="",  # answer_prefix needs the per_turn layout
                 branch_idx=0,
                 continued=True,
                 inference_server=last.server or None,  # a failover mid-episode: the servers are in info_json

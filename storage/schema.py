@@ -7,7 +7,8 @@ file is read, so every stored run stays readable.
 
 Versions: 1 (the first), 2 (``policy_version``: which weights generated the row, for async rollouts), 3
 (``branch_idx`` and ``continued``: tree rollouts, ``rollout.mode: tree``), 4 (``inference_server``: which
-replica generated the row), 5 (``outcome``: how the episode ended, solved / failed / max_turns / not_finished).
+replica generated the row), 5 (``outcome``: how the episode ended, solved / failed / max_turns / not_finished;
+``prefill``: the text the prompt started the reply with).
 """
 
 from __future__ import annotations
@@ -54,6 +55,9 @@ TRAJECTORY_FIELDS: list[pa.Field] = [
     # for humans and debugging
     pa.field("prompt_text", pa.string(), nullable=False),
     pa.field("response_text", pa.string(), nullable=False),
+    # the reply's first characters, written by the prompt (an agent's answer_prefix), not sampled: the reply as
+    # the agent parsed it is prefill + response_text; its tokens are the prompt's last ones (mask 0, never trained)
+    pa.field("prefill", pa.string(), nullable=False),
     pa.field("info_json", pa.string(), nullable=False),
     # which weights generated the row: 0 = the base weights, k + 1 = the weights written by the update of
     # iteration k. Async rollouts train on older rows; an update's lag is (version of the weights it starts
@@ -97,7 +101,11 @@ COLUMN_DOCS: dict[str, str] = {
     "uid": "The advantage group: uuid5 of (rollout_idx // group_size, turn_idx, agent_idx); rows with one uid are "
     "compared with each other (docs/rl.md).",
     "prompt_text": "The prompt as text (for people; the ids are what was sampled from).",
-    "response_text": "The response as text (per_episode: the agent's turns joined by <<turn>>).",
+    "response_text": "The response as text (per_episode: the agent's turns joined by <<turn>>): the model's tokens "
+    "only, decoded.",
+    "prefill": "The text the reply started with in the prompt (the agent's `answer_prefix`), empty when none. The "
+    "agent's `parse_response` read `prefill + response_text`; the prefill's tokens end `prompt_ids`, so they are "
+    "never trained. Files before schema 5: empty (the text is only in `prompt_ids`).",
     "info_json": "JSON: the turn's details (turn_info, e.g. reward parts) and the env's episode_info (e.g. a "
     "team reward).",
     "policy_version": "Which weights sampled the row: 0 = the base weights, k + 1 = those written by the update of "
@@ -124,6 +132,8 @@ ADDED_COLUMNS: dict[str, tuple[str, Any]] = {
     "inference_server": ("4", None),
     # files before version 5: derived from done and truncated (``derived_outcomes``)
     "outcome": ("5", None),
+    # files before version 5 do not keep the prefill as text (it is the end of prompt_ids)
+    "prefill": ("5", ""),
 }
 
 TRAJECTORY_SCHEMA = pa.schema(
@@ -175,7 +185,8 @@ def derived_outcomes(done: Iterable[bool], truncated: Iterable[bool]) -> list[st
 
 def trajectories_to_table(rows: Iterable[Mapping[str, Any]]) -> pa.Table:
     """Build a validated table from row dicts (missing nullable columns become null; a missing ``outcome`` is
-    derived from ``done`` and ``truncated`` as for older files, so rows made by hand or by older code still fit)."""
+    derived from ``done`` and ``truncated`` as for older files, and a missing ``prefill`` is empty, so rows made by hand
+    or by older code still fit)."""
     rows = list(rows)
     columns: dict[str, list[Any]] = {f.name: [] for f in TRAJECTORY_FIELDS}
     for i, row in enumerate(rows):
@@ -184,6 +195,8 @@ def trajectories_to_table(rows: Iterable[Mapping[str, Any]]) -> pa.Table:
             raise SchemaError(f"row {i} has columns not in the trajectory schema: {sorted(unknown)}")
         if "outcome" not in row and "done" in row and "truncated" in row:
             row = {**row, "outcome": derived_outcomes([row["done"]], [row["truncated"]])[0]}
+        if "prefill" not in row:
+            row = {**row, "prefill": ""}
         for field in TRAJECTORY_FIELDS:
             if field.name not in row and not field.nullable:
                 raise SchemaError(f"row {i} is missing required column {field.name!r}")

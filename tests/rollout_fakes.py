@@ -169,6 +169,7 @@ def plan_path_engine_rows(
     token_budget: int | None = None,
     tree_branches: int | None = None,
     tree_select: str = "best",
+    overrides: tuple[str, ...] = (),
 ) -> tuple[list[Any], Any, list[dict[str, Any]], ScriptedLLM]:
     """Plan-path episodes through the real ``ExecutionEngine`` with a scripted LLM: (records, stats, rows, llm).
 
@@ -181,7 +182,7 @@ def plan_path_engine_rows(
     from pettingflow.rollout.local import episode_specs
     from pettingflow.rollout.records import build_rows
 
-    config = load_config("plan-path", [f"env.max_turns={max_turns}", f"env.sample_layout={layout}"])
+    config = load_config("plan-path", [f"env.max_turns={max_turns}", f"env.sample_layout={layout}", *overrides])
     tree = tree_branches is not None
     specs = episode_specs(
         config, tasks, group_size=1 if tree else group_size, seed_namespace="t/", env_cache=EnvCache()

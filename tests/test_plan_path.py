@@ -328,9 +328,35 @@ def test_answer_prefix_starts_the_reply_in_the_prompt_and_is_parsed_with_it() ->
 # --------------------------------------------------------------------------------------------------
 # through the real rollout engine
 # --------------------------------------------------------------------------------------------------
-def engine_rows(reply, *, layout: str = "per_turn", tasks=None, group_size: int = 2):
+def engine_rows(reply, *, layout: str = "per_turn", tasks=None, group_size: int = 2, overrides=()):
     tasks = tasks or [{"task_id": "a", "grid": BOARD}, {"task_id": "plan-path/3", "seed": 3}]
-    return plan_path_engine_rows(reply, tokenizer=TOK, tasks=tasks, layout=layout, group_size=group_size)
+    return plan_path_engine_rows(
+        reply, tokenizer=TOK, tasks=tasks, layout=layout, group_size=group_size, overrides=tuple(overrides)
+    )
+
+
+def test_the_prefill_is_stored_apart_from_the_model_text_and_shown_with_it() -> None:
+    """With answer_prefix, each row keeps the prefill ('Plan:' / 'Moves:') in its own column, the model's text in
+    response_text (what its tokens decode to), and the reply as the agent parsed it is the two joined: the
+    scripted team (which continues the prefill) solves, and the printout shows the prefill marked."""
+    from pettingflow.analysis.inspect import reply_text
+
+    def continue_prefill(model, prompt, params):
+        answer = plan_path_answer(prompt, 0)
+        label = "Plan:" if answer.startswith("Plan:") else "Moves:"
+        assert prompt.endswith(label)  # the prompt holds the prefill; the model writes what follows
+        return answer[len(label) :]
+
+    records, _, rows, _ = engine_rows(continue_prefill, overrides=["env.options.answer_prefix=true"])
+    assert all(r.outcome == "solved" for r in records)
+    assert {r["agent_name"]: r["prefill"] for r in rows} == {"planner": "Plan:", "executor": "Moves:"}
+    for row in rows:
+        # the model's tokens (and its end-of-text) decode to response_text, without the prefill
+        assert TOK.decode(row["response_ids"]).startswith(row["response_text"]) and row["response_text"][:1] == " "
+        assert TOK.decode(row["prompt_ids"]).endswith(row["prefill"])  # its tokens: the prompt's last ones
+        assert reply_text(row) == f"⟦{row['prefill']}⟧{row['response_text']}"
+    _, _, plain, _ = engine_rows(lambda model, prompt, params: plan_path_answer(prompt, 0))
+    assert {r["prefill"] for r in plain} == {""} and reply_text(plain[0]) == plain[0]["response_text"]
 
 
 def test_scripted_team_solves_through_the_engine_with_rows_like_the_code_env() -> None:

@@ -227,7 +227,8 @@ def test_trajectories_episode_prints_one_episode_turn_by_turn_in_full(tmp_path) 
             agent_name="tester",
             reward=0.5,
             prompt_text="tests for f?",
-            response_text="assert f(1) == 2",
+            prefill="assert f(",  # written by the prompt; the model wrote the rest
+            response_text="1) == 2",
             info_json=info,
         ),
         trajectory_row(
@@ -249,6 +250,8 @@ def test_trajectories_episode_prints_one_episode_turn_by_turn_in_full(tmp_path) 
     assert long_answer in out and "write f" in out and "other episode" not in out
     assert 'episode info: {"team_reward": 1.0}' in out and 'turn info: {"tests_passed": 3}' in out
     assert "reward 0.500" in out and "tokens 3 model / 1 env" in out
+    # the prefill, marked, before the model's reply: the reply as the tester's parse_response read it
+    assert "[prefill: written by the prompt, not trained]\nassert f(\n[response]\n1) == 2" in out
     quiet = runner.invoke(
         app, ["trajectories", "episode", "run-ep", "-e", "1", "--no-prompts", "--root", str(tmp_path)]
     )

@@ -65,7 +65,8 @@ def stored_rows() -> list[dict]:
             reward=0.25,
             success=False,
             prompt_text="tests for f?",
-            response_text="assert f(1) == 2",
+            prefill="assert f(",
+            response_text="1) == 2",
             info_json=_info({"role": "test"}, 1.0),
         )
     )
@@ -154,6 +155,8 @@ def test_one_episode_turn_by_turn_with_tokens_shaded_by_mask_and_advantage(clien
     assert "advantage +0.500" in page and "advantage -1.000" in page
     # what the agent saw, and what the sandbox said
     assert "write f please" in page and "tests for f?" in page
+    # the tester's prefill, marked apart from the model's tokens (it is prompt, never trained)
+    assert page.count('class="tok prefill"') == 1 and ">assert f(</span>" in page
     assert "sandbox output" in page and "AssertionError: left side was 4" in page
     # a re-run attempt's advantages; a row its filter dropped says so
     again = client.get("/episode/0/0", params={"attempt": 1}).text
