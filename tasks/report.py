@@ -91,10 +91,12 @@ LOGGED_UPDATE = ("loss", "grad_norm", "optimizer_exact")
 
 
 def report_line(iteration: int, attempt: int, metrics: dict[str, Any], info: dict[str, Any] | None = None) -> str:
-    """The report task's log line: the success rates and, for a re-run, what was re-run (from which step, with which
-    overrides, from ``attempt.json``: ``info``) and its update's headline numbers; a re-run has no rollouts of its
-    own, so success rates alone would log ``{}``."""
-    shown = {k: v for k, v in metrics.items() if "/success_rate" in k}
+    """The report task's log line: the success rates and outcome counts and, for a re-run, what was re-run (from
+    which step, with which overrides, from ``attempt.json``: ``info``) and its update's headline numbers; a re-run
+    has no rollouts of its own, so success rates alone would log ``{}``."""
+    # success rates over every episode, and how the episodes ended (<step>/outcomes/<label>): a rate alone does not
+    # say how many episodes failed or ran out of turns
+    shown = {k: v for k, v in metrics.items() if "/success_rate" in k or "/outcomes/" in k}
     if not attempt:
         return f"iteration {iteration}: {_numbers(shown)}"
     shown |= {k: v for k, v in metrics.items() if k.startswith("update/") and k.rsplit("/", 1)[-1] in LOGGED_UPDATE}

@@ -283,3 +283,19 @@ def test_a_refusal_listing_several_problems_becomes_one_line(three_iterations) -
     line = one_line(err.value)
     assert "\n" not in line and line.startswith("refused re-run overrides of run 'run-a'")
     assert "them; run.seed: the stored" in line and line.index("env.group_size") < line.index("run.seed")
+
+
+def test_report_line_of_an_iteration_says_how_its_episodes_ended() -> None:
+    from pettingflow.tasks.report import report_line
+
+    metrics = {
+        "rollouts/code_generator/success_rate": 0.25,
+        "rollouts/outcomes/solved": 2.0,
+        "rollouts/outcomes/max_turns": 6.0,
+        "rollouts/code_generator/reward_mean": 0.5,
+    }
+    line = report_line(0, 0, metrics)
+    assert line == (
+        "iteration 0: rollouts/code_generator/success_rate 0.25, rollouts/outcomes/max_turns 6, "
+        "rollouts/outcomes/solved 2"
+    )
