@@ -343,6 +343,38 @@ def test_runners_forked_by_the_zygote_score_as_fresh_ones_and_a_dead_zygote_fall
         zygote.close()
 
 
+def test_calls_sent_ahead_score_as_calls_sent_one_by_one(monkeypatch) -> None:
+    """With a zygote, a job of parsed tests sends every call behind the solution (``send_ahead``): a case that
+    hangs or kills its runner still fails alone, the cases after it run on a fresh runner, and a solution with
+    state sees its calls in the same order: the same results as one call at a time (fresh runners, no zygote)."""
+    hangs = "def add(a, b):\n    while a == 1:\n        pass\n    return a + b"
+    dies = "import os\ndef add(a, b):\n    if a == 1:\n        os._exit(3)\n    return a + b"
+    counts = "seen = []\ndef add(a, b):\n    seen.append(a)\n    return a + b + len(seen) - 1"
+    tests = ["assert add(2, 3) == 5", "assert add(1, 2) == 3", "assert add(0, 0) == 0", "assert add(4, 4) != 9"]
+    jobs = [job(code, tests) for code in (hangs, dies, counts)]
+    fresh = [run_here(j, case_timeout_s=0.5) for j in jobs]
+    sent: list[int] = []
+    send_ahead = h.Runner.send_ahead
+
+    def spy(runner, calls):
+        sent.append(len(calls))
+        return send_ahead(runner, calls)
+
+    monkeypatch.setattr(h.Runner, "send_ahead", spy)
+    zygote = h.Zygote()
+    try:
+        ahead = [h.run_job(j, time.monotonic() + 30.0, 0.5, PROGRAM, zygote) for j in jobs]
+    finally:
+        zygote.close()
+    assert sent == [4, 4, 4]  # every call of each job went ahead
+    assert ahead == fresh
+    assert [[ok for ok, _ in r["cases"]] for r in ahead] == [
+        [True, False, True, True],
+        [True, False, True, True],
+        [True, False, False, True],
+    ]
+
+
 def test_run_group_emits_one_entry_per_job_in_order() -> None:
     jobs = [job(GOOD), job(BUGGY), job(GOOD, [])]
     results: list[dict[str, Any]] = []

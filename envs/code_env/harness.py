@@ -179,7 +179,10 @@ def send_message(sock: _socket.socket, obj: Any) -> None:
 def _recv_exact(sock: _socket.socket, n: int) -> bytes:
     chunks, left = [], n
     while left:
-        chunk = sock.recv(min(left, 1 << 16))
+        try:
+            chunk = sock.recv(min(left, 1 << 16))
+        except ConnectionResetError:  # the peer exited with our messages unread (calls sent ahead): closed too
+            chunk = b""
         if not chunk:
             raise EOFError("the channel closed")
         chunks.append(chunk)
@@ -493,9 +496,10 @@ class Runner:
         self.proc: Any = None  # a runner started as a fresh interpreter (subprocess.Popen)
         self.pid: int | None = None  # a runner forked by the zygote (not our child: the zygote reaps it)
         self.sock: _socket.socket | None = None
-        self._load_msg = b""  # the solution's load message (begin)
+        self.load_message = b""  # the solution's load message (begin)
         self._queued = False  # it is queued on sock already
         self.pending = False  # begun, not finished
+        self.ahead: list[Any] = []  # keys of the calls sent ahead (``send_ahead``), in order; replies not read yet
 
     def start(self) -> str | None:
         """Start a runner and load the solution; the setup error (``None`` when the entry point is defined)."""
@@ -508,8 +512,8 @@ class Runner:
         self.kill()
         job = self.job
         load = {"entry_point": job["entry_point"], "context": job["context"], "solution": job["solution"]}
-        self._load_msg = frame(load)
-        early = self._load_msg if len(self._load_msg) <= PIPELINE_BYTES else b""
+        self.load_message = frame(load)
+        early = self.load_message if len(self.load_message) <= PIPELINE_BYTES else b""
         self.sock = self.zygote.request(early) if self.zygote is not None else None
         self._queued = bool(early) and self.sock is not None
         self.pending = True
@@ -518,7 +522,7 @@ class Runner:
         """The setup error of the runner ``begin`` asked for (None: loaded); a fresh interpreter when the zygote
         failed to fork it."""
         self.pending = False
-        load = self._load_msg
+        load = self.load_message
         if self.sock is not None:
             pid = self.zygote.forked_pid()  # type: ignore[union-attr]
             if pid is not None:
@@ -526,6 +530,7 @@ class Runner:
                 return self._load(b"" if self._queued else load)
             self.sock.close()
             self.sock = None
+            self.ahead = []  # they went to a socket no runner will read
         ours, theirs = _socket.socketpair()
         try:
             self.proc = _spawn(self.program, "--runner", theirs.fileno())
@@ -553,20 +558,42 @@ class Runner:
             return "the solution's process failed while loading it (" + describe(exc) + ")"
         return None if error is None else str(error)[:300]
 
-    def call(self, args: tuple, kwargs: dict[str, Any]) -> Any:
-        """The entry point's return value for ``args``, as plain data; raises the solution's exception (a
-        builtin class of the same name when there is one, else ``CandidateError``)."""
+    def send_ahead(self, calls: list[tuple[Any, bytes]]) -> None:
+        """Send the framed calls ``(key, message)`` of the coming cases at once, right behind the solution (with
+        ``begin``, before the runner exists): the runner answers them one after the other, and ``call(key=)``
+        reads each answer in turn under its own case's time limit. One round trip per job instead of per case."""
+        if self.sock is None or not self._queued or not calls:
+            return
         try:
-            payload = {"args": encode(list(args)), "kwargs": encode(dict(kwargs))}
+            self.sock.sendall(b"".join(message for _, message in calls))  # with the load: <= PIPELINE_BYTES
+        except OSError:
+            return
+        self.ahead = [key for key, _ in calls]
+
+    def call(self, args: tuple, kwargs: dict[str, Any], key: Any = None) -> Any:
+        """The entry point's return value for ``args``, as plain data; raises the solution's exception (a
+        builtin class of the same name when there is one, else ``CandidateError``). ``key``: the case's, when
+        its call may have been sent ahead (``send_ahead``)."""
+        try:
+            payload = call_message(args, kwargs)
         except NotPlain as exc:
             raise CandidateError("an argument cannot cross to the solution's process: " + str(exc)) from None
         if self.sock is None or self.pending:
             error = self.finish() if self.pending else self.start()
             if error is not None:
                 raise CandidateError(error)
+        sent = bool(self.ahead) and self.ahead[0] == key
+        if self.ahead and not sent:  # never, as cases run in order; should it happen, start clean
+            self.kill()
+            error = self.start()
+            if error is not None:
+                raise CandidateError(error)
         sock = self.sock
         try:
-            send_message(sock, payload)
+            if sent:
+                self.ahead.pop(0)
+            else:
+                sock.sendall(payload)
             reply = recv_message(sock, MAX_VALUE_BYTES + 64)
         except _Timeout:
             self.kill()
@@ -594,6 +621,7 @@ class Runner:
         raise CandidateError("the solution's process broke the protocol")
 
     def kill(self) -> None:
+        self.ahead = []
         if self.pending:  # a fork asked for and not collected: read its pid (the zygote's replies stay in step)
             self.pending = False
             if self.sock is not None and self.zygote is not None:
@@ -657,9 +685,34 @@ def left_value(source: str, ns: dict[str, Any], deadline: float) -> str:
         return ""
 
 
-def check_call(case: dict[str, Any], runner: Runner) -> str | None:
+def call_message(args: Sequence[Any], kwargs: dict[str, Any]) -> bytes:
+    """One call of the entry point, framed for the runner's socket (``NotPlain`` for an argument that is not)."""
+    return frame({"args": encode(list(args)), "kwargs": encode(dict(kwargs))})
+
+
+def calls_ahead(job: dict[str, Any], room: int) -> list[tuple[int, bytes]]:
+    """``(step index, message)`` of the job's call cases to send ahead, in order, at most ``room`` bytes; none when
+    a step runs source (its calls come from the judge's own code, in an order only running it tells)."""
+    if job["preamble"] or any(step.get("kind", "source") not in ("call", "invalid") for step in job["steps"]):
+        return []
+    out = []
+    for i, step in enumerate(job["steps"]):
+        if step.get("kind") != "call":
+            continue
+        try:
+            message = call_message(decode(step["call"]["args"]), decode(step["call"]["kwargs"]))
+        except NotPlain:
+            break
+        room -= len(message)
+        if room < 0:
+            break
+        out.append((i, message))
+    return out
+
+
+def check_call(case: dict[str, Any], runner: Runner, key: Any = None) -> str | None:
     """One case of a model-written test (``suites.parse_call_case``): call, compare; the error or ``None``."""
-    value = runner.call(tuple(decode(case["args"])), decode(case["kwargs"]))
+    value = runner.call(tuple(decode(case["args"])), decode(case["kwargs"]), key)
     how, expected = case["check"], decode(case["expected"])
     shown = " (left side was " + repr(value)[:150] + ")"
     if how == "==":
@@ -709,6 +762,7 @@ def run_job(
         try:
             with _alarm(left()):
                 runner.begin()  # the zygote forks the runner and it loads the solution while the judge sets up
+                runner.send_ahead(calls_ahead(job, PIPELINE_BYTES - len(runner.load_message)))
         except _Timeout:
             setup_error = "the solution failed to load: timed out"
         if setup_error is None and (job["preamble"] or any(s.get("kind", "source") == "source" for s in job["steps"])):
@@ -719,7 +773,7 @@ def run_job(
                     setup_error = runner.finish()
             except _Timeout:
                 setup_error = "the solution failed to load: timed out"
-        for step in job["steps"]:
+        for index, step in enumerate(job["steps"]):
             kind = step.get("kind", "source")
             if setup_error is not None:
                 if step["case"]:
@@ -729,7 +783,7 @@ def run_job(
             try:
                 with _alarm(left()):
                     if kind == "call":
-                        error = check_call(step["call"], runner)
+                        error = check_call(step["call"], runner, index)
                     elif kind == "invalid":
                         error = step["reason"]
                     else:
