@@ -870,15 +870,18 @@ def in_own_pid_namespace() -> bool:
 
 def kill_strays(spare: Sequence[int | None] = ()) -> None:
     """Kill every process of the sandbox but ourselves, the namespace's init and ``spare`` (the zygote), and
-    reap what was ours. Repeats until none is left (a process may fork while we look). Does nothing outside a
-    pid namespace of our own (``in_own_pid_namespace``)."""
+    reap what was ours. Repeats until a scan finds no process it has not killed already: a killed process may
+    take a moment to leave /proc, but it can no longer fork (the kernel fails a fork with a fatal signal
+    pending), and a child it forked before the kill shows up in the next scan. Does nothing outside a pid
+    namespace of our own (``in_own_pid_namespace``)."""
     if not in_own_pid_namespace():
         return
     keep = {1, os.getpid(), *(p for p in spare if p)}
-    for _ in range(100):
-        alive = []
+    killed: set[int] = set()
+    for attempt in range(1000):
+        fresh = []
         for name in os.listdir("/proc"):
-            if not name.isdigit() or int(name) in keep:
+            if not name.isdigit() or int(name) in keep or int(name) in killed:
                 continue
             try:
                 with open("/proc/" + name + "/stat", "rb") as f:
@@ -886,16 +889,18 @@ def kill_strays(spare: Sequence[int | None] = ()) -> None:
             except (OSError, IndexError):
                 continue
             if state not in (b"Z", b"X"):
-                alive.append(int(name))
-        for pid in alive:
+                fresh.append(int(name))
+        for pid in fresh:
             try:
                 os.kill(pid, signal.SIGKILL)
             except OSError:
                 pass
+        killed.update(fresh)
         _reap()
-        if not alive:
+        if not fresh:
             return
-        time.sleep(0.0002)  # a killed process needs a moment to leave /proc
+        if attempt >= 2:  # a process that keeps forking: give the kills a moment to land
+            time.sleep(0.0002)
 
 
 def _reap() -> None:
