@@ -10,7 +10,9 @@ iterations are not affected. Validation (which needs an inference server) runs o
 ``with_validation`` is true. A request that cannot run is refused by ``runs/run.check_rerun`` before anything
 starts (``pettingflow rerun`` calls it too, so from the CLI no flow run is even created); the flow run, once
 its attempt is reserved, is named after it (``rerun <run> iter-<k>/attempt-<a> from <step>``), like its
-``iteration`` subflow (``<run> iter-<k>/attempt-<a>``).
+``iteration`` subflow (``<run> iter-<k>/attempt-<a>``). Before the attempt starts, one log line says whether it
+replays the original exactly (``exact replay: ...`` or ``not an exact replay: <reason>``, ``runs/replay.py``);
+``attempt.json`` keeps it under ``replay``, and the update's metrics say whether it did (``exact_replay``).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from prefect.states import Failed, State
 from pettingflow import __version__
 from pettingflow.configs.loader import ConfigError
 from pettingflow.flows.iteration import iteration as iteration_flow
+from pettingflow.runs.replay import plan_replay
 from pettingflow.runs.run import RerunOverrideError, RerunRequestError, RunRef, check_rerun, format_change
 from pettingflow.storage.layout import StepName
 from pettingflow.tasks.report import artifact_key
@@ -62,6 +65,8 @@ def rerun(
         logger.error("re-run refused before it started: %s", line)
         return Failed(message=f"re-run refused: {line}", data=exc)
     layout = ref.layout()
+    replay = plan_replay(layout, config, iteration, changes)
+    logger.info("%s", replay.line)  # one line, before anything starts: whether this attempt replays the original
     attempt = layout.next_attempt(iteration)
     layout.write_attempt_info(
         iteration,
@@ -73,6 +78,7 @@ def rerun(
             "from_step": from_step,
             "overrides": overrides,
             "config_changes": changes,
+            "replay": replay.record(),
             "config": config.model_dump(mode="json"),
             "created": dt.datetime.now(dt.UTC).isoformat(),
             "pettingflow_version": __version__,

@@ -595,13 +595,16 @@ def rerun(
     e.g. `algorithm.filter_method=std algorithm.filter_ratio=0.5 training.lr=1e-6`. Runs the `rerun` flow here
     (against PREFECT_API_URL if set, else a temporary local Prefect).
     """
+    from pettingflow.runs.replay import plan_replay
     from pettingflow.runs.run import RunRef, check_rerun, format_change
 
     root = _root_for(run_id, root)
+    ref = RunRef(root=root, run_id=run_id)
     try:  # refuse a bad request (iteration, step, pruned weights, overrides) before any flow run or server starts
-        _, changes = check_rerun(RunRef(root=root, run_id=run_id), iteration, from_step, overrides or [])
+        config, changes = check_rerun(ref, iteration, from_step, overrides or [])
     except (ConfigError, FileNotFoundError, ValueError) as exc:  # RerunRequestError, RerunOverrideError: ValueError
         fail(str(exc))
+    typer.echo(plan_replay(ref.layout(), config, iteration, changes).line)  # exact replay, or why not
     from pettingflow.flows.rerun import rerun as rerun_flow  # Prefect's import: only for a request that will run
 
     for change in changes:

@@ -1,8 +1,10 @@
 """Disk retention for a run's checkpoints (``pettingflow runs prune``).
 
 Every committed update step holds the full weights after its iteration (≈0.27 GB at 135M in bf16, GBs at 7B)
-and every ``training.save_optimizer_every``-th one an optimizer snapshot (≈1.8 GB at 135M). Nothing is deleted
-automatically, because the weights before iteration k are exactly what re-running or resuming k starts from
+and every ``training.save_optimizer_every``-th one an optimizer snapshot (≈1.8 GB at 135M). Only the snapshots
+that ``training.replay_snapshots`` adds for exact re-runs are deleted automatically, as they leave its window
+(``runs/replay.prune_replay_snapshots``); no weights are, because the weights before iteration k are exactly what
+re-running or resuming k starts from
 ("re-run any iteration from its stored trajectories"). Pruning is therefore an explicit, per-run decision:
 keep the newest updates (what a resumed run and the final evaluation need) and every Nth one (points to
 re-run from), drop the rest. Trajectories, advantages and metrics are never touched, and a pruned step says

@@ -29,6 +29,7 @@ from pettingflow.runs.lineage import (
     weights_after,
     weights_before,
 )
+from pettingflow.runs.replay import original_update, prune_replay_snapshots, replay_threads, verify_replay
 from pettingflow.steps.batches import batch_file
 from pettingflow.steps.outcome import StepOutcome, already_done
 from pettingflow.storage.commits import FileEntry, Step
@@ -93,8 +94,9 @@ def update_step(
                 start=start,
                 iteration=ctx.iteration,
                 version=step.uri,
-                num_threads=update_threads(config, servers_released),
+                num_threads=update_threads(config, servers_released, ctx, policy),
                 out_uri=step.uri if local is None else None,  # ranks on other nodes upload there
+                save_optimizer=False if ctx.attempt else None,  # a re-run's snapshot: nothing ever starts from it
             )
             background = (
                 learner is not None and spec.save_resume_state and (config.training.optimizer_snapshot == "background")
@@ -116,6 +118,8 @@ def update_step(
         metrics["policy_lag_max"] = max(lags, default=0)
         metrics.update({f"policy_lag/{lag}": n for lag, n in sorted(lags.items())})
         metrics.update(_flat_timings(metrics))
+        if ctx.attempt:  # a re-run: did its update start exactly where the original's did?
+            metrics.update(replay_metrics(ctx, policy, metrics))
         uploaded = [FileEntry(**e) for e in metrics.pop(UPLOADED_KEY, [])]  # by ranks on other nodes
         if not (Path(out_dir) / METRICS_FILE).is_file() and METRICS_FILE not in {e.name for e in uploaded}:
             raise RuntimeError(  # rank 0 writes it last, beside the checkpoint
@@ -135,19 +139,29 @@ def update_step(
         if local is None:
             shutil.rmtree(out_dir, ignore_errors=True)
     if background and not metrics.get("skipped"):
-        snapshot_in_background(ctx, policy, learner, runtime, step.uri, config.training.update_timeout_s)
+        snapshot_in_background(ctx, policy, learner, runtime, step.uri, config.training.update_timeout_s, config)
         if armed("snapshot:mid"):  # kill matrix: the crash must land while the snapshot is the only work in flight
             runtime.wait_snapshots(policy)
+    elif spec.save_resume_state and not metrics.get("skipped") and not ctx.attempt:
+        prune_replay_snapshots(ctx.layout, config, policy, ctx.iteration)  # the snapshot came inline, committed
     return StepOutcome(name, step.uri, manifest.rows, False, meta)
 
 
 def snapshot_in_background(
-    ctx: IterationContext, policy: str, learner: Any, runtime: RunServices, version: str, timeout_s: float | None
+    ctx: IterationContext,
+    policy: str,
+    learner: Any,
+    runtime: RunServices,
+    version: str,
+    timeout_s: float | None,
+    config: ExperimentConfig | None = None,
 ) -> None:
     """Write the optimizer snapshot of the update just committed (``version``) in the learner, and commit it as
     ``optimizer-<policy>`` once every rank is done, from a thread of the runtime: the flow goes on to sync,
     validate and collect meanwhile. A failure or a crash leaves the step uncommitted, so a resume uses the
-    previous snapshot (and says how old it is); nothing half-written is ever read."""
+    previous snapshot (and says how old it is); nothing half-written is ever read. Once committed, the snapshots
+    that only ``training.replay_snapshots`` kept and that are now out of its window are removed (``config``: the
+    run's; None: none are)."""
     step = ctx.step(optimizer_step_name(policy))
     if step.is_committed():
         return
@@ -178,6 +192,8 @@ def snapshot_in_background(
                 step.uri,
                 result["save_s"],
             )
+            if config is not None and not ctx.attempt:
+                prune_replay_snapshots(ctx.layout, config, policy, ctx.iteration)
         except Exception as exc:  # the snapshot is optional: the run goes on with the previous one
             log.warning(
                 "optimizer snapshot of %s after %s failed, the previous one stays in force: %s", policy, version, exc
@@ -203,9 +219,17 @@ def discard_lost_snapshot(step: Step, update: Step) -> bool:
     return True
 
 
-def update_threads(config: ExperimentConfig, servers_released: bool) -> int | None:
+def update_threads(
+    config: ExperimentConfig, servers_released: bool, ctx: IterationContext | None = None, policy: str | None = None
+) -> int | None:
     """torch threads per rank: ``training.num_threads``, or every core split over the ranks while the servers
-    are paused, asleep or stopped (nothing else runs then), or None (the process default, ``OMP_NUM_THREADS``)."""
+    are paused, asleep or stopped (nothing else runs then), or None (the process default, ``OMP_NUM_THREADS``).
+    A re-run (``ctx.attempt`` > 0) uses the original update's recorded count instead: the thread count decides
+    how matmuls split their sums, so another one would change the update's numbers (``runs/replay.py``)."""
+    if ctx is not None and ctx.attempt and policy is not None:
+        threads = replay_threads(ctx.layout, config, policy, ctx.iteration)
+        if threads is not None:
+            return threads
     if config.training.num_threads is not None:
         return config.training.num_threads
     if servers_released:
@@ -229,6 +253,19 @@ def optimizer_state_line(policy: str, metrics: dict[str, Any]) -> str | None:
     learner = "learner loaded the committed weights" if metrics.get("learner_loaded") else "learner resident"
     starts = metrics.get("learner_starts")
     return f"update {policy}: optimizer state {detail}; {learner}" + (f", start #{starts}" if starts else "")
+
+
+def replay_metrics(ctx: IterationContext, policy: str, metrics: dict[str, Any]) -> dict[str, Any]:
+    """``exact_replay`` (whether this re-run's update started exactly where the original's did, from the numbers
+    both recorded: ``runs/replay.verify_replay``) and ``replay_reason`` (why not; "" when it did), logged."""
+    info = ctx.layout.read_attempt_info(ctx.iteration, ctx.attempt) or {}
+    original = original_update(ctx.layout, policy, ctx.iteration)
+    reason = verify_replay(original, metrics, info.get("config_changes") or [])
+    if reason is None:
+        log.info("update %s of %s: exact replay of the original's update", policy, ctx.label)
+    else:
+        log.warning("update %s of %s: not an exact replay: %s", policy, ctx.label, reason)
+    return {"exact_replay": reason is None, "replay_reason": reason or ""}
 
 
 def _flat_timings(metrics: dict[str, Any]) -> dict[str, Any]:

@@ -41,6 +41,7 @@ VOLATILE_METRIC_PARTS = (
     "tokens_per",
     "learner_",
     "pid",
+    "threads",  # torch threads per rank: the machine's cores over the ranks
     "host",
 )
 

@@ -192,7 +192,41 @@ def test_train_two_iterations_then_resume_then_rerun(tmp_path, prefect_env, tiny
     # no servers in a re-run: the update ran in its own process, from the base weights like the original
     rerun_metrics = layout.step(0, "update-shared", attempt=1).manifest().metadata["metrics"]
     assert rerun_metrics["optimizer_state"] == "new" and "learner_loaded" in rerun_metrics
+    check_control_rerun(layout, rerun, tmp_path)
     check_viewer_on_real_run(layout, rows, tmp_path)
+
+
+def check_control_rerun(layout: RunLayout, rerun, tmp_path: Path) -> None:
+    """A control re-run (no override) of iteration 1 from its batch replays the original update exactly:
+    the resident learner's state (fp32 weights, Adam moments and step) comes back from iteration 0's snapshot, kept by
+    training.replay_snapshots, under the original's thread count; the weights file is the same bitwise, loss and
+    gradient norm are equal. The lr-override re-run of iteration 0 started from the same state and trained other
+    weights. runs show lists each attempt's optimizer state and whether it replays."""
+    from rich.console import Console
+
+    from pettingflow.analysis.inspect import show_run
+
+    assert layout.step(0, "optimizer-shared").is_committed()  # iteration 0's snapshot (not due by the schedule)
+    out = rerun(run_id=layout.run_id, iteration=1, from_step="update", root=str(tmp_path))
+    assert out["attempt"] == 1 and out["config_changes"] == []
+    assert layout.read_attempt_info(1, 1)["replay"]["exact"] is True
+    steps = [layout.step(1, "update-shared", attempt=a) for a in (None, 1)]
+    original, replay = (s.manifest().metadata["metrics"] for s in steps)
+    assert (original["optimizer_state"], replay["optimizer_state"]) == ("resident", "restored"), replay
+    assert replay["exact_replay"] is True and replay["replay_reason"] == ""
+    assert replay["torch_threads"] == original["torch_threads"]
+    assert replay["global_step_start"] == original["global_step_start"] > 0
+    assert (replay["loss"], replay["grad_norm"]) == (original["loss"], original["grad_norm"])
+    weights = [{f.name: f.sha256 for f in s.manifest().files if f.name.startswith("model/")} for s in steps]
+    assert "model/model.safetensors" in weights[0] and weights[0] == weights[1]
+    lr = [layout.step(0, "update-shared", attempt=a).manifest() for a in (None, 1)]
+    assert lr[1].metadata["metrics"]["exact_replay"] is True  # the same start; the overrides are the difference
+    assert len({next(f.sha256 for f in m.files if f.name == "model/model.safetensors") for m in lr}) == 2
+    console = Console(record=True, width=400)
+    show_run(layout, console)
+    text = console.export_text()
+    assert "optimizer of shared, attempt 0 (original): resident, from step" in text
+    assert "optimizer of shared, attempt 1: restored, from step" in text and "exact replay" in text
 
 
 def check_viewer_on_real_run(layout: RunLayout, rows, tmp_path: Path) -> None:

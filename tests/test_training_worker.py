@@ -525,11 +525,15 @@ def test_cli_builds_the_spec_from_a_config(tmp_path, monkeypatch, tiny_model_dir
     assert spec.lora.rank == 16 and spec.adapters_in is None
     assert "metrics" in result.output and str(tmp_path / "o") in result.output
     # the seed and the optimizer-snapshot cadence are those the flow uses for iteration 0 (one spec builder)
-    assert spec.seed == 0 and spec.save_resume_state is False
+    # (training.replay_snapshots: every update writes one, for exact re-runs; without it, every 4th: 3, 7, ...)
+    assert spec.seed == 0 and spec.save_resume_state is True
 
     args = [*args, "--out", str(tmp_path / "o3")]
-    assert CliRunner().invoke(app, [*args, "--iteration", "3", "run.seed=5"]).exit_code == 0
-    assert seen["spec"].seed == 8 and seen["spec"].save_resume_state is True  # every 4th update: 3, 7, ...
+    off = "training.replay_snapshots=0"
+    assert CliRunner().invoke(app, [*args, "--iteration", "1", off]).exit_code == 0
+    assert seen["spec"].save_resume_state is False
+    assert CliRunner().invoke(app, [*args, "--iteration", "3", "run.seed=5", off]).exit_code == 0
+    assert seen["spec"].seed == 8 and seen["spec"].save_resume_state is True
 
     bad = CliRunner().invoke(app, ["update", "code-env", "--batch", str(batch), "--policy", "nope", "--out", "o"])
     assert bad.exit_code != 0 and "nope" in bad.output

@@ -43,3 +43,20 @@ def optimizer_snapshot_due(save_every: int, iteration: int, iterations: int | No
     if save_every <= 0:
         return False
     return (iteration + 1) % save_every == 0 or (iterations is not None and iteration == iterations - 1)
+
+
+def optimizer_snapshot_written(save_every: int, replay: int, iteration: int, iterations: int | None = None) -> bool:
+    """Whether the original update of ``iteration`` writes an optimizer snapshot: when due
+    (``optimizer_snapshot_due``) or always while ``training.replay_snapshots`` (``replay``) is above 0, because a
+    re-run of iteration k + 1 replays exactly only from the snapshot of the weights after iteration k."""
+    return replay > 0 or optimizer_snapshot_due(save_every, iteration, iterations)
+
+
+def replay_snapshot_kept(
+    iteration: int, newest: int, save_every: int, replay: int, iterations: int | None = None
+) -> bool:
+    """Whether the snapshot written after ``iteration`` stays once the one after ``newest`` is committed: a due one
+    always (resume points, ``optimizer_snapshot_due``), any other while it is among the ``replay`` + 1 newest
+    (``iteration >= newest - replay``): the snapshots the last ``replay`` iterations start from, and the newest,
+    which the next iteration (or a resume) starts from. Pure: the rule is tested apart from storage."""
+    return optimizer_snapshot_due(save_every, iteration, iterations) or (replay > 0 and iteration >= newest - replay)

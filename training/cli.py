@@ -75,7 +75,8 @@ def update(
         bool | None,
         typer.Option(
             "--save-optimizer/--no-save-optimizer",
-            help="Write deepspeed/ (optimizer snapshot); default: training.save_optimizer_every at --iteration.",
+            help="Write deepspeed/ (optimizer snapshot); default: as the flow's update of --iteration "
+            "(training.save_optimizer_every, training.replay_snapshots).",
         ),
     ] = None,
 ) -> None:

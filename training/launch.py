@@ -40,7 +40,7 @@ from pettingflow import deathsig
 from pettingflow.allocator import preload_env
 from pettingflow.configs.settings import AlgorithmSettings, LoraSettings, Specialization, TrainingSettings
 from pettingflow.processes import free_port, stop_process_group
-from pettingflow.training.checkpoint import BASE_VERSION, PolicyWeights, optimizer_snapshot_due
+from pettingflow.training.checkpoint import BASE_VERSION, PolicyWeights, optimizer_snapshot_written
 
 log = logging.getLogger(__name__)
 
@@ -364,8 +364,9 @@ def spec_from_config(
     """The ``UpdateSpec`` of ``policy``'s update at ``iteration`` of an ``ExperimentConfig``: the only builder.
 
     ``start`` says where the update starts (weights, adapters, optimizer snapshot and its age). The seed is
-    ``run.seed + iteration`` and the optimizer snapshot follows ``training.save_optimizer_every``
-    (``optimizer_snapshot_due``) unless ``save_optimizer`` says otherwise, so ``pettingflow update --iteration K``
+    ``run.seed + iteration`` and the optimizer snapshot follows ``training.save_optimizer_every`` and
+    ``training.replay_snapshots`` (``optimizer_snapshot_written``) unless ``save_optimizer`` says otherwise (a
+    re-run's update writes none: nothing starts from it), so ``pettingflow update --iteration K``
     builds exactly the spec the flow builds for iteration K.
     """
     from pettingflow.configs.settings import Specialization as Spec
@@ -373,7 +374,10 @@ def spec_from_config(
     settings = config.policy(policy)  # KeyError naming the defined policies
     lora = config.specialization is Spec.lora
     if save_optimizer is None:
-        save_optimizer = optimizer_snapshot_due(config.training.save_optimizer_every, iteration, config.run.iterations)
+        t = config.training
+        save_optimizer = optimizer_snapshot_written(
+            t.save_optimizer_every, t.replay_snapshots, iteration, config.run.iterations
+        )
     return UpdateSpec(
         batch_uri=batch_uri,
         policy=policy,

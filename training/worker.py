@@ -324,6 +324,8 @@ class UpdateWorker:
         if not self.skipped:
             self.metrics.update(self.prepare())
             self.metrics["dtype"] = self.dtype  # as resolved on this machine (training.dtype may be auto)
+            self.metrics.update(self.numerics())
+            self._seed()
             self.version = None  # from here on the engine holds weights that are not committed anywhere
             self.plan()
             self.train()
@@ -380,6 +382,36 @@ class UpdateWorker:
         self.timings["setup_s"] = time.perf_counter() - t0
         status = self.restore()
         return {"learner_loaded": True, **status}
+
+    def numerics(self) -> dict[str, Any]:
+        """What decides this update's floating-point results besides its rows and settings, as it starts: torch's
+        thread count (it sets how matmuls split their sums), torch's version and the device (the kernels), the
+        precision of the weights the optimizer steps (``master_weights``: fp32 masters under DeepSpeed's bf16 mixed
+        precision, else the weights' own dtype) and where the optimizer stands (DeepSpeed's ``global_step_start``,
+        Adam's ``adam_step_start``, which sets its bias correction). World size, ZeRO stage and dtype are in the
+        metrics already. Why record them: a re-run reproduces the original update bitwise only when all of them
+        match, and ``runs/replay.py`` compares the two attempts' values to say whether it did."""
+        import torch
+
+        opt = self.engine.optimizer
+        inner = getattr(opt, "optimizer", opt)
+        steps = [float(s["step"]) for s in inner.state.values() if "step" in s]
+        return {
+            "torch_threads": torch.get_num_threads(),
+            "torch_version": torch.__version__,
+            "device": torch.device(self.engine.device).type,
+            "master_weights": "fp32" if self.engine.bfloat16_enabled() else self.dtype,
+            "global_step_start": int(self.engine.global_steps),
+            "adam_step_start": int(max(steps, default=0.0)),
+        }
+
+    def _seed(self) -> None:
+        """torch's RNG from the spec's seed before every update, not only when the engine is built: a resident
+        learner's RNG state would otherwise depend on every earlier update, and a re-run (a fresh engine) could not
+        draw the same numbers (dropout, anything random in a model's forward)."""
+        import torch
+
+        torch.manual_seed(self.spec.seed)
 
     def build(self) -> None:
         """Distributed group, policy (+ reference) and the DeepSpeed engine, from the spec's start weights."""
