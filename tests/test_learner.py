@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file
 from test_training_worker import load_model, make_rows, spec_for, write_batch
 
+from pettingflow.runs.replay import verify_replay
 from pettingflow.training import UpdateError
 from pettingflow.training.checkpoint import BASE_VERSION
 from pettingflow.training.launch import UpdateSpec
@@ -251,13 +252,21 @@ def test_world_size_changes_speed_never_the_updates(local_ray, tiny_model_dir, t
     the LM head in chunks of 3 tokens for 2 updates give the same weights and losses again; ZeRO-1, ZeRO-2 +
     optimizer offload (the LM head in chunks) and ZeRO-3 + optimizer and parameter offload (the head at once at the
     loss positions; ZeRO-1: the model's own logits) give the same first update; the HF checkpoint
-    written from the gathered ZeRO-3 shards loads in transformers and equals the learner's parameters."""
+    written from the gathered ZeRO-3 shards loads in transformers and equals the learner's parameters. A new
+    2-rank learner that restores the snapshot of the second update makes the third again bitwise (an exact
+    replay, ``runs/replay.py``)."""
     data = uneven_batches(tmp_path, 4)
     start = load_file(str(tiny_model_dir / "model.safetensors"))
     fp32 = {"dtype": "fp32", "micro_batch_size": 1, "mini_batch_size": 4, "gradient_accumulation_steps": 1}
     one, one_state = run_chain(tmp_path, "one", data, tiny_model_dir, 1, fp32 | {"zero_stage": 0})
     one_state["optimizer"] = {"state": one_state.pop("after3")}
     two, two_state = run_chain(tmp_path, "two", data[:3], tiny_model_dir, 2, fp32 | {"zero_stage": 0})
+    # a replay at 2 ranks: a new learner restoring the snapshot of update 2 makes update 3 again, bitwise
+    (replay,), _ = run_chain(tmp_path, "replay", data[2:3], tiny_model_dir, 2, fp32 | {"zero_stage": 0}, 2, two[1])
+    assert (two[2]["optimizer_state"], replay["optimizer_state"]) == ("resident", "restored")
+    assert verify_replay(two[2], replay, []) is None and replay["loss"] == two[2]["loss"]
+    want, got = safetensors_of(two[2]), safetensors_of(replay)
+    assert all(torch.equal(want[k], got[k]) for k in want)
     # a run that goes on at 2 ranks after 3 updates at 1: its 4th update restores the 1-rank snapshot
     resumed = run_chain(tmp_path, "more", data[3:], tiny_model_dir, 2, fp32 | {"zero_stage": 0}, first=3, prev=one[2])[
         0
