@@ -222,3 +222,33 @@ def test_a_replay_from_the_snapshot_equals_the_resident_update_bitwise(tiny_mode
 
 
 TRAIN_LR = 1e-2  # test_learner.TRAIN's
+
+
+def test_pettingflow_rerun_prints_the_verdict_before_the_flow_starts(stored, monkeypatch) -> None:
+    """The CLI's one line comes from storage alone and is its first output line, before the rerun flow (a stub here)."""
+    from typer.testing import CliRunner
+
+    import pettingflow.flows.rerun as rerun_module
+    from pettingflow.cli import app
+
+    layout, config = stored
+    layout.write_run_info({"run_id": "r1", "config": config.model_dump(mode="json"), "overrides": []})
+    for k in (0, 1):
+        for name in ("rollouts", "filtered", "advantages"):
+            layout.step(k, name).begin().commit({})
+    commit_update(layout, 0, snapshot="background", optimizer_state="new", optimizer_age=0, **NUMBERS)
+    commit_update(layout, 1, snapshot=None, optimizer_state="resident", optimizer_age=0, **NUMBERS)
+    calls = []
+
+    def flow(**kw):
+        calls.append(kw)
+        return {"attempt": 1, "report": "done"}
+
+    monkeypatch.setattr(rerun_module, "rerun", flow)
+    args = ["rerun", "r1", "-k", "1", "--from-step", "update", "--root", layout.root]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    first = result.output.splitlines()[0]
+    assert first.startswith("exact replay: shared starts from the snapshot ") and calls, result.output
+    result = CliRunner().invoke(app, [*args, "training.num_threads=1"])
+    assert result.output.splitlines()[0].startswith("not an exact replay: training.num_threads overridden")
