@@ -143,7 +143,7 @@ def update_step(
         if armed("snapshot:mid"):  # kill matrix: the crash must land while the snapshot is the only work in flight
             runtime.wait_snapshots(policy)
     elif spec.save_resume_state and not metrics.get("skipped") and not ctx.attempt:
-        prune_replay_snapshots(ctx.layout, config, policy, ctx.iteration)  # the snapshot came inline, committed
+        drop_old_replay_snapshots(ctx, config, policy)  # the snapshot came inline, committed with the update
     return StepOutcome(name, step.uri, manifest.rows, False, meta)
 
 
@@ -193,7 +193,7 @@ def snapshot_in_background(
                 result["save_s"],
             )
             if config is not None and not ctx.attempt:
-                prune_replay_snapshots(ctx.layout, config, policy, ctx.iteration)
+                drop_old_replay_snapshots(ctx, config, policy)
         except Exception as exc:  # the snapshot is optional: the run goes on with the previous one
             log.warning(
                 "optimizer snapshot of %s after %s failed, the previous one stays in force: %s", policy, version, exc
@@ -203,6 +203,15 @@ def snapshot_in_background(
                 shutil.rmtree(out_dir, ignore_errors=True)
 
     runtime.track_snapshot(policy, write_and_commit)
+
+
+def drop_old_replay_snapshots(ctx: IterationContext, config: ExperimentConfig, policy: str) -> None:
+    """``runs/replay.prune_replay_snapshots`` once this iteration's snapshot is committed. A failure only logs: the
+    update and its snapshot are committed, and the next commit prunes what this one left."""
+    try:
+        prune_replay_snapshots(ctx.layout, config, policy, ctx.iteration)
+    except Exception as exc:
+        log.warning("removing old optimizer snapshots of %s (training.replay_snapshots) failed: %s", policy, exc)
 
 
 def discard_lost_snapshot(step: Step, update: Step) -> bool:
