@@ -486,9 +486,9 @@ class TrainingSettings(_Strict):
         4,
         ge=0,
         description="Write an optimizer snapshot (DeepSpeed state: fp32 weights + Adam moments, ~1.8 GB for a 135M "
-        "full model) with every Nth update and the last one; 0: never. A resident learner keeps the moments in "
-        "memory either way; the snapshot matters when a crashed run resumes (its moments are then at most "
-        "N-1 updates old, and the metrics say how old) and for re-runs (see replay_snapshots).",
+        "full model) with every Nth update and the last one; 0: never (replay_snapshots' neither). A resident "
+        "learner keeps the moments in memory either way; the snapshot matters when a crashed run resumes (its "
+        "moments are then at most N-1 updates old, and the metrics say how old) and for re-runs (replay_snapshots).",
     )
     replay_snapshots: int = Field(
         2,
@@ -497,7 +497,8 @@ class TrainingSettings(_Strict):
         "rerun-and-compare.md): every update also writes an optimizer snapshot, and one that save_optimizer_every "
         "would not have written is deleted once it is older than the N + 1 newest (the snapshots those iterations "
         "start from, and the newest). Disk: at most N + 2 snapshots beyond save_optimizer_every's (~1.9 GB each at "
-        "135M in bf16); 0: only save_optimizer_every's, and re-runs of other iterations restart or age Adam.",
+        "135M in bf16); 0: only save_optimizer_every's, and re-runs of other iterations restart or age Adam. "
+        "save_optimizer_every=0 writes no snapshot at all, for replays neither.",
     )
     optimizer_snapshot: Literal["background", "inline"] = Field(
         "background",

@@ -278,7 +278,7 @@ def prune_replay_snapshots(layout: RunLayout, config: ExperimentConfig, policy: 
     from pettingflow.runs.lineage import cached_copy_dir, optimizer_step_name
 
     t = config.training
-    if t.replay_snapshots <= 0:
+    if t.replay_snapshots <= 0 or t.save_optimizer_every <= 0:  # no snapshot was written for replays
         return []
     stamp = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
     dropped = []

@@ -44,6 +44,7 @@ NUMBERS = {
 def test_every_update_writes_a_snapshot_and_only_the_window_and_the_schedule_keep_theirs() -> None:
     assert [k for k in range(6) if optimizer_snapshot_written(4, 2, k, 6)] == [0, 1, 2, 3, 4, 5]
     assert [k for k in range(6) if optimizer_snapshot_written(4, 0, k, 6)] == [3, 5]  # replay off: the schedule
+    assert not any(optimizer_snapshot_written(0, 2, k, 6) for k in range(6))  # save_optimizer_every 0: none at all
     # after iteration 6's snapshot: iteration 3's is due (every 4th), 4-6 are the window (the 2 last iterations'
     # starting states and the newest); 0-2 go
     assert [k for k in range(7) if replay_snapshot_kept(k, 6, 4, 2, 10)] == [3, 4, 5, 6]

@@ -48,8 +48,9 @@ def optimizer_snapshot_due(save_every: int, iteration: int, iterations: int | No
 def optimizer_snapshot_written(save_every: int, replay: int, iteration: int, iterations: int | None = None) -> bool:
     """Whether the original update of ``iteration`` writes an optimizer snapshot: when due
     (``optimizer_snapshot_due``) or always while ``training.replay_snapshots`` (``replay``) is above 0, because a
-    re-run of iteration k + 1 replays exactly only from the snapshot of the weights after iteration k."""
-    return replay > 0 or optimizer_snapshot_due(save_every, iteration, iterations)
+    re-run of iteration k + 1 replays exactly only from the snapshot of the weights after iteration k; never with
+    ``save_every`` 0, which keeps its meaning (no snapshot on disk at all, e.g. for studies that fill a disk)."""
+    return save_every > 0 and (replay > 0 or optimizer_snapshot_due(save_every, iteration, iterations))
 
 
 def replay_snapshot_kept(
