@@ -66,7 +66,8 @@ def rerun(
         return Failed(message=f"re-run refused: {line}", data=exc)
     layout = ref.layout()
     replay = plan_replay(layout, config, iteration, changes)
-    logger.info("%s", replay.line)  # one line, before anything starts: whether this attempt replays the original
+    # one line, before anything starts: whether this attempt replays the original (a warning when it cannot)
+    (logger.info if replay.exact else logger.warning)("%s", replay.line)
     attempt = layout.next_attempt(iteration)
     layout.write_attempt_info(
         iteration,
