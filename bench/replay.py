@@ -100,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
             resident.cleanup()
         out["snapshot_bytes"] = folder_bytes(snap / DEEPSPEED_SUBDIR)
         out["model_bytes"] = folder_bytes(Path(m0["outputs"]["model"]))
-        out["original"] = {k: original.get(k) for k in ("optimizer_state", "loss", "grad_norm", "master_weights")}
+        keys = ("optimizer_state", "loss", "grad_norm", "sampler_logprob_abs_diff", "master_weights")
+        out["original"] = {k: original.get(k) for k in keys}
         after0 = PolicyWeights(
             policy="shared", base_dir=str(model), model_dir=m0["outputs"]["model"], source="v0", version=1
         )
@@ -130,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
                 "optimizer_state": m["optimizer_state"],
                 "loss": m["loss"],
                 "grad_norm": m["grad_norm"],
+                # over the windows after the first, taken from the starting weights before any step
+                "sampler_logprob_abs_diff": m.get("sampler_logprob_abs_diff"),
                 **compare(weights(m), want, start),
             }
             print(name, json.dumps(out[name]), flush=True)
