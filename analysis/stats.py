@@ -32,6 +32,28 @@ def paired_bootstrap(
     }
 
 
+def success_interval(successes: Mapping[int, Sequence[bool]], n_boot: int = 5000, seed: int = 0) -> dict[str, float]:
+    """One evaluation's success rate with a 95 % interval from resampling tasks (task -> successes per sample).
+
+    Why tasks, as in ``paired_bootstrap``: the samples of one task are correlated, so an interval over episodes
+    would be too narrow. The rate is over every episode (tasks with equal samples weigh alike)."""
+    import numpy as np
+
+    if not successes or not any(successes.values()):
+        raise ValueError("an evaluation with no episode has no success rate; did it ask for any task?")
+    tasks = sorted(t for t, values in successes.items() if len(values))
+    rates = np.array([np.mean(successes[t]) for t in tasks])
+    episodes = sum(len(successes[t]) for t in tasks)
+    low, high = _task_bootstrap(rates, n_boot, seed)
+    return {
+        "success_rate": sum(sum(successes[t]) for t in tasks) / episodes,
+        "ci95_low": low,
+        "ci95_high": high,
+        "tasks": float(len(tasks)),
+        "episodes": float(episodes),
+    }
+
+
 def _task_bootstrap(diffs: Any, n_boot: int, seed: int) -> tuple[float, float]:
     """95 % interval of the mean of per-task differences, resampling tasks with replacement."""
     import numpy as np

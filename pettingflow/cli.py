@@ -622,6 +622,125 @@ def rerun(
     typer.echo(f"re-ran iteration {iteration} of {run_id} as attempt {result['attempt']}: {result['report']}")
 
 
+# ------------------------------------------------------------------------------------------ after training
+WeightsOpt = Annotated[
+    str,
+    typer.Option(
+        "--weights",
+        help="What to score: base (the config's base models), a run (RUN: its last iteration's weights; RUN:ITER: "
+        "after iteration ITER), a model folder, a prepared model name or a Hugging Face id in the local cache.",
+    ),
+]
+
+
+def _weights(spec: str, root: str, cfg: ExperimentConfig, require_update: bool = True):
+    """``runs.evaluation.parse_weights`` with a run looked for under ``--root``, else the config's
+    ``run.storage_root``, else where this machine's run index says it is."""
+    from pettingflow.runs.evaluation import WeightsError, parse_weights, run_exists
+    from pettingflow.storage.run_index import find_run
+
+    run_id = spec.partition(":")[0]
+    where = root or cfg.run.storage_root
+    if not root and not run_exists(run_id, where, cfg.run.storage_options):
+        entry = find_run(run_id)
+        where = entry["root"] if entry else where
+    try:
+        return parse_weights(spec, where, cfg.run.storage_options, require_update=require_update)
+    except WeightsError as exc:
+        fail(str(exc))
+
+
+def _eval_overrides(tasks: str, samples: int | None, temperature: float | None) -> list[str]:
+    """The options of ``eval`` and ``play`` as config overrides (so the evaluation run's config records them)."""
+    out = ["env.dataset.source=file", f"env.dataset.path={tasks}"] if tasks else []
+    out += [f"validation.samples_per_task={samples}"] if samples is not None else []
+    return out + ([f"validation.temperature={temperature}"] if temperature is not None else [])
+
+
+@app.command("eval")
+def eval_weights(
+    config: Annotated[str, typer.Argument(help="Config name or YAML path: the tasks, seeds and servers to use.")],
+    weights: WeightsOpt,
+    overrides: Overrides = None,
+    compare: Annotated[
+        str,
+        typer.Option(
+            "--compare",
+            help="Also score these weights (same forms as --weights) on the same tasks "
+            "and seeds, and print the difference paired by task.",
+        ),
+    ] = "",
+    tasks: Annotated[
+        str, typer.Option("--tasks", help="A task file to score on (sets env.dataset.source=file, env.dataset.path).")
+    ] = "",
+    split: Annotated[
+        str,
+        typer.Option("--split", help="validation (held-out), train or all (default: validation; with --tasks, all)."),
+    ] = "",
+    num_tasks: Annotated[
+        int | None,
+        typer.Option(
+            "--num-tasks",
+            min=0,
+            help="First N tasks of the split (default: validation.num_tasks; with --tasks, every task); 0: all.",
+        ),
+    ] = None,
+    samples: Annotated[
+        int | None, typer.Option("--samples", min=1, help="Episodes per task (validation.samples_per_task).")
+    ] = None,
+    temperature: Annotated[
+        float | None, typer.Option("--temperature", min=0.0, help="Sampling temperature (validation.temperature).")
+    ] = None,
+    root: RootOpt = "",
+) -> None:
+    """Score weights on a task set: per-agent success with a 95 % interval, stored as an evaluation run (listed by
+    `runs list`) through the validation step the train flow uses; with --compare, both on the same tasks and seeds
+    and the paired difference by task. Starts the config's servers (or attaches to inference.url)."""
+    from pettingflow.inference.models import ModelError
+    from pettingflow.runs.evaluation import (
+        WeightsError,
+        compare_evaluations,
+        comparison_lines,
+        evaluate_weights,
+        read_scores,
+        score_lines,
+        select_tasks,
+        write_report,
+    )
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    extra = _eval_overrides(tasks, samples, temperature)
+    all_overrides = [*(overrides or []), *extra]
+    cfg = _config(config, all_overrides)
+    sides = [_weights(weights, root, cfg)] + ([_weights(compare, root, cfg)] if compare else [])
+    split = split or ("all" if tasks else "validation")
+    try:
+        chosen = select_tasks(cfg, split, 0 if tasks and num_tasks is None else num_tasks)
+    except (WeightsError, ValueError) as exc:  # TaskFileError: ValueError
+        fail(f"{config}: {exc}")
+    record = {"split": split, **({"tasks_file": tasks} if tasks else {})}
+    try:
+        done = evaluate_weights(cfg, config, all_overrides, sides, tasks=chosen, extra=record)
+    except (WeightsError, ConfigError, ModelError) as exc:  # e.g. a model the servers cannot load
+        fail(str(exc))
+    scores = [read_scores(d.ref.layout()) for d in done]
+    for line in score_lines(scores[0]):
+        typer.echo(line)
+    comparison = None
+    if compare:
+        try:
+            comparison = compare_evaluations(scores[0], scores[1])
+        except WeightsError as exc:
+            fail(str(exc))
+        for line in score_lines(scores[1]):
+            typer.echo(line)
+        for line in comparison_lines(comparison, scores[0], scores[1]):
+            typer.echo(line)
+        write_report(done[1].ref.layout(), scores[1])
+    uri = write_report(done[0].ref.layout(), scores[0], comparison, scores[1] if compare else None)
+    typer.echo(f"written to {uri} (and evaluation.json beside it)")
+
+
 def main() -> None:  # pragma: no cover - console-script convenience
     app()
 

@@ -224,14 +224,18 @@ def validation_step(
     step_name: str = StepName.VALIDATION,
     show_progress: bool = True,
     policy_versions: dict[str, int] | None = None,
+    tasks: list[dict[str, Any]] | None = None,
 ) -> StepOutcome:
     """``validation.samples_per_task`` episodes per held-out task at ``validation.temperature`` (default: one,
     greedy); success rate per agent. The seeds depend only on the task, so two evaluations of different
-    weights see the same sampling seeds (a paired comparison)."""
+    weights see the same sampling seeds (a paired comparison).
+
+    ``tasks``: other tasks than the held-out ones (``pettingflow eval --split/--tasks``, ``pettingflow play``),
+    scored by this same code so that every evaluation counts its episodes alike."""
     step = ctx.step(step_name)
     if done := already_done(step):
         return done
-    tasks = select_validation_tasks(config)
+    tasks = select_validation_tasks(config) if tasks is None else tasks
     # always in this process, whatever rollout.workers says: a few held-out tasks, committed as one step
     runner = LocalEpisodeRunner(config, endpoints, env_cache=env_cache, show_progress=show_progress)
     ran = runner.run(
