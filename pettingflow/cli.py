@@ -741,6 +741,35 @@ def eval_weights(
     typer.echo(f"written to {uri} (and evaluation.json beside it)")
 
 
+@app.command("export")
+def export(
+    run_id: Annotated[str, typer.Argument(help="A run id (see `pettingflow runs list`).")],
+    out: Annotated[str, typer.Option("--out", help="A new (or empty) folder to write the export into.")],
+    iteration: Annotated[
+        int | None,
+        typer.Option("--iteration", "-k", help="Export the weights after this iteration (default: the last)."),
+    ] = None,
+    merge_lora: Annotated[
+        bool, typer.Option("--merge-lora", help="LoRA: write each agent's adapter merged into the base (a full model).")
+    ] = False,
+    root: RootOpt = "",
+) -> None:
+    """Export a run's trained team: one Hugging Face folder per policy (LoRA: per agent) with its tokenizer,
+    generation config and a model card (base model, config, tasks, iterations, tokens, held-out before -> after),
+    and team.json (which folder plays which agent)."""
+    from pettingflow.runs.export import ExportError, export_run
+
+    layout = _existing_run(run_id, root)
+    try:
+        done = export_run(layout, out, iteration, merge_lora)
+    except ExportError as exc:
+        fail(str(exc))
+    typer.echo(f"exported {run_id} after iteration {done.iteration} to {done.out}:")
+    for entry in done.folders:
+        typer.echo(f"  {entry.folder}/: {entry.holds} of policy {entry.policy}, playing {', '.join(entry.agents)}")
+    typer.echo(f"load one: transformers.AutoModelForCausalLM.from_pretrained('{done.out}/{done.folders[0].folder}')")
+
+
 def main() -> None:  # pragma: no cover - console-script convenience
     app()
 

@@ -45,6 +45,10 @@ class WeightsError(ValueError):
     """``--weights`` names nothing that can be scored, or weights that are gone; the message says what to give."""
 
 
+class NoUpdateError(WeightsError):
+    """A run with no committed update that changed weights: what it would serve is the base model."""
+
+
 @dataclass(frozen=True)
 class Weights:
     """What ``--weights`` named: ``base`` (the config's base models), a run's weights after an iteration, or a
@@ -110,7 +114,7 @@ def parse_weights(
             run_id=run_id,
             root=root,
             storage_options=dict(storage_options or {}),
-            iteration=run_iteration(layout, _iteration(text, iteration) if iteration else None, require_update),
+            iteration=_checked_iteration(layout, _iteration(text, iteration) if iteration else None, require_update),
         )
     if iteration:
         raise WeightsError(f"--weights {text}: no run {run_id!r} under {root} (`pettingflow runs list` shows runs)")
@@ -119,6 +123,13 @@ def parse_weights(
     except ModelError as exc:
         raise WeightsError(f"--weights {text}: not base, not a run under {root} and not a model ({exc})") from None
     return Weights("model", text, model=text)
+
+
+def _checked_iteration(layout: RunLayout, iteration: int | None, require_update: bool) -> int:
+    try:
+        return run_iteration(layout, iteration, require_update)
+    except NoUpdateError as exc:
+        raise WeightsError(f"{exc}; score base instead (--weights base)") from None
 
 
 def _iteration(spec: str, text: str) -> int:
@@ -170,9 +181,9 @@ def run_iteration(layout: RunLayout, iteration: int | None, require_update: bool
         if (step := layout.step(k, name)).did_work()
     ]
     if not updates and require_update:
-        raise WeightsError(
+        raise NoUpdateError(
             f"run {layout.run_id!r} has no committed update at or before iteration {iteration}: its weights are the "
-            "base model's; score base instead (--weights base)"
+            "base model's"
         )
     newest: dict[str, int] = {}
     for k, step in updates:  # the newest update per policy is what serves

