@@ -770,6 +770,42 @@ def export(
     typer.echo(f"load one: transformers.AutoModelForCausalLM.from_pretrained('{done.out}/{done.folders[0].folder}')")
 
 
+@app.command("play")
+def play(
+    config: Annotated[str, typer.Argument(help="Config name or YAML path: the team, its env and servers.")],
+    weights: WeightsOpt,
+    overrides: Overrides = None,
+    task: Annotated[str, typer.Option("--task", help="A task id of the config's dataset (held-out or train).")] = "",
+    task_json: Annotated[
+        str, typer.Option("--task-json", help="A task as one JSON object, as a line of a task file (docs/datasets.md).")
+    ] = "",
+    temperature: Annotated[
+        float | None, typer.Option("--temperature", min=0.0, help="Sampling temperature (validation.temperature).")
+    ] = None,
+    prompts: Annotated[bool, typer.Option("--prompts/--no-prompts", help="Print each turn's prompt.")] = True,
+    root: RootOpt = "",
+) -> None:
+    """Play one episode of the team on one task and print it turn by turn (as `trajectories episode` prints stored
+    ones: rewards, the sandbox's verdicts, prompts and responses); stored as an evaluation run the viewer shows."""
+    from pettingflow.inference.models import ModelError
+    from pettingflow.runs.evaluation import WeightsError
+    from pettingflow.runs.play import TaskError, find_task, task_from_json
+    from pettingflow.runs.play import play as play_episode
+
+    if bool(task) == bool(task_json):
+        fail("name one task: --task ID (of the config's dataset) or --task-json '{...}'")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    all_overrides = [*(overrides or []), *_eval_overrides("", None, temperature)]
+    cfg = _config(config, all_overrides)
+    side = _weights(weights, root, cfg)
+    try:
+        chosen = find_task(cfg, task) if task else task_from_json(cfg, task_json)
+        _, lines = play_episode(cfg, config, all_overrides, side, chosen, prompts)
+    except (TaskError, WeightsError, ConfigError, ModelError) as exc:
+        fail(str(exc))
+    typer.echo("\n".join(lines))
+
+
 def main() -> None:  # pragma: no cover - console-script convenience
     app()
 

@@ -277,3 +277,53 @@ def test_an_exported_team_serves_and_generates_in_vllm(tmp_path, default_model_d
     base = fingerprint(vllm_server)
     served = sync_full_weights(vllm_server, out / "shared", expect_change=True)  # raises when nothing changed
     assert served.token_ids and served.digest != base.digest
+
+
+# ------------------------------------------------------------------------------------------ play
+def test_play_prints_one_episode_turn_by_turn_and_stores_it(tmp_path, tiny_model, scripted) -> None:
+    from pettingflow.envs import load_tasks
+
+    stored_run(tmp_path, tiny_model, scripted.url)
+    ovr = overrides(tmp_path, tiny_model, scripted.url)
+    task = load_tasks(load_config("code-env", ovr).env.dataset).validation[1]
+    done = invoke("play", "code-env", "--weights", "run-t", "--task", task["task_id"], *ovr)
+    assert done.exit_code == 0, done.output
+    (run,) = [r.name for r in (tmp_path / "runs").iterdir() if r.name.startswith("eval-")]
+    assert RunLayout(str(tmp_path), run).read_run_info()["evaluates"]["plays"] == task["task_id"]
+    # printed as `trajectories episode` prints the stored episode, followed by where it is stored
+    again = invoke(
+        "trajectories", "episode", run, "-k", "0", "-e", "0", "--step", "validation", "--root", str(tmp_path)
+    )
+    assert again.exit_code == 0 and again.output.strip() in done.output, again.output
+    assert f"stored as {run}" in done.output
+    # the trained weights solve it at the first turn: the code writer's reward, the sandbox's verdicts
+    assert re.search(r"--- turn 0 · code_generator .* reward 1\.000 · success", done.output), done.output
+    assert "turn info:" in done.output and task["entry_point"] in done.output
+    # a task of one's own, as a task file row, whose entry point the scripted server has no solution for
+    mine = {
+        **task,
+        "task_id": "mine/0",
+        "entry_point": "mine",
+        "prompt": task["prompt"].replace(task["entry_point"], "mine"),
+    }
+    done = invoke("play", "code-env", "--weights", "base", "--task-json", json.dumps(mine), "--no-prompts", *ovr)
+    assert done.exit_code == 0, done.output
+    assert re.search(r"--- turn 0 · code_generator .* · no success", done.output), done.output
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        ([], r"name one task: --task ID .* or --task-json"),
+        (["--task", "x", "--task-json", "{}"], r"name one task"),
+        (["--task", "nope/1"], r"--task 'nope/1': no such task in basic-python \(100 tasks, e\.g\. "),
+        (["--task-json", "{"], r"--task-json is not JSON"),
+        (["--task-json", "[1]"], r"--task-json must be one JSON object"),
+    ],
+)
+def test_play_refuses_a_task_it_cannot_play_in_one_line(tmp_path, tiny_model, args, expected) -> None:
+    done = invoke(
+        "play", "code-env", "--weights", "base", *args, *overrides(tmp_path, tiny_model, "http://127.0.0.1:9")
+    )
+    assert done.exit_code == 2, done.output
+    assert re.search(expected, done.output) and len(done.output.strip().splitlines()) == 1, done.output
