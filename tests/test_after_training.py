@@ -19,9 +19,10 @@ from bench.scripted_server import ScriptedServer
 from pettingflow.configs.loader import load_config
 from pettingflow.envs.basic_python import load_basic_python
 from pettingflow.runs.run import start_or_resume
-from pettingflow.storage import RunLayout
+from pettingflow.storage import RunLayout, read_step_trajectories
 
 TRAINED = "iter-0/update-shared/model"
+HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the default model in the session's hub cache (conftest.hub_cache)
 
 
 class WeightAwareServer(ScriptedServer):
@@ -277,6 +278,28 @@ def test_an_exported_team_serves_and_generates_in_vllm(tmp_path, default_model_d
     base = fingerprint(vllm_server)
     served = sync_full_weights(vllm_server, out / "shared", expect_change=True)  # raises when nothing changed
     assert served.token_ids and served.digest != base.digest
+    # `eval` of the exported folder against the base model by its hub id (the session's offline hub cache), on the
+    # real server: each side reloads its own weights into it, on the same tasks and seeds
+    ovr = [
+        f"run.storage_root={tmp_path}",
+        f"inference.url={vllm_server.url}",
+        "rollout.use_ray=false",
+        "env.max_turns=1",
+        "validation.num_tasks=2",
+    ]
+    done = invoke("eval", "code-env", "--weights", str(out / "shared"), "--compare", HUB_ID, "--samples", "1", *ovr)
+    assert done.exit_code == 0, done.output
+    assert "paired by task on the same tasks and seeds" in done.output
+    runs = sorted(r.name for r in (tmp_path / "runs").iterdir() if r.name.startswith("eval-"))
+    source = {RunLayout(str(tmp_path), r).read_run_info()["evaluates"]["model"]: r for r in runs}
+    assert set(source) == {str((out / "shared").resolve()), HUB_ID}
+    first = {
+        model: read_step_trajectories(RunLayout(str(tmp_path), run).step(0, "validation")).to_pylist()[0]
+        for model, run in source.items()
+    }
+    # greedy answers of a model whose logits were halved: the log-probs say which weights sampled them
+    exported, hub = first[str((out / "shared").resolve())], first[HUB_ID]
+    assert exported["env_idx"] == hub["env_idx"] and exported["sampler_logprobs"] != hub["sampler_logprobs"]
 
 
 # ------------------------------------------------------------------------------------------ play
