@@ -633,6 +633,16 @@ WeightsOpt = Annotated[
 ]
 
 
+WeightsRootOpt = Annotated[
+    str,
+    typer.Option(
+        "--root",
+        help="Storage root of a run named by --weights or --compare (default: the config's run.storage_root, else "
+        "where this machine's run index says the run is). The evaluation run is written under run.storage_root.",
+    ),
+]
+
+
 def _weights(spec: str, root: str, cfg: ExperimentConfig, require_update: bool = True):
     """``runs.evaluation.parse_weights`` with a run looked for under ``--root``, else the config's
     ``run.storage_root``, else where this machine's run index says it is."""
@@ -691,7 +701,7 @@ def eval_weights(
     temperature: Annotated[
         float | None, typer.Option("--temperature", min=0.0, help="Sampling temperature (validation.temperature).")
     ] = None,
-    root: RootOpt = "",
+    root: WeightsRootOpt = "",
 ) -> None:
     """Score weights on a task set: per-agent success with a 95 % interval, stored as an evaluation run (listed by
     `runs list`) through the validation step the train flow uses; with --compare, both on the same tasks and seeds
@@ -783,7 +793,7 @@ def play(
         float | None, typer.Option("--temperature", min=0.0, help="Sampling temperature (validation.temperature).")
     ] = None,
     prompts: Annotated[bool, typer.Option("--prompts/--no-prompts", help="Print each turn's prompt.")] = True,
-    root: RootOpt = "",
+    root: WeightsRootOpt = "",
 ) -> None:
     """Play one episode of the team on one task and print it turn by turn (as `trajectories episode` prints stored
     ones: rewards, the sandbox's verdicts, prompts and responses); stored as an evaluation run the viewer shows."""

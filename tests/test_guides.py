@@ -244,3 +244,36 @@ def test_inspect_guide_runs(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert "turn 0 coder: reward 1.00, 3 model tokens" in done.stdout and "turn 1 tester" in done.stdout
+
+
+def test_after_training_guide_runs(tmp_path: Path, tiny_model: Path) -> None:
+    """docs/guides/after-training.md: each command it shows has options the CLI knows, the tasks it plays are
+    accepted (a task id of the dataset, a task given as JSON), and its script loads an export of a stored run with
+    transformers and generates from it."""
+    import typer
+    from test_after_training import invoke, stored_run
+
+    from pettingflow.cli import app
+    from pettingflow.configs.loader import load_config
+    from pettingflow.runs.play import find_task, task_from_json
+
+    page = ROOT / "docs" / "guides" / "after-training.md"
+    command = typer.main.get_command(app)
+    config = load_config("code-env")
+    for name in ("eval", "export", "play"):
+        lines = command_block(page, name)
+        assert len(lines) >= 3, name
+        options = {o for p in command.commands[name].params for o in [*p.opts, *getattr(p, "secondary_opts", [])]}
+        for words in lines:
+            assert words[:2] == ["pettingflow", name], words
+            assert all(w in options for w in words if w.startswith("-")), (words, sorted(options))
+            if "--task" in words:
+                find_task(config, words[words.index("--task") + 1])
+            if "--task-json" in words:
+                assert task_from_json(config, words[words.index("--task-json") + 1])["entry_point"] == "inc"
+
+    stored_run(tmp_path, tiny_model, "http://127.0.0.1:9")
+    assert invoke("export", "run-t", "--out", str(tmp_path / "exported"), "--root", str(tmp_path)).exit_code == 0
+    write_guide_files(page, tmp_path)
+    done = subprocess.run([sys.executable, "load_export.py"], cwd=tmp_path, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
