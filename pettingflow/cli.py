@@ -15,6 +15,7 @@ from pettingflow.storage.layout import StepName
 
 if TYPE_CHECKING:
     from pettingflow.configs.settings import ExperimentConfig
+    from pettingflow.runs.evaluation import Weights
     from pettingflow.runs.preflight import PreflightReport
     from pettingflow.storage import RunLayout
 
@@ -643,7 +644,7 @@ WeightsRootOpt = Annotated[
 ]
 
 
-def _weights(spec: str, root: str, cfg: ExperimentConfig, require_update: bool = True):
+def _weights(spec: str, root: str, cfg: ExperimentConfig) -> Weights:
     """``runs.evaluation.parse_weights`` with a run looked for under ``--root``, else the config's
     ``run.storage_root``, else where this machine's run index says it is."""
     from pettingflow.runs.evaluation import WeightsError, parse_weights, run_exists
@@ -655,7 +656,7 @@ def _weights(spec: str, root: str, cfg: ExperimentConfig, require_update: bool =
         entry = find_run(run_id)
         where = entry["root"] if entry else where
     try:
-        return parse_weights(spec, where, cfg.run.storage_options, require_update=require_update)
+        return parse_weights(spec, where, cfg.run.storage_options)
     except WeightsError as exc:
         fail(str(exc))
 

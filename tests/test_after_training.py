@@ -350,3 +350,18 @@ def test_play_refuses_a_task_it_cannot_play_in_one_line(tmp_path, tiny_model, ar
     )
     assert done.exit_code == 2, done.output
     assert re.search(expected, done.output) and len(done.output.strip().splitlines()) == 1, done.output
+
+
+def test_eval_scores_every_task_of_a_task_file(tmp_path, tiny_model, scripted) -> None:
+    tasks = load_basic_python()[:3]
+    (tmp_path / "mine.jsonl").write_text("".join(json.dumps(t) + "\n" for t in tasks))
+    ovr = overrides(tmp_path, tiny_model, scripted.url)
+    done = invoke("eval", "code-env", "--weights", "base", "--tasks", str(tmp_path / "mine.jsonl"), *ovr)
+    assert done.exit_code == 0, done.output
+    (run,) = [r.name for r in (tmp_path / "runs").iterdir() if r.name.startswith("eval-")]
+    info = RunLayout(str(tmp_path), run).read_run_info()
+    assert info["evaluates"] == {"weights": "base", "split": "all", "tasks_file": str(tmp_path / "mine.jsonl")}
+    scores = json.loads((tmp_path / "runs" / run / "evaluation.json").read_text())["scores"]
+    # every task of the file (held-out and train alike), not the first validation.num_tasks of its held-out share
+    assert sorted(scores["tasks"]) == sorted(t["task_id"] for t in tasks)
+    assert scores["agents"]["code_generator"]["episodes"] == 3 * 2
