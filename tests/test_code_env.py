@@ -133,6 +133,22 @@ def test_ground_truth_cases_skip_constant_asserts() -> None:
     assert [s.is_case for s in suite.steps] == [True, True, True, False]
 
 
+def test_ground_truth_asserts_in_the_test_grammar_are_also_call_cases() -> None:
+    """`assert candidate(<literals>) == <literal>` (and the other exact forms, without a message) carries its call
+    case, so the judge can send the call ahead; a message, a tolerance form or a non-literal stays source only."""
+    source = (
+        "def check(candidate):\n"
+        "    assert candidate(2, 3) == 5\n"
+        "    assert candidate(1, 1) is not None\n"
+        "    assert candidate(0, 0) == 0, 'zero'\n"
+        "    assert abs(candidate(1, 0) - 1) < 1e-6\n"
+        "    assert candidate(2, 2) == 2 * 2\n"
+    )
+    steps = parse_ground_truth(source).steps
+    assert [s.call["check"] if s.call else None for s in steps] == ["==", "is not", None, None, None]
+    assert all(s.is_case for s in steps)
+
+
 def test_ground_truth_loop_is_one_case_and_setup_is_not_a_case() -> None:
     source = "def check(f):\n    import math\n    for i in range(3):\n        assert f(i, 0) == i\n    x = 1\n"
     suite = parse_ground_truth(source)

@@ -691,14 +691,16 @@ def call_message(args: Sequence[Any], kwargs: dict[str, Any]) -> bytes:
 
 
 def calls_ahead(job: dict[str, Any], room: int) -> list[tuple[int, bytes]]:
-    """``(step index, message)`` of the job's call cases to send ahead, in order, at most ``room`` bytes; none when
-    a step runs source (its calls come from the judge's own code, in an order only running it tells)."""
-    if job["preamble"] or any(step.get("kind", "source") not in ("call", "invalid") for step in job["steps"]):
-        return []
+    """``(step index, message)`` of the job's call cases to send ahead, in order, at most ``room`` bytes, up to the
+    first step that runs source (its calls come from the judge's own code, in an order only running it tells;
+    should the preamble call the solution, ``Runner.call`` sees calls still ahead and starts a clean runner)."""
     out = []
     for i, step in enumerate(job["steps"]):
-        if step.get("kind") != "call":
+        kind = step.get("kind", "source")
+        if kind == "invalid":
             continue
+        if kind != "call":
+            break
         try:
             message = call_message(decode(step["call"]["args"]), decode(step["call"]["kwargs"]))
         except NotPlain:

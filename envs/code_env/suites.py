@@ -78,12 +78,35 @@ def parse_ground_truth(test_source: str) -> AssertSuite:
         return AssertSuite(steps=steps)
     rest = [n for n in tree.body if n is not check]
     params = check.args.posonlyargs + check.args.args
-    steps = tuple(SuiteStep(ast.unparse(s), _is_case(s)) for s in check.body)
+    candidate = params[0].arg if params else None
+    steps = tuple(_ground_truth_step(s, candidate) for s in check.body)
     return AssertSuite(
         steps=steps,
         preamble=ast.unparse(ast.Module(body=rest, type_ignores=[])),
-        candidate_name=params[0].arg if params else None,
+        candidate_name=candidate,
     )
+
+
+#: Checks of a ground-truth assert that the judge may evaluate as a call case: the same comparison on the same
+#: plain values as executing it (tolerance forms stay source: their arithmetic on a non-number differs).
+_SAME_AS_SOURCE = ("==", "!=", "is", "is not", "truthy", "falsy")
+
+
+def _ground_truth_step(stmt: ast.stmt, candidate: str | None) -> SuiteStep:
+    """A statement of ``check``: source, or, for ``assert candidate(<literals>) == <literal>`` and the other forms
+    of the test grammar without a message, also its call case. The judge then evaluates it as it evaluates a
+    model-written test (the same value compared with the same literal: the same verdict and error text), which
+    lets it send the call to the runner ahead of time (``harness.calls_ahead``) instead of one round trip each."""
+    source = ast.unparse(stmt)
+    if candidate is None or not isinstance(stmt, ast.Assert) or stmt.msg is not None:
+        return SuiteStep(source, _is_case(stmt))
+    try:
+        case = parse_call_case(source, candidate)
+    except TestGrammarError:
+        return SuiteStep(source, _is_case(stmt))
+    if case["check"] not in _SAME_AS_SOURCE:
+        return SuiteStep(source, _is_case(stmt))
+    return SuiteStep(source, True, call=case)
 
 
 def generated_suite(tests: Sequence[str], entry_point: str) -> AssertSuite:
