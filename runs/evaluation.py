@@ -486,9 +486,13 @@ def comparison_lines(c: Comparison, a: EvaluationScores, b: EvaluationScores) ->
 
 
 def write_report(
-    layout: RunLayout, scores: EvaluationScores, comparison: Comparison | None = None, other: Any = None
+    layout: RunLayout,
+    scores: EvaluationScores,
+    comparison: Comparison | None = None,
+    other: EvaluationScores | None = None,
 ) -> str:
-    """``evaluation.json`` and ``evaluation.md`` beside the evaluation run's ``run.json``; returns the md's URI."""
+    """``evaluation.json`` and ``evaluation.md`` beside the evaluation run's ``run.json`` (with ``comparison``: the
+    paired difference from ``other``, the compared side's scores); returns the markdown's URI."""
     lines = score_lines(scores)
     if comparison is not None and other is not None:
         lines += ["", *comparison_lines(comparison, scores, other)]

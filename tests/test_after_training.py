@@ -319,6 +319,10 @@ def test_play_prints_one_episode_turn_by_turn_and_stores_it(tmp_path, tiny_model
     )
     assert again.exit_code == 0 and again.output.strip() in done.output, again.output
     assert f"stored as {run}" in done.output
+    from pettingflow.analysis.viewer import load_episodes  # what the viewer shows of it
+
+    (shown,) = load_episodes(RunLayout(str(tmp_path), run), 0, step="validation")
+    assert shown.agents == ["code_generator"] and shown.outcome == "solved"
     # the trained weights solve it at the first turn: the code writer's reward, the sandbox's verdicts
     assert re.search(r"--- turn 0 · code_generator .* reward 1\.000 · success", done.output), done.output
     assert "turn info:" in done.output and task["entry_point"] in done.output
