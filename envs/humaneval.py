@@ -19,7 +19,7 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pettingflow.envs.task_files import TaskFileError, is_env_row_file, read_rows, validate_env_rows
+from pettingflow.envs.task_files import RawRows, TaskFileError, is_env_row_file, read_rows, validate_env_rows
 
 if TYPE_CHECKING:
     from pettingflow.configs.settings import DatasetSettings
@@ -65,20 +65,25 @@ def load_task_file(path: str | Path, default_env: str | None = None) -> list[dic
     ``validate_task``, and runs in the configured env (its ``env.options`` included).
     """
     path = Path(path)
-    raw = read_rows(path)
+    return tasks_of_rows(read_rows(path), default_env, source=str(path))
+
+
+def tasks_of_rows(raw: RawRows, default_env: str | None, source: str) -> list[dict[str, Any]]:
+    """``load_task_file``'s checks on rows already read (``source`` names them in errors): also for a task given
+    inline, e.g. ``pettingflow play --task-json``."""
     if is_env_row_file(raw.rows):
-        return validate_env_rows(raw, source=str(path))
+        return validate_env_rows(raw, source=source)
     if default_env is not None and not _is_code_env(default_env):
         wrapped = [{"env_class_path": default_env, "task_data": dict(row)} for row in raw.rows]
-        return validate_env_rows(replace(raw, rows=wrapped), source=str(path))
+        return validate_env_rows(replace(raw, rows=wrapped), source=source)
     if raw.columns is not None:
         missing = [c for c in REQUIRED_COLUMNS if c not in raw.columns]
         if missing:
             raise TaskFileError(
-                f"{path} is missing columns {missing}; every row needs {list(REQUIRED_COLUMNS)} "
+                f"{source} is missing columns {missing}; every row needs {list(REQUIRED_COLUMNS)} "
                 f"(found {raw.columns}), or give env rows {{env_class_path, env_config, task_data}}"
             )
-    return validate_tasks(raw.rows, source=str(path))
+    return validate_tasks(raw.rows, source=source)
 
 
 def validate_tasks(rows: Iterable[Mapping[str, Any]], source: str = "<rows>") -> list[dict[str, Any]]:

@@ -9,8 +9,6 @@ verdicts (the turn info), prompt and response.
 from __future__ import annotations
 
 import json
-import tempfile
-from pathlib import Path
 from typing import Any
 
 from pettingflow.configs.settings import ExperimentConfig
@@ -43,8 +41,9 @@ def find_task(config: ExperimentConfig, wanted: str) -> dict[str, Any]:
 
 
 def task_from_json(config: ExperimentConfig, text: str) -> dict[str, Any]:
-    """A task given as one JSON object, checked as a task file row is (``envs.humaneval.load_task_file``)."""
-    from pettingflow.envs.humaneval import load_task_file
+    """A task given as one JSON object, checked as a task file row is (``envs.humaneval.tasks_of_rows``)."""
+    from pettingflow.envs.humaneval import tasks_of_rows
+    from pettingflow.envs.task_files import RawRows
 
     try:
         row = json.loads(text)
@@ -52,13 +51,10 @@ def task_from_json(config: ExperimentConfig, text: str) -> dict[str, Any]:
         raise TaskError(f"--task-json is not JSON ({exc.msg} at character {exc.pos})") from None
     if not isinstance(row, dict):
         raise TaskError(f"--task-json must be one JSON object (a task file's row), got {type(row).__name__}")
-    with tempfile.TemporaryDirectory() as folder:
-        path = Path(folder) / "task.jsonl"
-        path.write_text(json.dumps(row) + "\n")
-        try:
-            (task,) = load_task_file(path, config.env.class_path)
-        except ValueError as exc:  # TaskFileError: the row's fields
-            raise TaskError(f"--task-json: {str(exc).replace(str(path), 'the task')}") from None
+    try:
+        (task,) = tasks_of_rows(RawRows([row], ["line 1"], columnar=False), config.env.class_path, "the task")
+    except ValueError as exc:  # TaskFileError: the row's fields
+        raise TaskError(f"--task-json: {exc}") from None
     return task
 
 
