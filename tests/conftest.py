@@ -34,6 +34,16 @@ VLLM_MAX_LORAS = 4
 MIN_FREE_GIB = {"slow": 8.0, "fast": 2.0}
 
 
+#: every test the session collected, before ``-m``/``-k`` deselected any: one flag per test, True when marked slow
+#: (tests/test_counts.py compares the counts the docs state with it)
+COLLECTED_SLOW_FLAGS = pytest.StashKey[list[bool]]()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    config.stash[COLLECTED_SLOW_FLAGS] = [item.get_closest_marker("slow") is not None for item in items]
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Refuse to start on a disk too full for the selected tests: a full disk otherwise shows up much later as
     unrelated errors (SQLite writes of the Prefect server, Ray's logs, a truncated checkpoint)."""
