@@ -92,6 +92,8 @@ def export_run(layout: RunLayout, out: str | Path, iteration: int | None = None,
             (tmp / entry.folder / "README.md").write_text(card.text(entry))
         team = {a.name: _team_entry(a, export) for a in config.agents}
         (tmp / TEAM_FILE).write_text(json.dumps({"run_id": layout.run_id, "iteration": k, "agents": team}, indent=2))
+        for path in tmp.rglob("*"):  # handed on: the run's weight files are private (0600), their copies are not
+            path.chmod(0o755 if path.is_dir() else 0o644)
         if target.exists():
             target.rmdir()  # empty (checked above)
         os.replace(tmp, target)

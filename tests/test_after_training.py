@@ -166,9 +166,12 @@ def test_export_writes_a_folder_transformers_loads_with_its_model_card(tmp_path,
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     layout = stored_run(tmp_path, tiny_model, "http://127.0.0.1:9")
+    for stored in (tmp_path / "runs" / "run-t").rglob("*.safetensors"):
+        stored.chmod(0o600)  # as the learner writes them: private to the run
     out = tmp_path / "export"
     done = invoke("export", "run-t", "--out", str(out), "--root", str(tmp_path))
     assert done.exit_code == 0, done.output
+    assert all(p.stat().st_mode & 0o444 == 0o444 for p in out.rglob("*")), "an export is readable by others"
     model = AutoModelForCausalLM.from_pretrained(out / "shared", local_files_only=True)
     source = AutoModelForCausalLM.from_pretrained(tiny_model, local_files_only=True)
     for (name, got), (_, want) in zip(model.state_dict().items(), source.state_dict().items(), strict=True):
