@@ -710,6 +710,53 @@ class ValidationSettings(_Strict):
 
 
 # --------------------------------------------------------------------------------------------------
+# disk: what a long run keeps, and the guard that stops it before the disk is full
+# --------------------------------------------------------------------------------------------------
+class DiskSettings(_Strict):
+    """How much disk a run may take as it goes (docs/flows.md, "Long runs: retention and the disk guard").
+
+    Retention runs at the end of every iteration, once its report committed; the disk guard runs before every step
+    that writes. The defaults bound a run's checkpoints to a constant, whatever its length."""
+
+    keep_last_updates: int | None = Field(
+        2,
+        ge=1,
+        description="Weights kept per policy: those of the newest N updates, plus the ones the last "
+        "training.replay_snapshots iterations start from (their re-runs) and every keep_every-th; older update "
+        "steps lose model/, adapters/ and deepspeed/ once a newer iteration's report committed (trajectories, "
+        "metrics and reports stay). null: keep every update's weights (the disk then grows with the run).",
+    )
+    keep_every: int = Field(
+        0,
+        ge=0,
+        description="Also keep the weights of iteration k when (k + 1) % N == 0, as points to re-run or evaluate "
+        "from (not their optimizer snapshots); 0: none. Above 0 the disk grows by one update's weights every N "
+        "iterations.",
+    )
+    keep_snapshots: int | None = Field(
+        1,
+        ge=1,
+        description="Optimizer snapshots kept per policy beyond those of training.replay_snapshots' window: the "
+        "newest N (the newest is what a resumed run restores Adam from). Older ones go, those that "
+        "training.save_optimizer_every wrote included. null: keep every snapshot save_optimizer_every writes.",
+    )
+    guard: bool = Field(
+        True,
+        description="Before a step writes, compare the free space of the run's folder with what that step wrote "
+        "last time (an estimate from the model's size before the first update) plus margin_mb; below it the run "
+        "stops at that step boundary with DiskSpaceError, naming the folder, the bytes free and needed and the "
+        "command that frees space; it resumes once there is room. Local storage only (skipped on s3:// and other "
+        "remote roots).",
+    )
+    margin_mb: int = Field(
+        512,
+        ge=0,
+        description="Free space the guard leaves beyond a step's own need: room for logs, the Prefect database "
+        "and the small files around the steps.",
+    )
+
+
+# --------------------------------------------------------------------------------------------------
 # the whole experiment
 # --------------------------------------------------------------------------------------------------
 class ExperimentConfig(_Strict):
@@ -730,6 +777,7 @@ class ExperimentConfig(_Strict):
     inference: InferenceSettings = Field(default_factory=InferenceSettings)
     validation: ValidationSettings = Field(default_factory=ValidationSettings)
     resources: ResourceSettings = Field(default_factory=ResourceSettings)
+    disk: DiskSettings = Field(default_factory=DiskSettings)
 
     @model_validator(mode="after")
     def _check_combinations(self) -> ExperimentConfig:

@@ -1,7 +1,7 @@
 """The ``iteration`` flow: one training iteration as a Prefect flow run, the steps of ``tasks/pipeline.py`` in order.
 
     baseline (iteration 0, validation.at_start) -> rollouts -> filtered -> advantages -> update[policy] ...
-        -> sync -> validation (every validation.frequency) -> report
+        -> sync -> validation (every validation.frequency) -> report -> retention (the disk settings)
 
 Every step writes a committed folder under ``runs/<run_id>/iter-<k>/``; a step that is already
 committed is skipped (and says so in the UI), so re-running an iteration after a crash redoes only
@@ -24,6 +24,7 @@ from pettingflow.runs.run import RunRef, load_run_config
 from pettingflow.runs.runtime import Runtime, active_runtime
 from pettingflow.storage import StepName
 from pettingflow.tasks.pipeline import PIPELINE, TASKS, StepDef, context, task_run_name, value
+from pettingflow.tasks.retention import retention
 
 
 def validation_due(frequency: int, iteration: int, iterations: int, schedule: str = "periodic") -> bool:
@@ -170,4 +171,6 @@ def iteration(
                 durations["wait_next_rollouts"] = time.perf_counter() - started
         inputs = {"outcomes": outcomes, "durations": durations, "iteration_s": time.perf_counter() - flow_started}
         summary = value(TASKS[StepName.REPORT](**args, report_inputs=inputs, upstream=upstream))
+        if attempt == 0:  # the run's own disk retention (the disk settings); re-runs delete nothing
+            retention(run, iteration, runtime=runtime, upstream=summary)
     return {"iteration": iteration, "attempt": attempt, "report": summary["uri"], "metrics": summary["metrics"]}

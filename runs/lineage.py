@@ -121,10 +121,10 @@ def weights_in_step(step: Step, policy: str, base_dir: str, version: int) -> Pol
     gone = pruned_weights(manifest.metadata)
     if gone:
         raise PrunedWeightsError(
-            f"the weights of {policy} after iteration {version - 1} ({step.uri}) were removed by `pettingflow runs "
-            f"prune` ({gone}); what starts from them (resuming or re-running iteration {version}, evaluating this "
-            "run at that point) needs them. Re-run a later iteration whose starting weights were kept "
-            "(`pettingflow runs show <run_id>` lists them), or train again."
+            f"the weights of {policy} after iteration {version - 1} ({step.uri}) were removed by "
+            f"{pruned_by(manifest.metadata)} ({gone}); what starts from them (resuming or re-running iteration "
+            f"{version}, evaluating this run at that point) needs them. Re-run a later iteration whose starting "
+            "weights were kept (`pettingflow runs show <run_id>` lists them), or train again."
         )
     root = local_copy(step)
     listed = {e.name.split("/", 1)[0] for e in manifest.files}
@@ -147,7 +147,7 @@ def weights_in_step(step: Step, policy: str, base_dir: str, version: int) -> Pol
 
 
 class PrunedWeightsError(FileNotFoundError):
-    """The weights an operation starts from were deleted by ``pettingflow runs prune``."""
+    """The weights an operation starts from were deleted by ``pettingflow runs prune`` or the run's retention."""
 
 
 def pruned_weights(metadata: dict) -> str:
@@ -158,6 +158,16 @@ def pruned_weights(metadata: dict) -> str:
         if hit:
             return f"{', '.join(hit)} pruned {entry.get('at', '?')}"
     return ""
+
+
+def pruned_by(metadata: dict) -> str:
+    """Who removed an update step's weights: `pettingflow runs prune` (by hand) or the run's own retention (the
+    ``disk`` settings, ``runs/retention.py``), as its marker's ``pruned`` record says."""
+    for entry in metadata.get("pruned", []):
+        if any(p.rstrip("/") in (MODEL_SUBDIR, ADAPTERS_SUBDIR) for p in entry.get("prefixes", [])):
+            by = entry.get("by") or "pettingflow runs prune"
+            return f"`{by}`" if by == "pettingflow runs prune" else by
+    return "a prune"
 
 
 def localize_start(spec: UpdateSpec) -> UpdateSpec:

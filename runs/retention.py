@@ -1,15 +1,18 @@
-"""Disk retention for a run's checkpoints (``pettingflow runs prune``).
+"""Disk retention for a run's checkpoints: while the run goes on (the ``disk`` settings) and by hand
+(``pettingflow runs prune``).
 
 Every committed update step holds the full weights after its iteration (≈0.27 GB at 135M in bf16, GBs at 7B)
-and every ``training.save_optimizer_every``-th one an optimizer snapshot (≈1.8 GB at 135M). Only the snapshots
-that ``training.replay_snapshots`` adds for exact re-runs are deleted automatically, as they leave its window
-(``runs/replay.prune_replay_snapshots``); no weights are, because the weights before iteration k are exactly what
-re-running or resuming k starts from
-("re-run any iteration from its stored trajectories"). Pruning is therefore an explicit, per-run decision:
-keep the newest updates (what a resumed run and the final evaluation need) and every Nth one (points to
-re-run from), drop the rest. Trajectories, advantages and metrics are never touched, and a pruned step says
-so in its commit marker, so whatever later needs the removed weights fails with an error naming the prune
-(``runs/weights.PrunedWeightsError``) instead of silently starting from the base model.
+and an optimizer snapshot (≈1.8 GB at 135M) every ``training.save_optimizer_every``-th update and every update
+inside ``training.replay_snapshots``' window. Kept forever, a run's disk grows with its length, so the run itself
+deletes what nothing can start from any more (``apply_retention``, at the end of every iteration, once its report
+committed): it keeps the newest ``disk.keep_last_updates`` weights per policy (a resume trains from the newest,
+``evaluate --run-id`` scores it), the weights the last ``replay_snapshots`` iterations start from (their re-runs),
+every ``disk.keep_every``-th, and the newest ``disk.keep_snapshots`` optimizer snapshots beside the replay window's.
+``pettingflow runs prune`` applies the same rule by hand, with its own numbers. Trajectories, advantages and
+metrics are never touched, and a pruned step says so in its commit marker (who pruned, when, how many bytes), so
+whatever later needs the removed weights fails with an error naming the prune (``runs/lineage.PrunedWeightsError``)
+instead of silently starting from the base model. Deleting goes through ``Step.prune``: the marker is rewritten
+first, then the files go, so a kill in between leaves unlisted files that no reader opens and the next pass deletes.
 """
 
 from __future__ import annotations
@@ -18,14 +21,19 @@ import datetime as dt
 import shutil
 from dataclasses import dataclass
 
-from pettingflow.runs.lineage import cached_copy_dir
+from pettingflow.configs.settings import ExperimentConfig
+from pettingflow.runs.lineage import cached_copy_dir, optimizer_step_name
 from pettingflow.storage import RunLayout, Step
 from pettingflow.storage.commits import Manifest
+from pettingflow.storage.fs import join
 from pettingflow.storage.layout import OPTIMIZER_STEP_PREFIX, UPDATE_STEP_PREFIX
 from pettingflow.training.checkpoint import ADAPTERS_SUBDIR, DEEPSPEED_SUBDIR, MODEL_SUBDIR
 
 WEIGHT_PREFIXES = (f"{MODEL_SUBDIR}/", f"{ADAPTERS_SUBDIR}/", f"{DEEPSPEED_SUBDIR}/")
 OPTIMIZER_PREFIXES = (f"{DEEPSPEED_SUBDIR}/",)
+MODEL_PREFIXES = (f"{MODEL_SUBDIR}/", f"{ADAPTERS_SUBDIR}/")
+#: how the run's own retention names itself in a pruned step's marker (``Step.pruned``, ``PrunedWeightsError``)
+RETENTION_BY = "disk retention (disk.keep_last_updates, disk.keep_snapshots)"
 
 
 @dataclass(frozen=True)
@@ -102,3 +110,111 @@ def prune(targets: list[PruneTarget], optimizer_only: bool = False) -> int:
         freed += sum(e.bytes for e in dropped)
         shutil.rmtree(cached_copy_dir(target.step), ignore_errors=True)
     return freed
+
+
+# ------------------------------------------------------------------------------------------------ while the run goes
+@dataclass(frozen=True)
+class Deletion:
+    """Files of one committed step that retention removes: the weights (``model/``, ``adapters/``) and/or the
+    optimizer snapshot (``deepspeed/``) of an update of ``policy`` at ``iteration``."""
+
+    policy: str
+    iteration: int
+    step: Step
+    prefixes: tuple[str, ...]
+    bytes: int
+
+
+def kept_weights(updated: list[int], current: int, keep_last: int, keep_every: int, replay: int) -> set[int]:
+    """Which iterations whose update committed weights (``updated``) keep them at the end of ``current``: the
+    newest ``keep_last`` and every ``keep_every``-th (``kept_iterations``), and the weights each of the last
+    ``replay`` iterations (``training.replay_snapshots``) started from, so their re-runs can start. Pure."""
+    kept = kept_iterations(updated, keep_last, keep_every)
+    ordered = sorted(updated)
+    for j in range(max(0, current - replay + 1), current + 1):
+        before = [k for k in ordered if k < j]
+        if before:
+            kept.add(before[-1])
+    return kept
+
+
+def kept_snapshots(snapshots: list[int], current: int, keep: int, replay: int) -> set[int]:
+    """Which iterations whose update has a committed optimizer snapshot (``snapshots``) keep it at the end of
+    ``current``: the newest ``keep`` (a resume restores Adam from the newest) and those of
+    ``training.replay_snapshots``' window (``k >= current - replay``: the snapshots the last ``replay`` iterations
+    start from, as ``training.checkpoint.replay_snapshot_kept``). Pure."""
+    if keep < 1:
+        raise ValueError(f"disk.keep_snapshots must be >= 1 (a resume restores Adam from the newest), got {keep}")
+    kept = set(sorted(snapshots)[-keep:])
+    if replay > 0:
+        kept |= {k for k in snapshots if k >= current - replay}
+    return kept
+
+
+def plan_retention(layout: RunLayout, config: ExperimentConfig, current: int) -> list[Deletion]:
+    """What the run's retention deletes at the end of iteration ``current`` (original attempts only; re-run
+    attempts are never touched), oldest first, from commit markers alone: O(iterations) small reads per pass."""
+    d, replay = config.disk, config.training.replay_snapshots
+    if d.keep_last_updates is None and d.keep_snapshots is None:
+        return []
+    deletions = []
+    for policy in dict.fromkeys(agent.policy for agent in config.agents):
+        did_work: list[int] = []
+        holders: dict[int, list[tuple[Step, Manifest]]] = {}  # the update step and its optimizer-<policy> step
+        for k in range(current + 1):
+            update = layout.step(k, f"{UPDATE_STEP_PREFIX}{policy}")
+            if not update.is_committed() or (manifest := update.manifest()).metadata.get("skipped"):
+                continue
+            did_work.append(k)
+            holders[k] = [(update, manifest)]
+            optimizer = layout.step(k, optimizer_step_name(policy))
+            if optimizer.is_committed():
+                holders[k].append((optimizer, optimizer.manifest()))
+        with_snapshot = [k for k, steps in holders.items() if any(_has(m, OPTIMIZER_PREFIXES) for _, m in steps)]
+        kept_w = (
+            set(did_work)
+            if d.keep_last_updates is None
+            else kept_weights(did_work, current, d.keep_last_updates, d.keep_every, replay)
+        )
+        kept_s = (
+            set(with_snapshot)
+            if d.keep_snapshots is None
+            else kept_snapshots(with_snapshot, current, d.keep_snapshots, replay)
+        )
+        for k, steps in holders.items():
+            for step, manifest in steps:
+                prefixes = (MODEL_PREFIXES if k not in kept_w else ()) + (OPTIMIZER_PREFIXES if k not in kept_s else ())
+                files = [e for e in manifest.files if e.name.startswith(prefixes)] if prefixes else []
+                if files:
+                    deletions.append(Deletion(policy, k, step, prefixes, sum(e.bytes for e in files)))
+                elif leftovers := _leftovers(step, manifest):  # a pass killed between a marker and its files
+                    deletions.append(Deletion(policy, k, step, leftovers, 0))
+    return deletions
+
+
+def apply_retention(layout: RunLayout, config: ExperimentConfig, current: int) -> list[Deletion]:
+    """Delete what ``plan_retention`` plans, oldest first, and any downloaded copy of those steps; returns it.
+
+    Called by the run once iteration ``current``'s report committed (``tasks/retention.py``): everything that
+    supersedes the deleted files is committed by then. Each step's marker is rewritten first (``Step.prune``:
+    a ``pruned`` record saying what went, when and by whom), then the files go; a kill in between leaves files no
+    reader opens, and the next pass (the resumed iteration runs this again) deletes them and the rest."""
+    deletions = plan_retention(layout, config, current)
+    stamp = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+    for deletion in deletions:
+        deletion.step.prune(deletion.prefixes, {"at": stamp, "by": RETENTION_BY, "after_iteration": current})
+        shutil.rmtree(cached_copy_dir(deletion.step), ignore_errors=True)
+    return deletions
+
+
+def _has(manifest: Manifest, prefixes: tuple[str, ...]) -> bool:
+    return any(e.name.startswith(prefixes) for e in manifest.files)
+
+
+def _leftovers(step: Step, manifest: Manifest) -> tuple[str, ...]:
+    """The pruned folders (per the marker's ``pruned`` records) still on disk: a prune killed after rewriting the
+    marker, before its deletions finished. Unlisted, so no reader opens them; deleting them again is safe."""
+    recorded = {p for entry in manifest.metadata.get("pruned", []) for p in entry.get("prefixes", [])}
+    return tuple(
+        sorted(p for p in recorded if step.fs.exists(join(step.path, p.rstrip("/"))) and not _has(manifest, (p,)))
+    )
