@@ -139,8 +139,13 @@ def train(
     if os.environ.get("PREFECT_API_URL") is None:
         typer.secho("PREFECT_API_URL is not set: running with a temporary local Prefect server", err=True)
     from pettingflow.flows.train import train as train_flow
+    from pettingflow.runs.disk_guard import DiskSpaceError
 
-    result = train_flow(config=config, overrides=list(overrides or []), run_id=run_id or None)
+    try:
+        result = train_flow(config=config, overrides=list(overrides or []), run_id=run_id or None)
+    except DiskSpaceError as exc:  # the disk guard stopped the run at a step boundary: its message says what to do
+        typer.secho(f"run stopped: {exc}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(3) from None
     typer.echo(f"run {result['run_id']}: {len(result['iterations'])} iteration(s) at {result['uri']}")
     typer.echo(f"next: pettingflow runs summary {result['run_id']}")
 

@@ -26,6 +26,7 @@ from prefect.states import Completed, State
 
 from pettingflow.configs.settings import ExperimentConfig
 from pettingflow.runs.context import IterationContext
+from pettingflow.runs.disk_guard import check_step, not_disk_full
 from pettingflow.runs.run import RunRef, load_run_config
 from pettingflow.steps import batches, rollouts, updates
 from pettingflow.steps.outcome import StepOutcome
@@ -212,6 +213,9 @@ def _make_task(step: StepDef) -> Any:
     ) -> Any:
         ctx = context(run, iteration, attempt, from_step)
         config = load_run_config(run, iteration, attempt)
+        if step.per_policy and runtime is not None:  # the previous snapshot's bytes count as used (the guard below)
+            runtime.wait_snapshots(policy)
+        check_step(ctx, config, step.name.folder(policy))  # the disk guard: stop here rather than fill the disk
         call = StepCall(ctx, config, runtime, policy, ahead, **(report_inputs or {}))
         return finished(step.run(call))
 
@@ -222,6 +226,7 @@ def _make_task(step: StepDef) -> Any:
         description=step.what,
         retries=len(step.retry_delays_s),
         retry_delay_seconds=list(step.retry_delays_s) or None,
+        retry_condition_fn=not_disk_full,  # retrying cannot free space: the run stops at this step boundary
         cache_policy=NO_CACHE,
     )(run_step)
 
