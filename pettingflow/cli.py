@@ -633,8 +633,9 @@ WeightsOpt = Annotated[
     str,
     typer.Option(
         "--weights",
-        help="What to score: base (the config's base models), a run (RUN: its last iteration's weights; RUN:ITER: "
-        "after iteration ITER), a model folder, a prepared model name or a Hugging Face id in the local cache.",
+        help="The weights to score or play: base (the config's base models), a run (RUN: its last iteration's "
+        "weights; RUN:ITER: after iteration ITER), a model folder, a prepared model name or a Hugging Face id in the "
+        "local cache.",
     ),
 ]
 

@@ -317,7 +317,9 @@ def score(
     if roles_swapped:
         config, endpoints = swap_roles(config, endpoints)
     ctx = IterationContext(ref.layout(), 0)
-    return validation_step(ctx, config, endpoints, env_cache=runtime.env_cache, tasks=tasks)
+    # rows record the version of the weights served (a run's k + 1, the base 0), not this evaluation's iteration
+    versions = runtime.served_versions()
+    return validation_step(ctx, config, endpoints, env_cache=runtime.env_cache, tasks=tasks, policy_versions=versions)
 
 
 # ------------------------------------------------------------------------------------------ scores

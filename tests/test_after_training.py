@@ -328,6 +328,7 @@ def test_play_prints_one_episode_turn_by_turn_and_stores_it(tmp_path, tiny_model
     assert shown.agents == ["code_generator"] and shown.outcome == "solved"
     # the trained weights solve it at the first turn: the code writer's reward, the sandbox's verdicts
     assert re.search(r"--- turn 0 · code_generator .* reward 1\.000 · success", done.output), done.output
+    assert "(policy shared, weights v1)" in done.output  # the run's weights after iteration 0, not the base's v0
     assert "turn info:" in done.output and task["entry_point"] in done.output
     # a task of one's own, as a task file row, whose entry point the scripted server has no solution for
     mine = {
@@ -339,6 +340,7 @@ def test_play_prints_one_episode_turn_by_turn_and_stores_it(tmp_path, tiny_model
     done = invoke("play", "code-env", "--weights", "base", "--task-json", json.dumps(mine), "--no-prompts", *ovr)
     assert done.exit_code == 0, done.output
     assert re.search(r"--- turn 0 · code_generator .* · no success", done.output), done.output
+    assert "(policy shared, weights v0)" in done.output
 
 
 @pytest.mark.parametrize(
