@@ -595,7 +595,71 @@ def assert_same_metrics(got: dict, want: dict, rel: float) -> None:
             assert a[key] == value, key
 
 
-def test_two_processes_under_torchrun_match_one_process(tiny_model_dir, tmp_path):
+# A planted bug for the check below, loaded into the update job's processes through ``sitecustomize``: every
+# micro-batch's loss scaled by the world size once more, as if DeepSpeed's gradient all-reduce summed the ranks'
+# gradients instead of averaging them. At 1 rank it changes nothing; at 2 ranks each step's gradient doubles,
+# which Adam's steps all but ignore (weights after the update within ~1e-6), so only the loss and grad norm
+# assertions can see it.
+PLANTED_SUM_ALLREDUCE = """
+from pettingflow.training import data
+
+_scale = data.Window.loss_scale
+data.Window.loss_scale = lambda self: _scale(self) * len(self.slots)
+"""
+
+
+def planted_env(tmp_path: Path, code: str) -> dict[str, str]:
+    """Environment for ``run_update`` whose Python processes (torchrun and every rank) run ``code`` at start."""
+    import os
+
+    folder = tmp_path / "planted"
+    folder.mkdir()
+    (folder / "sitecustomize.py").write_text(code)
+    return {"PYTHONPATH": os.pathsep.join(p for p in (str(folder), os.environ.get("PYTHONPATH", "")) if p)}
+
+
+@pytest.fixture(scope="module")
+def torchrun_batch(tmp_path_factory, tiny_model_dir) -> tuple[str, Path, dict, dict]:
+    """The batch of the 2-rank check, its settings, and the 1-rank update of it (the reference of both tests)."""
+    tmp = tmp_path_factory.mktemp("torchrun")
+    rows = make_rows(7, seed=4)
+    batch = write_batch(tmp / "b.parquet", rows, [1.0, -1.0, 0.5, -0.5, 2.0, -2.0, 0.25])
+    base = {"micro_batch_size": 2, "mini_batch_size": 6, "zero_stage": 2, "epochs": 2}
+    # a narrow clip range, so the second epoch's ratios leave it and clip_fraction is not 0; a KL and entropy term
+    algorithm = {"kl_coef": 0.05, "entropy_coef": 0.001, "clip_ratio_low": 0.02, "clip_ratio_high": 0.03}
+    one = run_update(spec_for(batch, tmp / "one", tiny_model_dir, training=base, algorithm=algorithm), timeout_s=300)
+    return batch, tmp, {"training": base, "algorithm": algorithm}, one
+
+
+def two_rank_update(torchrun_batch, tiny_model_dir, out: Path, env: dict[str, str] | None = None) -> dict:
+    batch, _, kw, _ = torchrun_batch
+    training = kw["training"] | {"num_processes": 2}
+    spec = spec_for(batch, out, tiny_model_dir, training=training, algorithm=kw["algorithm"])
+    return run_update(spec, timeout_s=300, env=env)
+
+
+# fp32 sums of the same terms in another order (other padding, other micro-batches, the gradient all-reduce) over 4
+# steps: measured <= 7e-7 relative (kl of epoch 0, ~4e-4, 1.2e-8 absolute), so 1e-5 leaves ~14x; the mean of
+# per-micro-batch means this replaced was off by 2e-5 (entropy) to 200 % (loss, of another sign)
+WORLD_SIZE_REL_TOL = 1e-5
+
+
+def assert_two_ranks_equal_one(two: dict, one: dict, two_dir: Path, one_dir: Path) -> None:
+    """The 2-rank update is the 1-rank one: loss and gradient norm first (Adam's weights hide a uniform gradient
+    scale, the norm does not), then every reported metric, then the weights."""
+    print(
+        f"\n2 ranks vs 1: loss {two['loss']:.9g} vs {one['loss']:.9g}, "
+        f"grad_norm {two['grad_norm']:.9g} vs {one['grad_norm']:.9g}"
+    )
+    assert two["loss"] == pytest.approx(one["loss"], rel=WORLD_SIZE_REL_TOL, abs=1e-7), "loss"
+    assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=WORLD_SIZE_REL_TOL), "grad_norm"
+    assert_same_metrics(two, one, rel=WORLD_SIZE_REL_TOL)
+    a = load_file(str(two_dir / "model" / "model.safetensors"))
+    b = load_file(str(one_dir / "model" / "model.safetensors"))
+    assert all(torch.allclose(a[k], b[k], atol=1e-6, rtol=0) for k in a), "weights"
+
+
+def test_two_processes_under_torchrun_match_one_process(torchrun_batch, tiny_model_dir, tmp_path):
     """2 ranks (torchrun, gloo) make the optimizer steps of 1 rank on the same rows and report the same metrics,
     up to float rounding.
 
@@ -606,31 +670,29 @@ def test_two_processes_under_torchrun_match_one_process(tiny_model_dir, tmp_path
     gradients are the 1-rank ones; every reported metric (loss, KL, entropy, clip fraction, grad norm, token
     counts, per epoch...) is the global one, whichever rank computed which rows.
     """
-    rows = make_rows(7, seed=4)
-    batch = write_batch(tmp_path / "b.parquet", rows, [1.0, -1.0, 0.5, -0.5, 2.0, -2.0, 0.25])
-    base = {"micro_batch_size": 2, "mini_batch_size": 6, "zero_stage": 2, "epochs": 2}
-    # a narrow clip range, so the second epoch's ratios leave it and clip_fraction is not 0; a KL and entropy term
-    algorithm = {"kl_coef": 0.05, "entropy_coef": 0.001, "clip_ratio_low": 0.02, "clip_ratio_high": 0.03}
-    two = run_update(
-        spec_for(batch, tmp_path / "two", tiny_model_dir, training=base | {"num_processes": 2}, algorithm=algorithm),
-        timeout_s=300,
-    )
-    one = run_update(
-        spec_for(batch, tmp_path / "one", tiny_model_dir, training=base, algorithm=algorithm), timeout_s=300
-    )
+    _, one_tmp, _, one = torchrun_batch
+    two = two_rank_update(torchrun_batch, tiny_model_dir, tmp_path / "two")
     assert two["num_processes"] == 2 and one["num_processes"] == 1
     assert two["optimizer_steps"] == one["optimizer_steps"] == 4
     assert (one["micro_batches"], two["micro_batches"]) == (2 * 4, 2 * 5)  # the split differs; fillers not counted
     assert one["clip_fraction"] > 0 and one["kl"] > 0 and len(one["epoch_metrics"]) == 2
-    # fp32 sums of the same terms in another order (other padding, other micro-batches, the gradient all-reduce)
-    # over 4 steps: measured <= 7e-7 relative (kl of epoch 0, ~4e-4, 1.2e-8 absolute), so 1e-5 leaves ~14x; the
-    # mean of per-micro-batch means this replaced was off by 2e-5 (entropy) to 200 % (loss, of another sign)
-    assert_same_metrics(two, one, rel=1e-5)
-    a = load_file(str(tmp_path / "two" / "model" / "model.safetensors"))
-    b = load_file(str(tmp_path / "one" / "model" / "model.safetensors"))
-    assert all(torch.allclose(a[k], b[k], atol=1e-6, rtol=0) for k in a)
+    assert_two_ranks_equal_one(two, one, tmp_path / "two", one_tmp / "one")
     start = load_file(str(tiny_model_dir / "model.safetensors"))
+    a = load_file(str(tmp_path / "two" / "model" / "model.safetensors"))
     assert any(not torch.allclose(a[k], start[k], atol=1e-4, rtol=0) for k in a)  # the update moved the weights
+
+
+def test_the_two_rank_check_fails_on_gradients_summed_over_ranks(torchrun_batch, tiny_model_dir, tmp_path):
+    """The check above can fail on the bug it is named for: a 2-rank gradient that is the sum of the ranks' (not
+    their mean) reports twice the gradient norm; clipping then shortens the steps, so the loss moves too (seen:
+    -0.1456815 vs -0.1456968, 1e-4 relative), and the check fails on the loss, or on ``grad_norm`` where a
+    step was not clipped."""
+    _, one_tmp, _, one = torchrun_batch
+    planted = planted_env(tmp_path, PLANTED_SUM_ALLREDUCE)
+    two = two_rank_update(torchrun_batch, tiny_model_dir, tmp_path / "two", planted)
+    assert two["grad_norm"] == pytest.approx(2 * one["grad_norm"], rel=0.01)  # the planted bug ran
+    with pytest.raises(AssertionError, match=r"^(loss|grad_norm)\n"):
+        assert_two_ranks_equal_one(two, one, tmp_path / "two", one_tmp / "one")
 
 
 # ------------------------------------------------------------------------------------------------ the default model
