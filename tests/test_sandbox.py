@@ -186,7 +186,7 @@ while True:
         watcher.join()
     assert result.timed_out and result.killed_reason == "timeout" and result.exit_code is None
     assert not result.passed
-    assert result.duration_s < 2 + 2
+    assert result.duration_s < 2 + 60  # a backstop only: the kill's promptness depends on the machine's load
     assert "children started" in result.stdout  # output written before the kill is kept
     assert len(seen) >= 2, "the test did not observe the sandboxed children; it would prove nothing"
     if os.geteuid() == 0:
@@ -209,11 +209,12 @@ print("spawned")
 
 @needs_bwrap
 def test_cpu_time_limit_kills_a_busy_program():
-    sb = make_sandbox(_settings(cpu_time_s=1, timeout_s=10))
+    """The CPU-time limit, not the wall-clock deadline, ends a busy loop: what killed it and why is the claim.
+    The deadline is far away (on a loaded machine 1 s of CPU can take many seconds of wall time)."""
+    sb = make_sandbox(_settings(cpu_time_s=1, timeout_s=120))
     result = sb.run("while True:\n    pass\n")
     assert not result.timed_out and result.exit_code is None
     assert result.killed_reason == "cpu"
-    assert result.duration_s < 5
 
 
 # --------------------------------------------------------------------------------------------------
@@ -605,14 +606,41 @@ def test_concurrency_bound_serializes_runs():
 
 @needs_bwrap
 def test_two_slots_overlap_async():
-    sb = make_sandbox(_settings(max_concurrency=2))
+    """Positive control of the bound: with 2 slots two programs run at once. Forced, not left to timing: each
+    program waits in a marked child until the test, watching the host's process list, has seen both children
+    alive together, and then ends them (the deadline is only a backstop)."""
+    sb = make_sandbox(_settings(max_concurrency=2, timeout_s=300, cpu_time_s=60))
+    marker = f"pf-overlap-{uuid.uuid4().hex}"
+    child = f"[sys.executable, '-c', 'import time; time.sleep(600)', '{marker}']"
+    code = f"import subprocess, sys\nsubprocess.run({child})\n"
+    both_seen = threading.Event()
+
+    def watch() -> None:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            alive = _live_processes_with(marker)
+            if len(alive) >= 2:
+                both_seen.set()
+                for proc in alive:
+                    with contextlib.suppress(psutil.Error):
+                        proc.kill()
+                return
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
 
     async def both():
-        return await asyncio.gather(sb.run_async(_SLEEPER), sb.run_async(_SLEEPER))
+        return await asyncio.gather(sb.run_async(code), sb.run_async(code))
 
-    (_, end_first), (start_second, _) = _intervals(list(asyncio.run(both())))
-    assert start_second < end_first, "max_concurrency=2 did not run two programs at once (positive control)"
-    sb.close()
+    try:
+        results = asyncio.run(both())
+    finally:
+        watcher.join()
+        sb.close()
+    assert both_seen.is_set(), "max_concurrency=2 did not run two programs at once (positive control)"
+    assert not any(r.timed_out for r in results)
+    assert _live_processes_with(marker) == []
 
 
 # --------------------------------------------------------------------------------------------------
