@@ -493,7 +493,9 @@ HOSTILE = {
 @pytest.mark.sandbox
 @pytest.mark.parametrize("behaviour", sorted(HOSTILE))
 def test_real_sandbox_hostile_code_cannot_lift_its_score(behaviour: str) -> None:
-    env = real_env(humaneval("HumanEval/0"), timeout_s=3, case_timeout_s=0.3)
+    # 4 cases must pass: their limit is generous (a short one would fail them on a loaded machine); the hanging
+    # ones take 7 x 1.5 s at most, inside the program's 15 s
+    env = real_env(humaneval("HumanEval/0"), timeout_s=15, case_timeout_s=1.5)
     ev = run(env.submit_code(HOSTILE[behaviour]))
     assert ev.ground_truth.total == 7
     assert ev.ground_truth.passed == (4 if behaviour in ("floods stdout", "fakes a summary") else 0)
