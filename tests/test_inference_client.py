@@ -26,6 +26,12 @@ class Reply:
     status: int = 200
     body: Any = None  # dict -> JSON; bytes -> sent raw; None -> a valid completion for the request
     delay_s: float = 0.0
+    # held until this many requests have been in flight at once (backstop: HOLD_BACKSTOP_S): forces the overlap a
+    # test needs instead of hoping the machine's load lets the requests arrive within ``delay_s`` of each other
+    hold_for: int = 0
+
+
+HOLD_BACKSTOP_S = 60.0
 
 
 def completion_body(request: dict[str, Any], order: list[int] | None = None) -> dict[str, Any]:
@@ -57,6 +63,7 @@ class FakeOpenAI:
         self.in_flight = 0
         self.max_in_flight = 0
         self._lock = threading.Lock()
+        self._peak = threading.Condition(self._lock)
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -76,8 +83,12 @@ class FakeOpenAI:
                     fake.requests.append(body)
                     fake.in_flight += 1
                     fake.max_in_flight = max(fake.max_in_flight, fake.in_flight)
+                    fake._peak.notify_all()
                 try:
                     reply = fake.script(number, body)
+                    if reply.hold_for:
+                        with fake._peak:
+                            fake._peak.wait_for(lambda: fake.max_in_flight >= reply.hold_for, HOLD_BACKSTOP_S)
                     if reply.delay_s:
                         time.sleep(reply.delay_s)
                 finally:
@@ -254,8 +265,9 @@ def test_logprob_count_mismatch_is_an_error(fake_server) -> None:
 
 @pytest.mark.parametrize("limit", [3, 12])
 def test_concurrency_bound_is_respected(fake_server, limit: int) -> None:
-    """12 requests, each held 0.2 s by the server: the server never sees more than ``limit`` at once."""
-    fake = fake_server(lambda i, body: Reply(delay_s=0.2))
+    """12 requests: the server never sees more than ``limit`` at once, and does see ``limit`` (each request is held
+    until ``limit`` have been in flight together, then 0.2 s more, so that a client that lets more through shows)."""
+    fake = fake_server(lambda i, body: Reply(delay_s=0.2, hold_for=limit))
 
     async def main() -> list[Completion]:
         async with client_for(fake.url, max_concurrency=limit) as client:
