@@ -197,10 +197,12 @@ def test_wrong_name_is_refused_before_anything_is_loaded_and_the_group_survives(
 def test_a_load_failure_mid_stream_is_reported_without_hanging() -> None:
     worker = Worker(rank=0, fail_at="k_proj.weight")
     started = time.monotonic()
-    wb = WeightBroadcaster("http://unused", backend="gloo", rpc=local_rpc([worker]), timeout_s=20)
+    wb = WeightBroadcaster("http://unused", backend="gloo", rpc=local_rpc([worker]), timeout_s=300)
     with wb, pytest.raises(WeightBroadcastError, match=re.escape("simulated load failure at k_proj.weight")):
         wb.push(new_weights(), reset_prefix_cache=lambda: None)
-    assert time.monotonic() - started < 15  # the worker drained the remaining broadcasts
+    # the worker drained the remaining broadcasts: the push returned well before its deadline (a generous margin,
+    # not a speed bound: it takes about a second)
+    assert time.monotonic() - started < 200
     assert worker.model_runner.model.order == ["embed.weight", "q_proj.weight"]
 
 
