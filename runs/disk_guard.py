@@ -168,13 +168,18 @@ def message(ctx: IterationContext, folder: str, free: int, need: Need, margin: i
     run_id, root = layout.run_id, layout.root
     return (
         f"not enough free disk for step {folder} of iteration {ctx.iteration} of run {run_id}: {layout.run_path} has "
-        f"{free / 1e9:.2f} GB free, the step needs about {(need.bytes + margin) / 1e9:.2f} GB ({need.basis}: "
-        f"{need.bytes / 1e9:.2f} GB, plus disk.margin_mb {margin / 1e9:.2f} GB). The run stopped before the step "
-        f"wrote anything. Free space, e.g. old checkpoints of this run: `pettingflow runs prune {run_id} --root "
-        f"{root} --keep-last 1 --yes` (without --yes it lists what would go, and the bytes), then resume the run with "
-        f"the same config and overrides (`pettingflow train <config> [overrides] --run-id {run_id}`, or `prefect "
-        f"deployment run train/<config> --param run_id={run_id}`)."
+        f"{size(free)} free, the step needs about {size(need.bytes + margin)} ({need.basis}: {size(need.bytes)}, "
+        f"plus disk.margin_mb {size(margin)}). The run stopped before the step wrote anything. Free space, e.g. old "
+        f"checkpoints of this run: `pettingflow runs prune {run_id} --root {root} --keep-last 1 --yes` (without "
+        "--yes it lists what would go, and the bytes), then resume the run with the same config and overrides "
+        f"(`pettingflow train <config> [overrides] --run-id {run_id}`, or `prefect deployment run train/<config> "
+        f"--param run_id={run_id}`)."
     )
+
+
+def size(n: int) -> str:
+    """Bytes as the message shows them: GB from 1 GB up, else MB."""
+    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
 
 
 def not_disk_full(task: object, task_run: object, state: object) -> bool:

@@ -69,7 +69,8 @@ def test_below_the_need_the_step_stops_with_one_message(run, monkeypatch: pytest
     with pytest.raises(DiskSpaceError) as caught:
         check_step(ctx, config, "update-shared")
     text = str(caught.value)
-    assert f"{layout.run_path} has 0.01 GB free, the step needs about 0.01 GB" in text
+    assert f"{layout.run_path} has 9.0 MB free, the step needs about 9.0 MB" in text  # 8 MB + 1 MiB margin
+    assert "an estimate for a first update from the model's size: 8.0 MB, plus disk.margin_mb 1.0 MB" in text
     assert f"`pettingflow runs prune guarded --root {layout.root} --keep-last 1 --yes`" in text
     assert "--run-id guarded" in text and "before the step wrote anything" in text
     assert not Path(layout.step(0, "update-shared").path).exists()  # nothing written
