@@ -185,9 +185,10 @@ STOPS_ITS_PARENT = (
 def real_envs(n: int, max_concurrency: int = 1) -> list[CodeEnv]:
     from pettingflow.envs.sandbox import make_sandbox
 
-    settings = SandboxSettings(timeout_s=4, max_concurrency=max_concurrency)
+    # passing cases (SLOW's take 0.3 s each) get a limit a loaded machine does not reach; hanging ones still time out
+    settings = SandboxSettings(timeout_s=10, max_concurrency=max_concurrency)
     sandbox = make_sandbox(settings)
-    config = {"max_turns": 2, "sandbox": settings.model_dump(), "case_timeout_s": 0.5}
+    config = {"max_turns": 2, "sandbox": settings.model_dump(), "case_timeout_s": 2.0}
     return [CodeEnv(TOY_TASK, config, sandbox=sandbox) for _ in range(n)]
 
 
