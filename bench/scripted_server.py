@@ -42,7 +42,8 @@ def plan_path_answer(prompt: str, seed: int) -> str | None:
 
 
 class ScriptedServer:
-    def __init__(self, tokenizer: Any, solutions: dict[str, str], served_model: str = "shared"):
+    def __init__(self, tokenizer: Any, solutions: dict[str, str], served_model: str = "shared", port: int = 0):
+        """``port``: 0 picks a free one; a fixed one lets a run that names this server's URL be resumed."""
         self.tokenizer = tokenizer
         self.solutions = solutions  # entry point -> full correct function source
         self.models = [served_model]
@@ -94,7 +95,7 @@ class ScriptedServer:
                 else:
                     self._send(404, {"error": self.path})
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         self._thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
 
