@@ -12,8 +12,12 @@ import run_outputs
 
 
 @pytest.fixture
-def golden() -> dict:
-    return json.loads(run_outputs.GOLDEN.read_text())
+def golden(monkeypatch) -> dict:
+    """The stored record as a run's outputs (without its own key), checked on the kernels that wrote it."""
+    record = json.loads(run_outputs.GOLDEN.read_text())
+    written = record.pop(run_outputs.META)["cpu_capability"]
+    monkeypatch.setattr(run_outputs, "cpu_capability", lambda: written)
+    return record
 
 
 def test_the_record_equals_itself(golden) -> None:
@@ -62,4 +66,29 @@ def test_rewriting_the_record_fails_the_test(golden, tmp_path, monkeypatch) -> N
     monkeypatch.setattr(run_outputs, "GOLDEN", tmp_path / "record.json")
     with pytest.raises(pytest.fail.Exception, match=r"rewrote .* run the test again without the flag"):
         run_outputs.check_against_golden(golden)
-    assert json.loads((tmp_path / "record.json").read_text()) == golden
+    written = json.loads((tmp_path / "record.json").read_text())
+    assert written.pop(run_outputs.META) and written == golden
+
+
+@pytest.mark.parametrize(
+    ("factor", "passes"),
+    [(1 + 1e-5, True), (1 + 1e-3, False)],  # the gap AVX2 vs AVX-512 kernels made: 1.6e-5 at most
+)
+def test_other_kernels_allow_their_measured_rounding_and_no_more(golden, monkeypatch, factor, passes) -> None:
+    monkeypatch.setattr(run_outputs, "cpu_capability", lambda: "SOME_OTHER_KERNELS")
+    planted = copy.deepcopy(golden)
+    planted["iter-1"]["metrics"]["update/shared/grad_norm"] *= factor
+    if passes:
+        run_outputs.check_against_golden(planted)
+    else:
+        with pytest.raises(AssertionError, match="update/shared/grad_norm"):
+            run_outputs.check_against_golden(planted)
+
+
+def test_a_rewritten_record_says_which_kernels_wrote_it(golden, tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("PETTINGFLOW_WRITE_OUTPUTS", "1")
+    monkeypatch.setattr(run_outputs, "GOLDEN", tmp_path / "record.json")
+    with pytest.raises(pytest.fail.Exception):
+        run_outputs.check_against_golden(golden)
+    written = json.loads((tmp_path / "record.json").read_text())
+    assert written.pop(run_outputs.META) == {"cpu_capability": run_outputs.cpu_capability()}
