@@ -19,6 +19,7 @@ from pettingflow.configs.addresses import is_loopback
 from pettingflow.configs.code_paths import absolute_code_paths
 from pettingflow.rl.advantages import ADVANTAGE_ESTIMATORS
 from pettingflow.rl.filters import FILTER_METHODS
+from pettingflow.rl.loss_terms import KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES
 
 
 def micro_steps_per_rank(rows_per_step: int, micro_batch_size: int, world_size: int) -> int:
@@ -319,12 +320,14 @@ class RolloutSettings(_Strict):
 # --------------------------------------------------------------------------------------------------
 # algorithm and training
 # --------------------------------------------------------------------------------------------------
-#: The names the registries of ``rl/`` hold, read from them: a new estimator or filter is one decorated function in
-#: ``rl/advantages.py`` or ``rl/filters.py`` (docs/rl.md). Those modules load numpy only (no torch), so a config
-#: still loads fast. KL estimators and loss aggregations live beside torch code (``rl/losses.py``): their names are
-#: written below and tests/test_rl_registries.py checks them against the registries.
+#: The names the registries of ``rl/`` hold, read from them: a new estimator, filter, policy loss, KL estimator or
+#: loss aggregation is one decorated function in ``rl/advantages.py``, ``rl/filters.py`` or ``rl/loss_terms.py``
+#: (docs/rl.md). Those modules import no torch, so a config still loads fast.
 AdvantageEstimatorName = Literal[ADVANTAGE_ESTIMATORS.names()]  # type: ignore[valid-type]
 FilterMethodName = Literal[FILTER_METHODS.names()]  # type: ignore[valid-type]
+PolicyLossName = Literal[POLICY_LOSSES.names()]  # type: ignore[valid-type]
+KlEstimatorName = Literal[KL_ESTIMATORS.names()]  # type: ignore[valid-type]
+LossAggModeName = Literal[LOSS_AGG_MODES.names()]  # type: ignore[valid-type]
 
 
 class AlgorithmSettings(_Strict):
@@ -343,6 +346,12 @@ class AlgorithmSettings(_Strict):
         "group, the filter_ratio share of samples farthest from its mean (rl/filters.py, docs/rl.md).",
     )
     filter_ratio: float = Field(0.0, ge=0.0, lt=1.0, description="Share of UID groups (or samples for 'uid') removed.")
+    policy_loss: PolicyLossName = Field(
+        "ppo_clip",
+        description="ppo_clip: PPO's clipped surrogate (with clip_ratio_low/high, clip_ratio_c); cispo: "
+        "REINFORCE with the importance weight clipped to [1 - clip_ratio_low, 1 + clip_ratio_high] and detached "
+        "(MiniMax-M1) (rl/loss_terms.py, docs/rl.md).",
+    )
     clip_ratio_low: float = Field(0.2, ge=0.0, lt=1.0, description="PPO ratio clip below 1: 1 - clip_ratio_low.")
     clip_ratio_high: float = Field(
         0.28, ge=0.0, description="PPO ratio clip above 1: 1 + clip_ratio_high (DAPO's clip-higher: > clip_ratio_low)."
@@ -353,11 +362,11 @@ class AlgorithmSettings(_Strict):
     kl_coef: float = Field(
         0.0, ge=0.0, description="Weight of the KL penalty to the reference (start) weights; 0: none."
     )
-    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator per token (Schulman's k1/k2/k3).")
+    kl_estimator: KlEstimatorName = Field("k3", description="KL estimator per token (Schulman's k1/k2/k3).")
     entropy_coef: float = Field(
         0.0, ge=0.0, description="Weight of an entropy bonus; 0: entropy is only reported as a metric."
     )
-    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = Field(
+    loss_agg_mode: LossAggModeName = Field(
         "token-mean",
         description="How token losses are averaged over a mini-batch: over all its model tokens, or per sequence "
         "first (sum or mean of its tokens) and then over sequences.",

@@ -1,11 +1,12 @@
 """Pure RL math: group UIDs, sample filters, advantages and PPO/GRPO losses (numpy/torch, no I/O).
 
 See docs/rl.md for every formula, its source and where it deviates from PettingLLMs and verl. What the config
-selects by name (advantage estimator, filter method, KL estimator, loss aggregation mode) is looked up in a
+selects by name (advantage estimator, filter method, policy loss, KL estimator, loss aggregation mode) is looked up in a
 ``Registry`` (``registry.py``), to which each implementation adds itself with one decorator.
 
-The names below load their module on first use: ``configs`` imports ``rl.advantages`` and ``rl.filters`` (numpy
-only) to validate names against the registries, and must not pull in torch through ``rl.losses``.
+The names below load their module on first use: ``configs`` imports ``rl.advantages``, ``rl.filters`` and
+``rl.loss_terms`` (no torch) to validate names against the registries, and must not pull in torch through
+``rl.losses``.
 """
 
 from __future__ import annotations
@@ -16,10 +17,16 @@ from typing import Any
 _EXPORTS = {
     "advantages": ("ADVANTAGE_ESTIMATORS", "broadcast_advantages", "compute_advantages"),
     "filters": ("FILTER_METHODS", "FilterResult", "filter_samples", "range_normalized_variance"),
-    "losses": (
+    "loss_terms": (
         "KL_ESTIMATORS",
         "LOSS_AGG_MODES",
+        "POLICY_LOSSES",
+        "ClipParams",
         "LossAggMode",
+        "PolicyLoss",
+        "PolicyLossTerms",
+    ),
+    "losses": (
         "entropy_from_logits",
         "kl_penalty",
         "loss_denominator",

@@ -1,4 +1,7 @@
-"""PPO/GRPO token losses with response masks: clipped surrogate, KL penalty, entropy bonus.
+"""Policy-gradient token losses with response masks: the policy loss, KL penalty, entropy bonus.
+
+The terms the config selects by name (``algorithm.policy_loss``, ``kl_estimator``, ``loss_agg_mode``) are
+registered in ``rl/loss_terms.py``; this module masks, aggregates and adds them up.
 
 All tensors are ``[B, T]`` (B samples, T response positions) unless stated; ``mask[b, t] = 1`` marks a
 model token that gets gradient, 0 an observation/padding token. Masked positions are
@@ -9,32 +12,40 @@ leak into the loss and (b) their gradient is exactly 0, not merely small.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
-from typing import Protocol
+from collections.abc import Sequence
 
 import torch
 
-from pettingflow.rl.registry import Registry
+from pettingflow.rl.loss_terms import (  # the registries and what they register
+    K3_MAX,
+    KL_ESTIMATORS,
+    LOG_RATIO_CLAMP,
+    LOSS_AGG_MODES,
+    POLICY_LOSSES,
+    ClipParams,
+    LossAggMode,
+    PolicyLoss,
+    PolicyLossTerms,
+    log_ratio,
+)
 
-
-class LossAggMode(Protocol):
-    """A ``loss_agg_mode``: ``numerator(values, tokens) / max(count(tokens), 1)``, or the numerator over a given
-    denominator. ``values`` is ``[B, T]`` with masked positions already 0; ``tokens`` is ``[B]`` (int64), each
-    row's count of mask-1 tokens. ``count`` also serves ``loss_denominator``, so a mini-batch's denominator and
-    a batch's own aggregate always agree."""
-
-    @staticmethod
-    def numerator(values: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor: ...
-
-    @staticmethod
-    def count(tokens: torch.Tensor) -> torch.Tensor: ...
-
-
-LOSS_AGG_MODES: Registry[type[LossAggMode]] = Registry("loss_agg_mode", "algorithm.loss_agg_mode")
-# d = logprobs - ref_logprobs (per token) -> the KL estimate per token
-KL_ESTIMATORS: Registry[Callable[[torch.Tensor], torch.Tensor]] = Registry("kl_estimator", "algorithm.kl_estimator")
-LOG_RATIO_CLAMP = 20.0  # |log p - log q| is clamped before exp, as in verl, so exp() never overflows
-K3_MAX = 10.0  # verl's low_var_kl clamps each token's k3 value to at most 10
+__all__ = [
+    "K3_MAX",
+    "KL_ESTIMATORS",
+    "LOG_RATIO_CLAMP",
+    "LOSS_AGG_MODES",
+    "POLICY_LOSSES",
+    "ClipParams",
+    "LossAggMode",
+    "PolicyLoss",
+    "PolicyLossTerms",
+    "entropy_from_logits",
+    "kl_penalty",
+    "loss_denominator",
+    "masked_aggregate",
+    "policy_loss",
+    "total_loss",
+]
 
 
 def _valid(mask: torch.Tensor, **tensors: torch.Tensor) -> torch.Tensor:
@@ -87,39 +98,6 @@ def masked_aggregate(
     return agg.numerator(v, tokens) / (denominator if denominator is not None else agg.count(tokens).clamp(min=1))
 
 
-@LOSS_AGG_MODES.register("token-mean")
-class _TokenMean:
-    @staticmethod
-    def numerator(values: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        return values.sum()
-
-    @staticmethod
-    def count(tokens: torch.Tensor) -> torch.Tensor:
-        return tokens.sum()
-
-
-@LOSS_AGG_MODES.register("seq-mean-token-sum")
-class _SeqMeanTokenSum:
-    @staticmethod
-    def numerator(values: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        return values.sum(dim=-1).sum()
-
-    @staticmethod
-    def count(tokens: torch.Tensor) -> torch.Tensor:
-        return (tokens > 0).sum()  # sequences without a token do not count
-
-
-@LOSS_AGG_MODES.register("seq-mean-token-mean")
-class _SeqMeanTokenMean:
-    @staticmethod
-    def numerator(values: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        return (values.sum(dim=-1) / tokens.clamp(min=1)).sum()
-
-    @staticmethod
-    def count(tokens: torch.Tensor) -> torch.Tensor:
-        return (tokens > 0).sum()
-
-
 def loss_denominator(tokens_per_row: Sequence[int], mode: str) -> float:
     """What ``masked_aggregate`` divides by over a whole mini-batch, from each row's count of mask-1 tokens:
     the tokens for ``token-mean``, the rows with >= 1 token for the seq modes; >= 1. Every rank computes it
@@ -148,20 +126,18 @@ def policy_loss(
     clip_ratio_c: float | None = None,
     loss_agg_mode: str = "token-mean",
     denominator: float | None = None,
+    policy_loss_name: str = "ppo_clip",
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """PPO clipped surrogate (Schulman et al. 2017) with asymmetric clip and optional dual clip.
+    """The policy loss registered as ``policy_loss_name`` in ``POLICY_LOSSES`` (default: PPO's clipped
+    surrogate), masked and aggregated with ``loss_agg_mode``.
 
-    Per token, with ``ratio = exp(clamp(logp - old_logp, ±20))``:
-    ``L = max(-A * ratio, -A * clamp(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high))``
-    (asymmetric "clip-higher": DAPO, Yu et al. 2025). Dual clip (Ye et al. 2020, as in verl): where
-    ``A < 0``, ``L = min(L, -A * clip_ratio_c)``, bounding the loss of very large ratios.
-    ``old_logprobs`` and ``advantages`` are treated as constants (detached).
-
-    Metrics (means over valid tokens): ``clip_fraction`` (tokens where the clip is active, i.e. their
-    gradient is cut), ``dual_clip_fraction``, ``approx_kl`` (k3 estimate of KL(old || new):
-    ``(ratio - 1) - log ratio``), ``ratio_mean``, plus ``pg_loss``.
+    ``old_logprobs`` and ``advantages`` are treated as constants (detached); every input is 0 at masked positions
+    before the loss sees it. Metrics (means over valid tokens): ``clip_fraction`` (tokens where the loss's clip is
+    active), ``dual_clip_fraction``, ``approx_kl`` (k3 estimate of KL(old || new): ``(ratio - 1) - log ratio``),
+    ``ratio_mean``, plus ``pg_loss``.
     ``denominator``: see ``masked_aggregate`` (the loss is then a share; ``pg_loss`` stays this batch's mean).
     """
+    fn = POLICY_LOSSES.get(policy_loss_name)
     if not 0.0 <= clip_ratio_low < 1.0:
         raise ValueError(f"clip_ratio_low must be in [0, 1), got {clip_ratio_low}")
     if not clip_ratio_high >= 0.0:
@@ -173,27 +149,23 @@ def policy_loss(
     logp = _zero_masked(logprobs, valid)
     old = _zero_masked(old_logprobs.detach(), valid)
     adv = _zero_masked(advantages.detach(), valid)
-    log_ratio = (logp - old).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    ratio = torch.exp(log_ratio)
-    unclipped = -adv * ratio
-    clipped = -adv * ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
-    per_token = torch.maximum(unclipped, clipped)
-    clip_active = clipped > unclipped
-    dual_active = torch.zeros_like(valid)
-    if clip_ratio_c is not None:
-        bound = -adv * clip_ratio_c
-        dual_active = (adv < 0) & (per_token > bound)
-        per_token = torch.where(dual_active, bound, per_token)
+    terms = fn(logp, old, adv, valid, ClipParams(clip_ratio_low, clip_ratio_high, clip_ratio_c))
+    if terms.per_token.shape != mask.shape:
+        got, want = tuple(terms.per_token.shape), tuple(mask.shape)
+        raise ValueError(f"policy loss {policy_loss_name!r} returned shape {got}, expected {want}")
+    per_token = _zero_masked(terms.per_token, valid)
+    ratio_log = log_ratio(logp, old).detach()
+    ratio = torch.exp(ratio_log)
 
-    loss = masked_aggregate(per_token, mask, loss_agg_mode, denominator)
+    agg = masked_aggregate(per_token, mask, loss_agg_mode, denominator)
     metrics = {
-        "pg_loss": _local_value(loss, per_token, mask, loss_agg_mode, denominator),
-        "clip_fraction": _token_mean(clip_active & valid, valid),
-        "dual_clip_fraction": _token_mean(dual_active & valid, valid),
-        "approx_kl": _token_mean((ratio - 1.0) - log_ratio, valid),
+        "pg_loss": _local_value(agg, per_token, mask, loss_agg_mode, denominator),
+        "clip_fraction": _token_mean(terms.clipped & valid, valid),
+        "dual_clip_fraction": _token_mean(terms.dual_clipped & valid, valid),
+        "approx_kl": _token_mean((ratio - 1.0) - ratio_log, valid),
         "ratio_mean": _token_mean(ratio, valid),
     }
-    return loss, metrics
+    return agg, metrics
 
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
@@ -207,22 +179,6 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: st
     if logprobs.shape != ref_logprobs.shape:
         raise ValueError(f"logprobs {tuple(logprobs.shape)} and ref_logprobs {tuple(ref_logprobs.shape)} differ")
     return fn(logprobs - ref_logprobs.detach())
-
-
-@KL_ESTIMATORS.register("k1")
-def _k1(d: torch.Tensor) -> torch.Tensor:
-    return d
-
-
-@KL_ESTIMATORS.register("k2")
-def _k2(d: torch.Tensor) -> torch.Tensor:
-    return 0.5 * d.square()
-
-
-@KL_ESTIMATORS.register("k3")
-def _k3(d: torch.Tensor) -> torch.Tensor:
-    d = d.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    return (torch.exp(-d) + d - 1.0).clamp(max=K3_MAX)
 
 
 def _check_vocab_dim(logits: torch.Tensor) -> None:
@@ -258,9 +214,11 @@ def total_loss(
     entropy_coef: float = 0.0,
     loss_agg_mode: str = "token-mean",
     denominator: float | None = None,
+    policy_loss_name: str = "ppo_clip",
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """``loss = pg + kl_coef * agg(KL) - entropy_coef * agg(entropy)``, every term aggregated with
-    ``loss_agg_mode`` over ``mask`` (as verl's actor does with ``use_kl_loss``).
+    ``loss_agg_mode`` over ``mask`` (as verl's actor does with ``use_kl_loss``); ``pg`` is the policy loss
+    registered as ``policy_loss_name`` (``policy_loss``).
 
     ``entropy`` is the per-token entropy ``[B, T]`` (``entropy_from_logits``). ``ref_logprobs`` is
     required when ``kl_coef > 0`` and ``entropy`` when ``entropy_coef > 0``; when given with a zero
@@ -287,6 +245,7 @@ def total_loss(
         clip_ratio_c,
         loss_agg_mode,
         denominator,
+        policy_loss_name,
     )
     local_loss = metrics["pg_loss"]
     valid = mask != 0

@@ -1,8 +1,8 @@
 """The names the config accepts are the names rl/ implements, and a new implementation is one decorator away.
 
-``configs/`` may not import ``rl/`` (tests/test_architecture.py), so ``AlgorithmSettings`` restates each
-registry's names as a ``Literal``; these tests tie the two together, check the lookup and its error, and run
-docs/rl.md's "Adding an advantage estimator" example as written.
+``AlgorithmSettings`` builds each name's ``Literal`` from its registry (``rl/advantages.py``, ``rl/filters.py``,
+``rl/loss_terms.py``, none of which imports torch); these tests tie the two together, check the lookup and its
+error, and run docs/rl.md's "Adding an advantage estimator" example as written.
 """
 
 from __future__ import annotations
@@ -23,12 +23,14 @@ from pettingflow.rl import (
     FILTER_METHODS,
     KL_ESTIMATORS,
     LOSS_AGG_MODES,
+    POLICY_LOSSES,
     Registry,
     compute_advantages,
     filter_samples,
     kl_penalty,
     loss_denominator,
     masked_aggregate,
+    policy_loss,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,6 +39,7 @@ REGISTRIES = {
     "filter_method": FILTER_METHODS,
     "kl_estimator": KL_ESTIMATORS,
     "loss_agg_mode": LOSS_AGG_MODES,
+    "policy_loss": POLICY_LOSSES,
 }
 
 
@@ -48,7 +51,7 @@ def test_the_config_literal_lists_exactly_the_registered_names(key: str) -> None
     assert len(set(allowed)) == len(allowed), f"AlgorithmSettings.{key} repeats a name: {allowed}"
     assert set(allowed) == set(registry.names()), (
         f"AlgorithmSettings.{key} allows {sorted(allowed)} but rl/ registers {sorted(registry.names())}: "
-        "add the name to the Literal in configs/settings.py, or register an implementation"
+        "configs/settings.py must build the Literal from the registry"
     )
     assert registry.config_key == f"algorithm.{key}"
 
@@ -122,6 +125,7 @@ def test_the_public_functions_raise_the_registry_error() -> None:
         "algorithm.filter_method": lambda: filter_samples(["a"], [0.0], "median", 0.0),
         "algorithm.kl_estimator": lambda: kl_penalty(torch.zeros(2), torch.zeros(2), "k4"),
         "algorithm.loss_agg_mode": lambda: masked_aggregate(torch.zeros(1, 2), mask, "sum"),
+        "algorithm.policy_loss": lambda: policy_loss(*[torch.zeros(1, 2)] * 3, mask, 0.2, 0.2, policy_loss_name="gspo"),
     }
     for config_key, call in calls.items():
         with pytest.raises(ValueError, match=f"set {re.escape(config_key)} to one of them"):

@@ -429,7 +429,7 @@ def micro_batch_loss(
     head_chunk_tokens: int | None = 0,
     agree: Callable[[int], int] | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """PPO loss of one micro-batch (``total_loss``) with the current policy's log-probs.
+    """The loss of one micro-batch (``total_loss``, with ``algo.policy_loss``) with the current policy's log-probs.
 
     Needs ``mb.old_logprobs`` (and ``mb.ref_logprobs`` when ``kl_coef > 0``), unless ``old_is_current``: no optimizer
     step has happened yet in this update, so the old log-probs (those of the weights the update started
@@ -469,6 +469,7 @@ def micro_batch_loss(
         entropy_coef=algo.entropy_coef,
         loss_agg_mode=algo.loss_agg_mode,
         denominator=denominator,
+        policy_loss_name=algo.policy_loss,
     )
     n = int(valid.sum())
     metrics["logprob_mean"] = float(logp.detach().sum() / max(n, 1))
