@@ -29,7 +29,7 @@ def endpoints(vllm_server, model_dir) -> dict[str, PolicyEndpoint]:
 
 
 @pytest.mark.parametrize("layout_name", ["per_turn", "per_episode"])
-def test_four_tasks_two_samples(tmp_path, vllm_server, default_model_dir, default_tokenizer, layout_name) -> None:
+def test_two_tasks_two_samples(tmp_path, vllm_server, default_model_dir, default_tokenizer, layout_name) -> None:
     config = load_config(
         "code-env",
         [
