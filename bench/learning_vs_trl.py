@@ -783,6 +783,16 @@ def report_markdown(full: dict[str, Any]) -> str:
         "Settings that differ between the trainers:",
         *(f"- {x}" for x in full["setting_differences"]),
     ]
+    setup = [
+        f"seed {x['seed']}: PettingFlow {x['train']['pettingflow']['setup_s']:.0f} s, "
+        f"TRL {x['train']['trl']['setup_s']:.0f} s"
+        for x in full["seeds"]
+    ]
+    lines += ["", "Not counted in training wall time (vLLM and learner start, teardown / trainer construction): "]
+    lines[-1] += "; ".join(setup) + "."
+    resumed = [s["seed"] for s in full["seeds"] if s["train"]["pettingflow"].get("resumed")]
+    if resumed:
+        lines += [f"PettingFlow runs resumed after a stop (their wall times span the stop): seeds {resumed}."]
     if full["incomplete_seeds"]:
         lines += ["", f"Seeds not yet complete (left out): {full['incomplete_seeds']}"]
     if full["failures"]:
