@@ -4,7 +4,9 @@ Why: "a crashed run resumes where it stopped" is only worth something if a crash
 step code calls ``maybe_crash("<point>")`` at named places (one line each); it does nothing unless the process
 environment asks for that point:
 
-- ``PETTINGFLOW_CRASH_AT``: the point(s) to crash at, comma-separated (e.g. ``filtered:mid``);
+- ``PETTINGFLOW_CRASH_AT``: the point(s) to crash at, comma-separated (e.g. ``filtered:mid``); ``<point>@iter-<k>``
+  arms a point in iteration k only (``rollouts:shard@iter-1``: the rollouts of iteration 1, also when iteration 0
+  collects them ahead), for a point every iteration reaches: the call site names where it is (its step folder);
 - ``PETTINGFLOW_CRASH_DIR``: where a point that fired leaves ``<point>.fired`` (default
   ``$PETTINGFLOW_STATE/faults``), so a resumed attempt that inherits the same environment does not crash again;
 - ``PETTINGFLOW_CRASH_SCOPE``: ``worker`` (default): the Prefect worker this process runs under and everything
@@ -15,10 +17,12 @@ environment asks for that point:
 - ``PETTINGFLOW_HOLD_AT``: points where ``hold`` waits (``update:before_commit``: the update trained and wrote its
   files, its marker not yet), until ``<point>.release`` appears in the same folder.
 
-Points (docs/flows.md, "Kill matrix"): ``rollouts:mid`` (a group shard committed, the step not), ``filtered:mid``,
-``advantages:mid`` (a batch file written, the step not committed), ``update:mid`` (the learner training),
-``sync:mid`` (servers synced, the step not committed), ``baseline:mid``/``validation:mid`` (episodes run, not
-committed), ``report:mid``, and ``before_marker:<step>`` for every step: all files written, the marker not.
+Points (docs/flows.md, "Kill matrix", generated from tests/kill_points.py): ``rollouts:shard`` (a group shard
+committed, the step not), ``rollouts:mid`` (every shard committed, the step begun, nothing written),
+``filtered:mid``, ``advantages:mid`` (a batch file written, the step not committed), ``update:mid`` (the learner
+training), ``snapshot:mid`` (the optimizer snapshot written, not committed), ``sync:mid`` (servers synced, the step
+not committed), ``baseline:mid``/``validation:mid`` (episodes run, not committed), ``report:mid``, and
+``before_marker:<step>`` for every step: all files written, the marker not.
 """
 
 from __future__ import annotations
@@ -39,9 +43,23 @@ ENV_HOLD = "PETTINGFLOW_HOLD_AT"
 WORKER_MARK = "prefect worker start"  # the command line of a Prefect worker (``prefect worker start --pool ...``)
 
 
-def armed(point: str) -> bool:
-    """Whether the environment asks for a crash at ``point`` (cheap: one environment lookup when unset)."""
-    return _named(ENV_POINTS, point)
+def armed(point: str, where: str = "") -> bool:
+    """Whether the environment asks for a crash at ``point`` (cheap: one environment lookup when unset); ``where``:
+    the folder the call site works in, for entries that name an iteration (``point@iter-1``)."""
+    return _entry(point, where) is not None
+
+
+def _entry(point: str, where: str) -> str | None:
+    """The entry of ``PETTINGFLOW_CRASH_AT`` that arms ``point`` in ``where``: ``point``, or ``point@iter-<k>`` when
+    ``where`` lies in iteration k's folder (``.../iter-<k>/...``); None if none does."""
+    wanted = os.environ.get(ENV_POINTS)
+    if not wanted:
+        return None
+    for entry in (p.strip() for p in wanted.split(",")):
+        name, _, scope = entry.partition("@")
+        if name == point and (not scope or f"/{scope}/" in f"{where}/"):
+            return entry
+    return None
 
 
 def _named(variable: str, point: str) -> bool:
@@ -50,20 +68,24 @@ def _named(variable: str, point: str) -> bool:
     return bool(wanted) and point in (p.strip() for p in wanted.split(","))
 
 
-def maybe_crash(point: str) -> None:
-    """SIGKILL the configured scope at ``point`` if ``PETTINGFLOW_CRASH_AT`` names it and it has not fired yet."""
-    if not armed(point) or not _claim(point):
+def maybe_crash(point: str, where: str = "") -> None:
+    """SIGKILL the configured scope at ``point`` (in ``where``, the call site's folder) if ``PETTINGFLOW_CRASH_AT``
+    arms it there and that entry has not fired yet (its ``<entry>.fired`` file records it)."""
+    entry = _entry(point, where)
+    if entry is None or not _claim(entry):
         return
-    _kill(point, os.environ.get(ENV_SCOPE, "worker"))
+    _kill(entry, os.environ.get(ENV_SCOPE, "worker"))
 
 
-def crash_soon(point: str) -> None:
-    """``maybe_crash(point)`` after ``PETTINGFLOW_CRASH_DELAY_S`` (default 3 s), from a daemon thread: for a point
-    inside a call that blocks this thread (an update running in learner ranks)."""
-    if not armed(point):
+def crash_soon(point: str, where: str = "") -> None:
+    """``maybe_crash(point, where)`` after ``PETTINGFLOW_CRASH_DELAY_S`` (default 3 s), from a daemon thread: for a
+    point inside a call that blocks this thread (an update running in learner ranks)."""
+    if not armed(point, where):
         return
     delay = float(os.environ.get(ENV_DELAY, "3"))
-    threading.Thread(target=lambda: (time.sleep(delay), maybe_crash(point)), daemon=True, name=f"crash-{point}").start()
+    threading.Thread(
+        target=lambda: (time.sleep(delay), maybe_crash(point, where)), daemon=True, name=f"crash-{point}"
+    ).start()
 
 
 def hold(point: str, timeout_s: float = 900.0) -> None:
@@ -88,7 +110,7 @@ def fired_dir() -> Path:
 
 
 def fired(point: str) -> dict | None:
-    """What a point that fired recorded (pid, time, the processes killed), or None."""
+    """What an entry of ``PETTINGFLOW_CRASH_AT`` that fired recorded (pid, time, the processes killed), or None."""
     path = fired_dir() / f"{_file_name(point)}.fired"
     with contextlib.suppress(FileNotFoundError, ValueError):
         return json.loads(path.read_text())
@@ -96,7 +118,7 @@ def fired(point: str) -> dict | None:
 
 
 def _file_name(point: str) -> str:
-    return point.replace("/", "_").replace(":", "_")
+    return point.replace("/", "_").replace(":", "_").replace("@", "_at_")
 
 
 def _claim(point: str) -> bool:

@@ -184,7 +184,7 @@ def advantage_step(ctx: IterationContext, config: ExperimentConfig) -> StepOutco
         "policies": {},
     }
     out.begin()
-    maybe_crash("advantages:mid")  # kill matrix
+    maybe_crash("advantages:mid", out.path)  # kill matrix
     for policy in policies:
         part = policy_batch(table, policy)
         # the lag each row will be trained at: versions between its sampler's weights and the update's start

@@ -320,7 +320,7 @@ def write_report(
         return {"uri": step.uri, "skipped": True, "metrics": metrics, "warnings": stored_warnings(step)}
     samples = sample_markdown(ctx)
     png = curve_png(curve_points(history(ctx.layout), ctx.iteration, metrics, ctx.attempt))
-    maybe_crash("report:mid")  # kill matrix: metrics and curve made, nothing written
+    maybe_crash("report:mid", step.path)  # kill matrix: metrics and curve made, nothing written
     step.begin()
     step.write_json("metrics.json", dict(metrics))
     step.write_bytes("samples.md", samples.encode())

@@ -107,7 +107,7 @@ def update_step(
                 spec = spec.model_copy(
                     update={"algorithm": spec.algorithm.model_copy(update={"use_sampler_logprobs": True})}
                 )
-            crash_soon("update:mid")  # kill matrix: a few seconds into the training
+            crash_soon("update:mid", step.path)  # kill matrix: a few seconds into the training
             if learner is not None:
                 metrics = learner.update(spec, timeout_s=config.training.update_timeout_s)
             else:
@@ -140,8 +140,9 @@ def update_step(
             shutil.rmtree(out_dir, ignore_errors=True)
     if background and not metrics.get("skipped"):
         snapshot_in_background(ctx, policy, learner, runtime, step.uri, config.training.update_timeout_s, config)
-        if armed("snapshot:mid"):  # kill matrix: the crash must land while the snapshot is the only work in flight
-            runtime.wait_snapshots(policy)
+        snapshot = ctx.step(optimizer_step_name(policy))
+        if armed("snapshot:mid", snapshot.path) or armed(f"before_marker:{snapshot.name}", snapshot.path):
+            runtime.wait_snapshots(policy)  # kill matrix: the crash lands while the snapshot is the only work in flight
     elif spec.save_resume_state and not metrics.get("skipped") and not ctx.attempt:
         drop_old_replay_snapshots(ctx, config, policy)  # the snapshot came inline, committed with the update
     return StepOutcome(name, step.uri, manifest.rows, False, meta)
@@ -180,7 +181,7 @@ def snapshot_in_background(
                 storage_options=ctx.layout.storage_options,
             )
             uploaded = [FileEntry(**e) for e in result.pop(UPLOADED_KEY, [])]  # by ranks on other nodes
-            maybe_crash("snapshot:mid")  # kill matrix: every rank wrote its part, nothing committed
+            maybe_crash("snapshot:mid", step.path)  # kill matrix: every rank wrote its part, nothing committed
             step.add_tree(out_dir)
             step.add_entries(uploaded)
             step.commit(
@@ -304,7 +305,7 @@ def sync_step(ctx: IterationContext, config: ExperimentConfig, runtime: RunServi
     for policy in runtime.policies:
         results[policy] = runtime.serve(weights_after(ctx, config, policy))
     step = ctx.step(StepName.SYNC)
-    maybe_crash("sync:mid")  # kill matrix: servers synced, the step not committed
+    maybe_crash("sync:mid", step.path)  # kill matrix: servers synced, the step not committed
     if not step.is_committed():
         step.begin()
         step.write_json("sync.json", results)

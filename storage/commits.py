@@ -246,7 +246,7 @@ class Step:
             committed_at=time.time(),
             metadata=metadata or {},
         )
-        maybe_crash(f"before_marker:{self.name}")  # kill matrix: every file written, the marker not
+        maybe_crash(f"before_marker:{self.name}", self.path)  # kill matrix: every file written, the marker not
         write_bytes_atomic(self.fs, self.marker_path, manifest.to_json().encode())
         self._pending = []
         return manifest

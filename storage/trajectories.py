@@ -39,7 +39,7 @@ def write_trajectories(
     validate_trajectories(table)
     table = table.replace_schema_metadata(TRAJECTORY_SCHEMA.metadata)
     step.begin(keep)
-    maybe_crash(f"{step.name}:mid")  # kill matrix: filtered/validation/baseline computed, nothing written
+    maybe_crash(f"{step.name}:mid", step.path)  # kill matrix: filtered/validation/baseline computed, nothing written
     n_files = max(1, -(-table.num_rows // rows_per_file))
     for i in range(n_files):
         chunk = table.slice(i * rows_per_file, rows_per_file)
@@ -141,7 +141,7 @@ class TrajectoryShards:
         """Commit one whole shard and return its rows as a table."""
         table = trajectories_to_table(rows)
         write_trajectories(self._shard(key), table)
-        maybe_crash(f"{self.step.name}:shard")  # kill matrix: rollouts mid-flight, a group committed
+        maybe_crash(f"{self.step.name}:shard", self.step.path)  # kill matrix: rollouts mid-flight, a group committed
         return table
 
     def commit(self, shards: Mapping[int, pa.Table], metadata: dict[str, Any] | None = None) -> Manifest:

