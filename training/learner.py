@@ -239,6 +239,12 @@ class LearnerRank:
         with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
             return {n: p.detach().float().cpu().clone() for n, p in module.named_parameters()}
 
+    def optimizer_lrs(self) -> list[float]:
+        """The learning rate of each param group of the optimizer that steps (DeepSpeed's, wrapping the client's):
+        tests check it is the update's ``training.lr``."""
+        opt = self.worker.engine.optimizer
+        return [float(g["lr"]) for g in getattr(opt, "optimizer", opt).param_groups]
+
     def optimizer_state(self) -> dict[str, Any]:
         """The optimizer's state tensors on CPU (tests compare them across restarts)."""
         opt = self.worker.engine.optimizer

@@ -1,10 +1,33 @@
-"""The optimizer of an update: AdamW that can leave whole param groups (other agents' adapters) untouched."""
+"""The optimizer of an update: AdamW that can leave whole param groups (other agents' adapters) untouched.
+
+Its hyperparameters are read from ``TrainingSettings`` here and nowhere else: ``OptimizerConfig.from_training``
+once per update, ``build_optimizer`` when the engine is built, ``apply_config`` when the optimizer already exists
+(a resident learner's next update, or groups a checkpoint restored with the values they were saved with).
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from pettingflow.configs.settings import TrainingSettings
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """The AdamW hyperparameters of one update (constant over it: there is no scheduler)."""
+
+    lr: float
+    weight_decay: float
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+
+    @classmethod
+    def from_training(cls, training: TrainingSettings) -> OptimizerConfig:
+        """The one place the update reads ``training.lr`` and ``training.weight_decay``."""
+        return cls(lr=training.lr, weight_decay=training.weight_decay)
 
 
 class GroupMaskedAdamW(torch.optim.AdamW):
@@ -27,3 +50,21 @@ class GroupMaskedAdamW(torch.optim.AdamW):
             return super().step(closure)
         finally:
             self.param_groups = groups
+
+
+def build_optimizer(groups: list[dict[str, Any]], config: OptimizerConfig) -> GroupMaskedAdamW:
+    """The client optimizer DeepSpeed wraps. fused=True: torch's single-kernel CPU/CUDA AdamW, ~7x faster than
+    foreach on CPU here, no JIT build."""
+    return GroupMaskedAdamW(
+        groups, lr=config.lr, weight_decay=config.weight_decay, betas=config.betas, eps=config.eps, fused=True
+    )
+
+
+def apply_config(optimizer: torch.optim.Optimizer, config: OptimizerConfig) -> None:
+    """Set ``config``'s values on every param group of an optimizer that already exists: a restored checkpoint's
+    groups hold the values they were saved with, and a resident learner's groups those of its previous update."""
+    for group in optimizer.param_groups:
+        group["lr"] = config.lr
+        group["weight_decay"] = config.weight_decay
+        group["betas"] = config.betas
+        group["eps"] = config.eps
