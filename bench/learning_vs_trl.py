@@ -338,6 +338,7 @@ def trl_train(args: Any, seed: int, out: Path, model: Path) -> dict[str, Any]:
         "out": str(out),
     }
     _write_json(out / "spec.json", spec)
+    (out / "completions.jsonl").unlink(missing_ok=True)  # a TRL run stopped midway starts again from scratch
     env = dict(os.environ, OMP_NUM_THREADS=str(args.trl_threads))
     cmd = [common.python(), "-m", "bench.learning_vs_trl", "--trl-worker", str(out / "spec.json")]
     proc = subprocess.run(cmd, env=env, cwd=common.REPO)
@@ -403,6 +404,9 @@ def trl_worker(spec_path: str) -> int:
         texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
         t0 = time.perf_counter()
         values = asyncio.run(score(texts, task_index))
+        with (Path(spec["out"]) / "completions.jsonl").open("a") as f:  # what PettingFlow's rollouts store, to diff
+            for text, index, value in zip(texts, task_index, values, strict=True):
+                f.write(json.dumps({"call": len(calls), "task_index": index, "text": text, "reward": value}) + "\n")
         calls.append(
             {
                 "tokens": sum(len(ids) for ids in completion_ids),
@@ -790,6 +794,14 @@ def report_markdown(full: dict[str, Any]) -> str:
     ]
     lines += ["", "Not counted in training wall time (vLLM and learner start, teardown / trainer construction): "]
     lines[-1] += "; ".join(setup) + "."
+    first = [
+        f"seed {x['seed']}: PettingFlow {x['train']['pettingflow']['iterations'][0]['reward_mean']}, "
+        f"TRL {x['train']['trl']['iterations'][0]['reward_mean']}"
+        for x in full["seeds"]
+    ]
+    # a check of the footing: iteration 0 samples the base weights on the same tasks, so these should agree up to
+    # sampling noise (32 samples); a gap means the two generate differently, before any update
+    lines += ["Train reward at iteration 0 (base weights, the same tasks): " + "; ".join(first) + "."]
     resumed = [s["seed"] for s in full["seeds"] if s["train"]["pettingflow"].get("resumed")]
     if resumed:
         lines += [f"PettingFlow runs resumed after a stop (their wall times span the stop): seeds {resumed}."]

@@ -151,6 +151,8 @@ def test_one_tiny_iteration_of_each_trainer_then_the_shared_evaluator(
         rows = read_step_trajectories(layout.step(0, StepName.ROLLOUTS)).to_pylist()
         pf_prompts = {r["env_idx"]: list(r["prompt_ids"]) for r in rows if r["turn_idx"] == 0}
         assert [pf_prompts[k] for k in sorted(pf_prompts)] == trl["prompt_ids"]
+        completions = (out / "seed-0" / "trl" / "completions.jsonl").read_text().splitlines()
+        assert [json.loads(c)["task_index"] for c in completions] == [0, 0, 1, 1]
         assert trl["checkpoints"].keys() == {"1"}
         assert (Path(trl["checkpoints"]["1"]) / "config.json").is_file()
         assert lvt.evaluate_all(args, server.url) == []
