@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from pettingflow.agents import build_agent
@@ -131,6 +132,21 @@ def episode_specs(
         return config.env.class_path if ts.env == default_env else ENV_REGISTRY.short_name(ts.env.class_path)
 
     return group_specs(task_specs, group_size, config.run.seed, env_name, make_env, namespace=seed_namespace)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How a step samples its episodes, passed as one value through ``rollout.runner.EpisodeRunner.run``, the Ray
+    pool and its actors down to ``run_episodes``: a new option is a field here, not a parameter in every signature
+    on the way.
+
+    ``group_size`` episodes per task (tree mode: 1 episode, with ``tree_branches`` = K candidates per turn);
+    ``seed_namespace`` prefixes the episodes' seeds; ``temperature`` overrides the agents' own."""
+
+    group_size: int
+    seed_namespace: str
+    tree_branches: int | None = None
+    temperature: float | None = None
 
 
 async def run_episodes(

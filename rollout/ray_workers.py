@@ -35,7 +35,7 @@ from pettingflow.configs.settings import ExperimentConfig
 from pettingflow.envs import EnvCache
 from pettingflow.ray_cluster import init_ray
 from pettingflow.rollout.engine import EngineStats, summarize
-from pettingflow.rollout.local import run_episodes
+from pettingflow.rollout.local import Sampling, run_episodes
 from pettingflow.rollout.records import EpisodeRecord
 
 log = logging.getLogger(__name__)
@@ -98,11 +98,7 @@ class RolloutWorker:
         self,
         tasks: list[dict[str, Any]],
         env_idx: int,
-        *,
-        group_size: int,
-        seed_namespace: str,
-        tree_branches: int | None = None,
-        temperature: float | None = None,
+        sampling: Sampling,
     ) -> GroupResult:
         """The episodes of task ``env_idx`` of ``tasks`` (the whole step's list: indexes fix seeds and UIDs)."""
         started_at = time.time()
@@ -110,13 +106,13 @@ class RolloutWorker:
             self.config,
             self.endpoints,
             tasks,
-            group_size=group_size,
-            seed_namespace=seed_namespace,
+            group_size=sampling.group_size,
+            seed_namespace=sampling.seed_namespace,
             env_cache=self.env_cache,
-            temperature=temperature,
+            temperature=sampling.temperature,
             show_progress=False,
             skip_groups=set(range(len(tasks))) - {env_idx},
-            tree_branches=tree_branches,
+            tree_branches=sampling.tree_branches,
             clients=self.clients,
         )
         return GroupResult(env_idx, self.worker, records, stats, started_at)
@@ -178,11 +174,8 @@ class RayRolloutWorkers:
         self,
         tasks: Sequence[dict[str, Any]],
         groups: Sequence[int],
+        sampling: Sampling,
         *,
-        group_size: int,
-        seed_namespace: str,
-        tree_branches: int | None = None,
-        temperature: float | None = None,
         on_group: Callable[[list[EpisodeRecord]], None] | None = None,
     ) -> GroupRun:
         """Run groups ``groups`` (indexes into ``tasks``); ``on_group`` gets each group's records (sorted by
@@ -194,14 +187,7 @@ class RayRolloutWorkers:
         pending = {}
         for i, env_idx in enumerate(groups):
             actor = self.actors[i % self.num_workers]
-            ref = actor.run_group.remote(
-                tasks_ref,
-                env_idx,
-                group_size=group_size,
-                seed_namespace=seed_namespace,
-                tree_branches=tree_branches,
-                temperature=temperature,
-            )
+            ref = actor.run_group.remote(tasks_ref, env_idx, sampling)
             pending[ref] = env_idx
         results: list[GroupResult] = []
         try:

@@ -16,10 +16,11 @@ from typing import Any
 from pettingflow.configs.settings import ExperimentConfig
 from pettingflow.envs import EnvCache
 from pettingflow.rollout.engine import EngineStats
-from pettingflow.rollout.local import Endpoint, run_episodes
+from pettingflow.rollout.local import Endpoint, Sampling, run_episodes
 from pettingflow.rollout.records import EpisodeRecord
 
 OnGroup = Callable[[list[EpisodeRecord]], None]
+__all__ = ["EpisodeRunner", "LocalEpisodeRunner", "OnGroup", "RayEpisodeRunner", "RunResult", "Sampling"]
 
 
 @dataclass
@@ -51,16 +52,12 @@ class EpisodeRunner:
     def run(
         self,
         tasks: list[dict[str, Any]],
+        sampling: Sampling,
         *,
-        group_size: int,
-        seed_namespace: str,
-        tree_branches: int | None = None,
-        temperature: float | None = None,
         skip_groups: Collection[int] = (),
         on_group: OnGroup | None = None,
     ) -> RunResult:
-        """``group_size`` episodes of every task of ``tasks`` whose index is not in ``skip_groups`` (tree mode:
-        ``group_size=1`` and ``tree_branches=K``); ``temperature`` overrides the agents' own."""
+        """``sampling``'s episodes of every task of ``tasks`` whose index is not in ``skip_groups``."""
         raise NotImplementedError
 
 
@@ -83,11 +80,8 @@ class LocalEpisodeRunner(EpisodeRunner):
     def run(
         self,
         tasks: list[dict[str, Any]],
+        sampling: Sampling,
         *,
-        group_size: int,
-        seed_namespace: str,
-        tree_branches: int | None = None,
-        temperature: float | None = None,
         skip_groups: Collection[int] = (),
         on_group: OnGroup | None = None,
     ) -> RunResult:
@@ -96,7 +90,7 @@ class LocalEpisodeRunner(EpisodeRunner):
         def on_episode(record: EpisodeRecord) -> None:
             group = pending.setdefault(record.id.env_idx, [])
             group.append(record)
-            if len(group) == group_size:
+            if len(group) == sampling.group_size:
                 del pending[record.id.env_idx]
                 group.sort(key=lambda r: r.id.sample_idx)
                 if on_group is not None:
@@ -107,14 +101,14 @@ class LocalEpisodeRunner(EpisodeRunner):
                 self.config,
                 self.endpoints,
                 tasks,
-                group_size=group_size,
-                seed_namespace=seed_namespace,
+                group_size=sampling.group_size,
+                seed_namespace=sampling.seed_namespace,
                 env_cache=self.env_cache,
-                temperature=temperature,
+                temperature=sampling.temperature,
                 show_progress=self.show_progress,
                 skip_groups=skip_groups,
                 on_episode=on_episode,
-                tree_branches=tree_branches,
+                tree_branches=sampling.tree_branches,
             )
         )
         return RunResult(records, stats)
@@ -131,11 +125,8 @@ class RayEpisodeRunner(EpisodeRunner):
     def run(
         self,
         tasks: list[dict[str, Any]],
+        sampling: Sampling,
         *,
-        group_size: int,
-        seed_namespace: str,
-        tree_branches: int | None = None,
-        temperature: float | None = None,
         skip_groups: Collection[int] = (),
         on_group: OnGroup | None = None,
     ) -> RunResult:
@@ -145,10 +136,7 @@ class RayEpisodeRunner(EpisodeRunner):
             ran = pool.run(
                 tasks,
                 [i for i in range(len(tasks)) if i not in skip_groups],
-                group_size=group_size,
-                seed_namespace=seed_namespace,
-                tree_branches=tree_branches,
-                temperature=temperature,
+                sampling,
                 on_group=on_group,
             )
         return RunResult(ran.records, ran.stats, ran.workers)

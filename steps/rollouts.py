@@ -19,7 +19,7 @@ from pettingflow.configs.settings import ExperimentConfig
 from pettingflow.envs import EnvCache, load_tasks
 from pettingflow.rollout.engine import EngineStats
 from pettingflow.rollout.records import EpisodeRecord, build_rows
-from pettingflow.rollout.runner import EpisodeRunner, LocalEpisodeRunner
+from pettingflow.rollout.runner import EpisodeRunner, LocalEpisodeRunner, Sampling
 from pettingflow.runs.context import IterationContext
 from pettingflow.runs.endpoint import PolicyEndpoint
 from pettingflow.runs.lineage import stale_rollouts, start_version
@@ -129,13 +129,16 @@ def collect_step(
         stored[env_idx] = shards.write(env_idx, rows)
 
     runner = EpisodeRunner.for_config(config, endpoints, env_cache=env_cache, show_progress=show_progress)
-    ran = runner.run(
-        tasks,
+    sampling = Sampling(
         group_size=episodes_per_task,
         # seeds follow run.seed and the iteration only (not the run id, which holds the clock): a config
         # reproduces its samples, and tests do not depend on when they run
         seed_namespace=f"iter-{ctx.iteration}/",
         tree_branches=group_size if tree else None,
+    )
+    ran = runner.run(
+        tasks,
+        sampling,
         skip_groups=set(stored),
         on_group=commit_group,
     )
@@ -238,12 +241,10 @@ def validation_step(
     tasks = select_validation_tasks(config) if tasks is None else tasks
     # always in this process, whatever rollout.workers says: a few held-out tasks, committed as one step
     runner = LocalEpisodeRunner(config, endpoints, env_cache=env_cache, show_progress=show_progress)
-    ran = runner.run(
-        tasks,
-        group_size=config.validation.samples_per_task,
-        seed_namespace=f"{StepName.VALIDATION}/",
-        temperature=config.validation.temperature,
+    sampling = Sampling(
+        config.validation.samples_per_task, f"{StepName.VALIDATION}/", temperature=config.validation.temperature
     )
+    ran = runner.run(tasks, sampling)
     return _commit(
         step, ran.records, config, ctx, config.validation.samples_per_task, ran.stats, tasks, policy_versions
     )

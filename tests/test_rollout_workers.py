@@ -15,7 +15,7 @@ from factories import crash_after_first_shard
 from bench.scripted_server import ScriptedServer
 from pettingflow.configs import load_config
 from pettingflow.envs import EnvCache, load_humaneval
-from pettingflow.rollout.local import run_episodes
+from pettingflow.rollout.local import Sampling, run_episodes
 from pettingflow.rollout.ray_workers import RolloutWorker
 from pettingflow.runs.context import IterationContext
 from pettingflow.runs.endpoint import PolicyEndpoint
@@ -68,8 +68,8 @@ def test_worker_body_runs_one_group_with_the_steps_seeds(tmp_path, scripted, def
     assert worker.config.rollout.max_concurrent_requests == 3  # a server sees the same load from 2 actors
 
     async def both():
-        got = await worker.run_group(tasks, 2, group_size=2, seed_namespace="iter-0/")
-        again = await worker.run_group(tasks, 3, group_size=2, seed_namespace="iter-0/")
+        got = await worker.run_group(tasks, 2, Sampling(group_size=2, seed_namespace="iter-0/"))
+        again = await worker.run_group(tasks, 3, Sampling(group_size=2, seed_namespace="iter-0/"))
         clients = dict(worker.clients)
         await worker.close()
         return got, again, clients
