@@ -20,7 +20,7 @@ def load_counter():
 
 def test_the_stated_test_counts_are_the_collected_ones(request: pytest.FixtureRequest) -> None:
     """A test added, removed or marked slow without `scripts/test_counts.py` being run fails here, naming the page.
-    The counts are this session's collection when it collected the whole suite (``make test``, ``make test-fast``:
+    The counts are pytest's own collection when it collected the whole suite (``make test``, ``make test-fast``:
     ``-m`` deselects after collecting), else a collection of its own (about 10 s)."""
     counter = load_counter()
     whole = request.config.args_source == pytest.Config.ArgsSource.TESTPATHS
