@@ -99,6 +99,10 @@ def hold(point: str, timeout_s: float = 900.0) -> None:
     if not _named(ENV_HOLD, point):
         return
     release = fired_dir() / f"{_file_name(point)}.release"
+    # who holds, for the test to wait on (a folder left by an earlier crash is no sign that the hold was reached)
+    held = fired_dir() / f"{_file_name(point)}.held"
+    held.parent.mkdir(parents=True, exist_ok=True)
+    held.write_text(json.dumps({"point": point, "pid": os.getpid(), "time": time.time()}))
     deadline = time.monotonic() + timeout_s
     while not release.exists() and time.monotonic() < deadline:
         time.sleep(0.2)

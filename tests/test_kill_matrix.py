@@ -408,14 +408,6 @@ def flow_runs_of(env: dict[str, str], flow_run_id: str) -> tuple[str, dict[str, 
     return run.json()["state"]["type"], counts, messages
 
 
-def flow_process(worker: subprocess.Popen) -> psutil.Process:
-    """The process that runs the worker's flow run: the process worker's one child (``python -m prefect.engine``)."""
-    children = psutil.Process(worker.pid).children()
-    runs = [c for c in children if "prefect.engine" in " ".join(c.cmdline())] or children
-    assert len(runs) == 1, f"not one flow-run process under the worker: {[(c.pid, c.cmdline()) for c in children]}"
-    return runs[0]
-
-
 def requests_running(url: str) -> float:
     """vLLM's ``vllm:num_requests_running`` gauge (0 when the server does not answer)."""
     import httpx
@@ -453,8 +445,20 @@ def kill_prefect_mid_update(stack: Stack, worker, flow_run_id: str, layout_of, i
     ``PETTINGFLOW_HOLD_AT=update:before_commit``), start it again on the same port and database, check the run
     goes on, and release the update."""
     update = lambda: layout_of().step(iteration, "update-shared")  # noqa: E731
-    wait_for(f"iteration {iteration}'s update in flight", lambda: update().fs.exists(update().path))
-    flow_proc = flow_process(worker)
+    held = stack.faults / "update_before_commit.held"  # faults.hold writes it when the hold is reached
+
+    def holder() -> psutil.Process | None:
+        """The process of this worker's flow run that holds the update (the update's folder may be a leftover of
+        the point before, so it is no sign)."""
+        with contextlib.suppress(FileNotFoundError, ValueError, KeyError, psutil.Error):
+            proc = psutil.Process(json.loads(held.read_text())["pid"])
+            if any(p.pid == worker.pid for p in proc.parents()):
+                return proc
+        return None
+
+    wait_for(f"iteration {iteration}'s update held before its commit", lambda: holder() is not None)
+    flow_proc = holder()
+    assert flow_proc is not None
     stack.kill_server()  # SIGKILL: the API is gone mid-update
     time.sleep(5)
     stack.start_server()  # the same port and database
