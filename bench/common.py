@@ -346,3 +346,16 @@ def write_random_batch(
 
 if __name__ == "__main__":
     sys.exit(serve())
+
+
+TRL_VERSION = "1.16.0"  # the TRL the comparisons with it (bench/iteration_vs_trl.py, bench/learning_vs_trl.py) target
+
+
+def trl_import_error() -> str | None:
+    try:
+        import trl
+    except Exception as exc:
+        return f"TRL cannot be imported ({type(exc).__name__}: {exc}); install it with pip install trl=={TRL_VERSION}"
+    if trl.__version__ != TRL_VERSION:
+        return f"trl {trl.__version__} installed, the bench targets {TRL_VERSION}"
+    return None

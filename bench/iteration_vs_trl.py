@@ -63,6 +63,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import common
+from bench.common import trl_import_error
 from pettingflow.allocator import describe, preload_env
 from pettingflow.steps.report import read_metrics
 from pettingflow.storage.layout import UPDATE_STEP_PREFIX, StepName
@@ -71,7 +72,6 @@ GOAL = 0.45  # PettingFlow (sync, tuned) wall / TRL wall per warm iteration (was
 DEFAULTS_GOAL = 1.05  # PettingFlow with the shipped defaults / tuned: within 5 %
 ASYNC_GOAL = 0.33  # PettingFlow async wall / TRL wall
 ASYNC_SPEEDUP_GOAL = 1.5  # sync wall / async wall
-TRL_VERSION = "1.16.0"
 PHASES = ("gen", "filter_adv", "update", "sync", "other")
 PHASE_NAMES = {
     "gen": "rollouts/gen",
@@ -371,16 +371,6 @@ def trl_worker(spec_path: str) -> int:
 # --------------------------------------------------------------------------------------------------
 # the bench
 # --------------------------------------------------------------------------------------------------
-def trl_import_error() -> str | None:
-    try:
-        import trl
-    except Exception as exc:
-        return f"TRL cannot be imported ({type(exc).__name__}: {exc}); install it with pip install trl=={TRL_VERSION}"
-    if trl.__version__ != TRL_VERSION:
-        return f"trl {trl.__version__} installed, the bench targets {TRL_VERSION}"
-    return None
-
-
 def breakdown_row(label: str, x: dict[str, Any]) -> list[Any]:
     return [label, x["wall"], *(x[p] for p in PHASES), x.get("tokens") or "-", x.get("optimizer_steps") or "-"]
 

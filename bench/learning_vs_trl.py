@@ -57,10 +57,10 @@ from pathlib import Path
 from typing import Any
 
 from bench import common
+from bench.common import trl_import_error
 
 CONFIG = "code-env-learn-solo"
 TRAINERS = ("pettingflow", "trl")
-TRL_VERSION = "1.16.0"
 WALL_GOAL = 0.5  # PettingFlow's wall time to reach the same held-out gain / TRL's
 #: Every setting the two trainers do not share, as the report lists it (what is shared: the module docstring).
 SETTING_DIFFERENCES = (
@@ -838,16 +838,6 @@ def plot(curves: dict[str, dict[str, list[float]]], path: Path) -> Path | None:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
-
-
-def trl_import_error() -> str | None:
-    try:
-        import trl
-    except Exception as exc:
-        return f"TRL cannot be imported ({type(exc).__name__}: {exc}); install it with pip install trl=={TRL_VERSION}"
-    if trl.__version__ != TRL_VERSION:
-        return f"trl {trl.__version__} installed, the bench targets {TRL_VERSION}"
-    return None
 
 
 def parser() -> argparse.ArgumentParser:
