@@ -224,3 +224,17 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory, default_tokenizer) -> P
     return random_llama(
         tmp_path_factory.mktemp("tiny-model"), default_tokenizer, hidden=32, intermediate=64, heads=4, kv_heads=2
     )
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """A local Ray for one module's resident learners (4 logical CPUs: 2 ranks and their spares); shut down after
+    the module unless Ray was already up."""
+    import ray
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield ray
+    if started:
+        ray.shutdown()

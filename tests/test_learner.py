@@ -28,18 +28,6 @@ in_process = test_training_worker.in_process
 TRAIN = {"dtype": "bf16", "zero_stage": 0, "micro_batch_size": 2, "gradient_accumulation_steps": 2, "lr": 1e-2}
 
 
-@pytest.fixture(scope="module")
-def local_ray():
-    import ray
-
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield ray
-    if started:
-        ray.shutdown()
-
-
 def batches(tmp: Path, n: int) -> list[str]:
     """``n`` different batches of 4 rows (one optimizer step each: 2 micro-batches of 2)."""
     out = []

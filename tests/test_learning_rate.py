@@ -26,18 +26,6 @@ TRAIN = {"dtype": "fp32", "zero_stage": 0, "micro_batch_size": 2, "mini_batch_si
 LR, SECOND_LR = 3e-3, 7e-4  # neither is TrainingSettings' default (1e-5) nor the test helpers' (5e-3)
 
 
-@pytest.fixture(scope="module")
-def local_ray():
-    import ray
-
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield ray
-    if started:
-        ray.shutdown()
-
-
 def _spec(tmp: Path, k: int, init: Path, start: Path, ranks: int, lr: float) -> UpdateSpec:
     batch = write_batch(tmp / f"batch-{k}.parquet", make_rows(4, seed=30 + k), [1.0, -1.0, 0.5, -0.5])
     return spec_for(
