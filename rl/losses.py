@@ -16,36 +16,9 @@ from collections.abc import Sequence
 
 import torch
 
-from pettingflow.rl.loss_terms import (  # the registries and what they register
-    K3_MAX,
-    KL_ESTIMATORS,
-    LOG_RATIO_CLAMP,
-    LOSS_AGG_MODES,
-    POLICY_LOSSES,
-    ClipParams,
-    LossAggMode,
-    PolicyLoss,
-    PolicyLossTerms,
-    log_ratio,
-)
+from pettingflow.rl.loss_terms import KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES, ClipParams, log_ratio
 
-__all__ = [
-    "K3_MAX",
-    "KL_ESTIMATORS",
-    "LOG_RATIO_CLAMP",
-    "LOSS_AGG_MODES",
-    "POLICY_LOSSES",
-    "ClipParams",
-    "LossAggMode",
-    "PolicyLoss",
-    "PolicyLossTerms",
-    "entropy_from_logits",
-    "kl_penalty",
-    "loss_denominator",
-    "masked_aggregate",
-    "policy_loss",
-    "total_loss",
-]
+__all__ = ["entropy_from_logits", "kl_penalty", "loss_denominator", "masked_aggregate", "policy_loss", "total_loss"]
 
 
 def _valid(mask: torch.Tensor, **tensors: torch.Tensor) -> torch.Tensor:
