@@ -36,7 +36,10 @@ TOK = CharChatTokenizer()
 needs_bwrap = pytest.mark.skipif(
     shutil.which("bwrap") is None, reason="bubblewrap not installed (`make test` installs it)"
 )
-FAST_SANDBOX = {"timeout_s": 3.0, "cpu_time_s": 3, "max_concurrency": 2}
+# Programs that must finish get limits no loaded machine reaches (a pass must not depend on the machine's load);
+# only the program that must run out of time gets a short one.
+FAST_SANDBOX = {"timeout_s": 30.0, "cpu_time_s": 20, "max_concurrency": 2}
+SHORT_SANDBOX = {"timeout_s": 2.0, "cpu_time_s": 2, "max_concurrency": 1}
 
 
 def run(coro):
@@ -323,6 +326,17 @@ def sandbox():
     return make_sandbox(SandboxSettings(**FAST_SANDBOX))
 
 
+@pytest.fixture(scope="module")
+def short_sandbox():
+    """For the one program that must run out of time: a short limit, so the case does not wait 30 s."""
+    if shutil.which("bwrap") is None:
+        pytest.skip("bubblewrap not installed")
+    from pettingflow.configs.settings import SandboxSettings
+    from pettingflow.envs.sandbox import make_sandbox
+
+    return make_sandbox(SandboxSettings(**SHORT_SANDBOX))
+
+
 @needs_bwrap
 @pytest.mark.parametrize(
     ("program", "status", "reward", "printed", "shown"),
@@ -336,11 +350,12 @@ def sandbox():
     ],
     ids=["fraction", "float", "wrong", "crash", "syntax", "timeout"],
 )
-def test_programs_run_in_the_real_sandbox(sandbox, program, status, reward, printed, shown) -> None:
+def test_programs_run_in_the_real_sandbox(sandbox, short_sandbox, program, status, reward, printed, shown) -> None:
     from pettingflow.agents.math_agents import describe_run
 
     q = "Chen has 20 red and 18 blue marbles and shares all of them equally among 5 friends. How many each?"
-    env = MathToolEnv({"task_id": "m", "question": q, "answer": "38/5"}, {"sandbox": FAST_SANDBOX}, sandbox=sandbox)
+    limits, box = (SHORT_SANDBOX, short_sandbox) if status == "timeout" else (FAST_SANDBOX, sandbox)
+    env = MathToolEnv({"task_id": "m", "question": q, "answer": "38/5"}, {"sandbox": limits}, sandbox=box)
     outcome = run(env.run_program(program))
     assert (outcome.info["status"], outcome.reward, outcome.info["printed"]) == (status, pytest.approx(reward), printed)
     assert shown in describe_run(env.state.last_run)

@@ -143,7 +143,10 @@ PROBES: dict[str, str] = {
     "patches the runner's encoder": "import sys\nm = sys.modules['__main__']\n"
     "m.encode = lambda v: {'t': 'not plain'}\nm.send_message.__globals__['encode'] = lambda v: 7\n"
     "def add(a, b):\n    return None",
-    "forks a process that writes later": WRITER + "import time\nif os.fork() == 0:\n    time.sleep(0.3)\n"
+    # the child writes once the program that forked it is gone (reparented), not after a guessed sleep
+    "forks a process that writes later": WRITER + "import time\nparent = os.getpid()\nif os.fork() == 0:\n"
+    "    deadline = time.monotonic() + 10\n"
+    "    while os.getppid() == parent and time.monotonic() < deadline:\n        time.sleep(0.01)\n"
     "    spam()\n    os._exit(0)\ndef add(a, b):\n    return 7",
     "signals the judge": "import os, signal\ndef add(a, b):\n    os.kill(os.getppid(), signal.SIGALRM)\n    return 7",
     "kills its parent": "import os, signal\ndef add(a, b):\n    os.kill(os.getppid(), signal.SIGKILL)\n    return 7",
