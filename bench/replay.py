@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2, help="the original's torch threads")
     args = common.parse_args(parser, argv)
 
-    from pettingflow.training.checkpoint import BASE_VERSION, DEEPSPEED_SUBDIR, PolicyWeights
+    from pettingflow.training.checkpoint import BASE_WEIGHTS, DEEPSPEED_SUBDIR, PolicyWeights
     from pettingflow.training.launch import run_update, spec_from_config
     from pettingflow.training.worker import UpdateWorker, ensure_dist_env
 
@@ -83,19 +83,19 @@ def main(argv: list[str] | None = None) -> int:
                 out_dir=str(tmp / name),
                 start=start,
                 iteration=k,
-                version=f"v{k}",
+                weights_uri=f"v{k}",
                 save_optimizer=False,
                 num_threads=threads,
             )
             return s.model_copy(update={"training": s.training.model_copy(update=training)}) if training else s
 
-        base = PolicyWeights(policy="shared", base_dir=str(model), model_dir=str(model), source=BASE_VERSION)
+        base = PolicyWeights(policy="shared", base_dir=str(model), model_dir=str(model), source=BASE_WEIGHTS)
         resident = UpdateWorker()
         try:
             m0 = resident.update(spec(0, "u0", base, args.threads))
             snap = tmp / "snapshot"
             resident.save_optimizer_snapshot(str(snap), "v0")
-            original = resident.update(spec(1, "u1", base, args.threads).model_copy(update={"start_version": "v0"}))
+            original = resident.update(spec(1, "u1", base, args.threads).model_copy(update={"start_weights": "v0"}))
         finally:
             resident.cleanup()
         out["snapshot_bytes"] = folder_bytes(snap / DEEPSPEED_SUBDIR)

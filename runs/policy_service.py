@@ -170,7 +170,7 @@ class PolicyService:
         elif self.served_model != weights.model_dir:
             learner = self.learner_handle
             backend = self.config.inference.weight_sync
-            holds = learner is not None and learner.alive and learner.version == weights.source
+            holds = learner is not None and learner.alive and learner.holds == weights.source
             broadcast = backend != "disk" and holds
             for r, server in enumerate(self.servers):
                 entry: dict[str, Any] = {"model": self.served_name, "path": weights.model_dir, **self._at(r)}

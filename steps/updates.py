@@ -83,7 +83,7 @@ def update_step(
     # inference.between_updates: the servers keep running, are paused, sleep or are stopped while this trains
     released = runtime.servers_released() if runtime is not None else contextlib.nullcontext(False)
     # a failure below leaves the step uncommitted; a resident learner then holds weights named after this
-    # step (``version``), never the retry's starting weights, so the retry reloads the committed ones
+    # step (``weights_uri``), never the retry's starting weights, so the retry reloads the committed ones
     try:
         with released as servers_released:
             spec = spec_from_config(
@@ -93,7 +93,7 @@ def update_step(
                 out_dir=str(out_dir),
                 start=start,
                 iteration=ctx.iteration,
-                version=step.uri,
+                weights_uri=step.uri,
                 num_threads=update_threads(config, servers_released, ctx, policy),
                 out_uri=step.uri if local is None else None,  # ranks on other nodes upload there
                 save_optimizer=False if ctx.attempt else None,  # a re-run's snapshot: nothing ever starts from it
@@ -153,11 +153,11 @@ def snapshot_in_background(
     policy: str,
     learner: Any,
     runtime: RunServices,
-    version: str,
+    weights_uri: str,
     timeout_s: float | None,
     config: ExperimentConfig | None = None,
 ) -> None:
-    """Write the optimizer snapshot of the update just committed (``version``) in the learner, and commit it as
+    """Write the optimizer snapshot of the update just committed (``weights_uri``) in the learner, and commit it as
     ``optimizer-<policy>`` once every rank is done, from a thread of the runtime: the flow goes on to sync,
     validate and collect meanwhile. A failure or a crash leaves the step uncommitted, so a resume uses the
     previous snapshot (and says how old it is); nothing half-written is ever read. Once committed, the snapshots
@@ -175,7 +175,7 @@ def snapshot_in_background(
         try:
             result = learner.save_optimizer(
                 str(out_dir),
-                version,
+                weights_uri,
                 timeout_s=timeout_s,
                 out_uri=step.uri if local is None else None,
                 storage_options=ctx.layout.storage_options,
@@ -185,7 +185,12 @@ def snapshot_in_background(
             step.add_tree(out_dir)
             step.add_entries(uploaded)
             step.commit(
-                {"policy": policy, "for_update": version, "wall_s": round(time.perf_counter() - started, 3), **result}
+                {
+                    "policy": policy,
+                    "for_update": weights_uri,
+                    "wall_s": round(time.perf_counter() - started, 3),
+                    **result,
+                }
             )
             log.info(
                 "optimizer snapshot of %s committed at %s (%.1f s, off the critical path)",
@@ -197,7 +202,10 @@ def snapshot_in_background(
                 drop_old_replay_snapshots(ctx, config, policy)
         except Exception as exc:  # the snapshot is optional: the run goes on with the previous one
             log.warning(
-                "optimizer snapshot of %s after %s failed, the previous one stays in force: %s", policy, version, exc
+                "optimizer snapshot of %s after %s failed, the previous one stays in force: %s",
+                policy,
+                weights_uri,
+                exc,
             )
         finally:
             if local is None:

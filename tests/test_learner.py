@@ -19,7 +19,7 @@ from test_training_worker import load_model, make_rows, spec_for, write_batch
 
 from pettingflow.runs.replay import verify_replay
 from pettingflow.training import UpdateError
-from pettingflow.training.checkpoint import BASE_VERSION
+from pettingflow.training.checkpoint import BASE_WEIGHTS
 from pettingflow.training.launch import UpdateSpec
 
 tiny_model_dir = test_training_worker.tiny_model_dir  # the same session fixture (one tiny model per test run)
@@ -46,8 +46,8 @@ def chain_spec(batch: str, out: Path, init: Path, k: int, prev: dict | None, **k
         start_dir,
         training=TRAIN,
         base_model_dir=str(init),
-        start_version=f"v{k - 1}" if prev else BASE_VERSION,
-        version=f"v{k}",
+        start_weights=f"v{k - 1}" if prev else BASE_WEIGHTS,
+        weights_uri=f"v{k}",
         resume_dir=kw.pop("resume_dir", None),
         save_resume_state=kw.pop("save_resume_state", True),
         seed=k,
@@ -80,7 +80,7 @@ def test_resident_updates_equal_updates_with_a_kill_and_resume(local_ray, tiny_m
         a.stop()
     assert [m["optimizer_state"] for m in ma] == ["new", "resident", "resident"]
     assert [m["learner_loaded"] for m in ma] == [True, False, False]
-    assert a.starts == 1 and state_a["version"] == "v2" and state_a["updates_done"] == 3
+    assert a.starts == 1 and state_a["holds"] == "v2" and state_a["updates_done"] == 3
     # the ranks run with the allocator the default (auto) resolves to here: tcmalloc when installed
     assert state_a["malloc"] == describe("auto")
     # Adam was not reset between updates: its step count went on by one per update

@@ -16,7 +16,7 @@ import test_training_worker
 from safetensors.torch import load_file
 from test_training_worker import make_rows, spec_for, write_batch
 
-from pettingflow.training.checkpoint import BASE_VERSION
+from pettingflow.training.checkpoint import BASE_WEIGHTS
 from pettingflow.training.launch import UpdateSpec, run_update
 
 tiny_model_dir = test_training_worker.tiny_model_dir  # the same session fixture (one tiny model per test run)
@@ -34,8 +34,8 @@ def _spec(tmp: Path, k: int, init: Path, start: Path, ranks: int, lr: float) -> 
         start,
         training=TRAIN | {"lr": lr, "num_processes": ranks},
         base_model_dir=str(init),
-        start_version=f"v{k - 1}" if k else BASE_VERSION,
-        version=f"v{k}",
+        start_weights=f"v{k - 1}" if k else BASE_WEIGHTS,
+        weights_uri=f"v{k}",
         seed=k,
     )
 

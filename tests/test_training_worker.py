@@ -499,6 +499,20 @@ def test_spec_validation():
     assert UpdateSpec.model_validate_json(spec.model_dump_json()) == spec
 
 
+def test_a_spec_stored_under_the_old_field_names_still_reads():
+    """``start_version`` and ``version`` were renamed ``start_weights`` and ``weights_uri`` ("version" is the lineage's
+    integer elsewhere): a ``spec.json`` written before reads with its values under the new names, and a spec giving
+    both the old and the new name of one field is refused rather than one of them dropped."""
+    old = {"batch_uri": "b", "policy": "p", "out_dir": "o", "init_model_dir": "m"}
+    spec = UpdateSpec.model_validate_json(json.dumps({**old, "start_version": "base", "version": "file:///run/u0"}))
+    assert (spec.start_weights, spec.weights_uri) == ("base", "file:///run/u0")
+    assert "version" not in spec.model_dump() and "start_version" not in spec.model_dump()
+    with pytest.raises(ValueError, match="'version' is the old name of 'weights_uri'"):
+        UpdateSpec.model_validate({**old, "version": "a", "weights_uri": "b"})
+    with pytest.raises(ValueError, match="extra"):  # any other unknown field is still an error
+        UpdateSpec.model_validate({**old, "versions": "a"})
+
+
 def test_cli_builds_the_spec_from_a_config(tmp_path, monkeypatch, tiny_model_dir):
     import pyarrow as pa
     import pyarrow.parquet as pq

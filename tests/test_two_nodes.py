@@ -164,7 +164,7 @@ def test_learner_on_a_second_node_then_that_node_lost_mid_update(
     real_update, calls, found, done = Learner.update, [], {}, threading.Event()
 
     def update(self: Learner, spec, timeout_s=None):
-        calls.append(spec.version)
+        calls.append(spec.weights_uri)
         if len(calls) == 2:
             threading.Thread(
                 target=kill_second_node_mid_update,

@@ -10,7 +10,7 @@ from test_storage import s3_server  # noqa: F401 (module fixture: moto's S3 serv
 from pettingflow.configs.loader import load_config
 from pettingflow.runs.lineage import start_version, weights_before
 from pettingflow.storage import RunLayout
-from pettingflow.training.checkpoint import BASE_VERSION, optimizer_snapshot_due
+from pettingflow.training.checkpoint import BASE_WEIGHTS, optimizer_snapshot_due
 
 
 @pytest.fixture
@@ -37,7 +37,7 @@ def commit_update(layout: RunLayout, k: int, *, snapshot: bool, skipped: bool = 
 def test_start_weights_and_snapshot_age(setup) -> None:
     layout, config, base = setup
     start = weights_before(layout, config, "shared", 0)
-    assert (start.source, start.model_dir, start.deepspeed_dir, start.optimizer_age) == (BASE_VERSION, base, None, 0)
+    assert (start.source, start.model_dir, start.deepspeed_dir, start.optimizer_age) == (BASE_WEIGHTS, base, None, 0)
     assert start.version == 0
 
     u0 = commit_update(layout, 0, snapshot=True)

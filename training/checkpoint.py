@@ -8,7 +8,7 @@ An update step's folder holds::
     deepspeed/          optional optimizer snapshot (DeepSpeed checkpoint: weights + Adam moments + step count)
     metrics.json        written last
 
-``BASE_VERSION`` names the untrained weights of a policy; every trained state is named by the URI of the
+``BASE_WEIGHTS`` names the untrained weights of a policy; every trained state is named by the URI of the
 committed update step that holds it, so "which weights does this learner hold" is a string comparison.
 """
 
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 MODEL_SUBDIR = "model"
 ADAPTERS_SUBDIR = "adapters"
 DEEPSPEED_SUBDIR = "deepspeed"
-BASE_VERSION = "base"
+BASE_WEIGHTS = "base"
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,7 @@ class PolicyWeights:
     deepspeed_dir: str | None = None  # the newest optimizer snapshot at or before these weights
     snapshot_source: str | None = None  # the URI of the step holding deepspeed_dir (a rank on another node reads it)
     optimizer_age: int = 0  # updates between that snapshot and these weights (0: the snapshot is of these weights)
-    source: str = BASE_VERSION  # BASE_VERSION or the URI of the update step they come from
+    source: str = BASE_WEIGHTS  # BASE_WEIGHTS or the URI of the update step they come from
     version: int = 0  # 0 = base, k + 1 = written by the update of iteration k (rows record it: policy_version)
 
 

@@ -40,7 +40,7 @@ from pettingflow import deathsig
 from pettingflow.allocator import preload_env
 from pettingflow.configs.settings import AlgorithmSettings, LoraSettings, Specialization, TrainingSettings
 from pettingflow.processes import free_port, stop_process_group
-from pettingflow.training.checkpoint import BASE_VERSION, PolicyWeights, optimizer_snapshot_written
+from pettingflow.training.checkpoint import BASE_WEIGHTS, PolicyWeights, optimizer_snapshot_written
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +62,10 @@ class StartSources(BaseModel):
         None, description="URI of the committed update step holding model/ or adapters/; None: the base model."
     )
     snapshot: str | None = Field(None, description="URI of the committed step holding deepspeed/ (resume_dir).")
+
+
+#: fields of ``UpdateSpec`` renamed since specs were first stored: old name -> new name (still read)
+LEGACY_FIELDS = {"start_version": "start_weights", "version": "weights_uri"}
 
 
 class UpdateSpec(BaseModel):
@@ -96,13 +100,13 @@ class UpdateSpec(BaseModel):
         description="Write deepspeed/ (weights + optimizer state, ~13x the bf16 weights for a full model) "
         "so that the next job can resume exactly.",
     )
-    start_version: str | None = Field(
+    start_weights: str | None = Field(
         None,
-        description="Name of the starting weights ('base' or the URI of the update step holding them). A resident "
-        "learner that holds exactly these weights continues in memory; None: unknown (always load).",
+        description="Which weights the update starts from: 'base' or the URI of the update step holding them. A "
+        "resident learner that holds exactly these weights continues in memory; None: unknown (always load).",
     )
-    version: str | None = Field(
-        None, description="Name the weights written by this update will have once committed (its step's URI)."
+    weights_uri: str | None = Field(
+        None, description="The URI the weights written by this update will have once committed (its step's URI)."
     )
     optimizer_age: int = Field(
         0, ge=0, description="Updates between the resume_dir snapshot and the starting weights (0: exact)."
@@ -116,6 +120,20 @@ class UpdateSpec(BaseModel):
         description="Where out_dir's files belong in remote storage (the update step's URI): a rank on another node "
         "than the flow's writes into a folder of its own and uploads its files there. None: storage is local.",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _read_old_names(cls, data: Any) -> Any:
+        """A ``spec.json`` written before the fields were renamed (``LEGACY_FIELDS``) still reads: "version" meant
+        the lineage's integer elsewhere and a step URI here, so these fields got names of their own."""
+        if isinstance(data, dict) and any(old in data for old in LEGACY_FIELDS):
+            data = dict(data)
+            for old, new in LEGACY_FIELDS.items():
+                if old in data:
+                    if new in data:
+                        raise ValueError(f"spec gives both {old!r} and {new!r}; {old!r} is the old name of {new!r}")
+                    data[new] = data.pop(old)
+        return data
 
     @model_validator(mode="after")
     def _check(self) -> UpdateSpec:
@@ -356,7 +374,7 @@ def spec_from_config(
     out_dir: str,
     start: PolicyWeights,
     iteration: int = 0,
-    version: str | None = None,
+    weights_uri: str | None = None,
     save_optimizer: bool | None = None,
     num_threads: int | None = None,
     out_uri: str | None = None,
@@ -395,8 +413,8 @@ def spec_from_config(
         storage_options=dict(config.run.storage_options),
         seed=config.run.seed + iteration,
         save_resume_state=save_optimizer,
-        start_version=start.source,
-        version=version,
+        start_weights=start.source,
+        weights_uri=weights_uri,
         num_threads=num_threads if num_threads is not None else config.training.num_threads,
         start_sources=start_sources(settings.model, start),
         out_uri=out_uri,
@@ -406,7 +424,7 @@ def spec_from_config(
 def start_sources(base_model: str, start: PolicyWeights) -> StartSources | None:
     """``start`` as storage sources: the base model, or a committed update step (version >= 1) and the step of its
     optimizer snapshot. None for weights known only as folders (``pettingflow update --init DIR``)."""
-    if start.source == BASE_VERSION:
+    if start.source == BASE_WEIGHTS:
         return StartSources(base_model=base_model)
     if start.version < 1:
         return None

@@ -15,7 +15,7 @@ Process picture (one policy, ``training.num_processes = N``)::
   and a free port there become the group's ``MASTER_ADDR``/``MASTER_PORT``, so ranks on several nodes of an
   attached cluster (``rollout.ray_address``) form one group without new code.
 - Each rank runs ``UpdateWorker.update(spec)`` (``training/worker.py``), the same code as the one-shot process.
-  The worker keeps the engine while the next spec starts from the weights it holds (``start_version``).
+  The worker keeps the engine while the next spec starts from the weights it holds (``start_weights``).
 - Every rank logs to its own file (``learner-<policy>-rank<r>.log``); when a rank dies (kill -9, out of memory)
   the update fails with ``UpdateError`` carrying the tails of those logs, the learner is marked dead, and the
   next ``update`` (the Prefect task's retry) starts fresh ranks that load the newest committed checkpoint.
@@ -158,13 +158,13 @@ class LearnerRank:
         return result
 
     def save_optimizer(
-        self, out_dir: str, version: str, out_uri: str | None = None, storage_options: dict[str, Any] | None = None
+        self, out_dir: str, weights_uri: str, out_uri: str | None = None, storage_options: dict[str, Any] | None = None
     ) -> dict[str, Any]:
-        """This rank's part of the optimizer snapshot of ``version`` (``UpdateWorker.save_optimizer_snapshot``),
+        """This rank's part of the optimizer snapshot of ``weights_uri`` (``UpdateWorker.save_optimizer_snapshot``),
         into ``out_dir`` on the flow's node or, from another node, uploaded to ``out_uri``."""
         staging = self._staging(out_dir, out_uri)
         try:
-            result = self.worker.save_optimizer_snapshot(staging or out_dir, version)
+            result = self.worker.save_optimizer_snapshot(staging or out_dir, weights_uri)
             if staging is not None:
                 result = {**result, UPLOADED_KEY: self._upload(staging, out_uri, storage_options or {})}
             return result
@@ -218,11 +218,11 @@ class LearnerRank:
         return {"tensors": report.tensors, "bytes": report.bytes, "seconds": round(report.seconds, 3)}
 
     def state_summary(self) -> dict[str, Any]:
-        """What the rank holds (tests and ``runs show``): version, updates done, optimizer step count."""
+        """What the rank holds (tests and ``runs show``): which weights, updates done, optimizer step count."""
         w = self.worker
         engine = w.engine if w is not None else None
         return {
-            "version": w.version if w is not None else None,
+            "holds": w.holds if w is not None else None,
             "updates_done": w.updates_done if w is not None else 0,
             "global_steps": int(engine.global_steps) if engine is not None else None,
             "pid": os.getpid(),
@@ -366,7 +366,7 @@ class Learner:
         self.pids: list[int] = []
         self.placement_group: Any = None
         self.starts = 0
-        self.version: str | None = None  # the weights the ranks hold, once an update of them succeeded
+        self.holds: str | None = None  # the weights the ranks hold, once an update of them succeeded
         self._joined = False
 
     # ------------------------------------------------------------------ lifecycle
@@ -482,7 +482,7 @@ class Learner:
         self.actors = []
         self.pids = []
         self.places = []
-        self.version = None
+        self.holds = None
         self._joined = False
         if self.placement_group is not None:
             with contextlib.suppress(Exception):
@@ -522,7 +522,7 @@ class Learner:
             ) from exc
         wall = time.perf_counter() - started
         if not results[0].get("skipped"):
-            self.version = spec.version
+            self.holds = spec.weights_uri
         uploaded = [e for r in results for e in r.pop(UPLOADED_KEY, [])]
         self._write_update_log([r.pop(LOG_KEY, "") for r in results], stage.local_out / LOG_FILE)
         metrics = stage.finish(results[0], log_name=LOG_FILE)
@@ -563,17 +563,17 @@ class Learner:
     def save_optimizer(
         self,
         out_dir: str,
-        version: str,
+        weights_uri: str,
         timeout_s: float | None = None,
         out_uri: str | None = None,
         storage_options: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """Every rank writes its part of the optimizer snapshot of the weights named ``version`` into ``out_dir``
+        """Every rank writes its part of the optimizer snapshot of the weights named ``weights_uri`` into ``out_dir``
         (a folder on this machine; rank 0's metrics are returned). Ray runs an actor's calls one at a time, so an
-        update asked for meanwhile starts after the snapshot: the state saved is always the one of ``version``.
+        update asked for meanwhile starts after the snapshot: the state saved is always the one of ``weights_uri``.
         Called from a background thread (``steps.updates.snapshot_in_background``). Ranks on other nodes upload
         their parts to ``out_uri`` (remote storage); the entries come back under ``uploaded``."""
-        refs = [a.save_optimizer.remote(out_dir, version, out_uri, storage_options) for a in self.actors]
+        refs = [a.save_optimizer.remote(out_dir, weights_uri, out_uri, storage_options) for a in self.actors]
         try:
             results = self._wait(refs, timeout_s)
             uploaded = [e for r in results for e in r.get(UPLOADED_KEY, [])]

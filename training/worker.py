@@ -52,7 +52,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from pettingflow.training.checkpoint import ADAPTERS_SUBDIR, BASE_VERSION, DEEPSPEED_SUBDIR, MODEL_SUBDIR
+from pettingflow.training.checkpoint import ADAPTERS_SUBDIR, BASE_WEIGHTS, DEEPSPEED_SUBDIR, MODEL_SUBDIR
 from pettingflow.training.launch import METRICS_FILE, UpdateSpec, build_key
 
 log = logging.getLogger("pettingflow.training.worker")
@@ -295,7 +295,7 @@ class UpdateWorker:
         self._model_config: Any = None  # the loaded model's config (sizes DeepSpeed's buckets)
         self.build_key: str | None = None
         self.dtype = "fp32"  # training.dtype resolved on this machine (build)
-        self.version: str | None = None  # which committed weights the engine holds; None = unknown/dirty
+        self.holds: str | None = None  # which committed weights the engine holds; None = unknown/dirty
         self.updates_done = 0
         # per update
         self.out = Path(spec.out_dir) if spec is not None else Path(".")
@@ -330,11 +330,11 @@ class UpdateWorker:
             self.metrics["dtype"] = self.dtype  # as resolved on this machine (training.dtype may be auto)
             self.metrics.update(self.numerics())
             self._seed()
-            self.version = None  # from here on the engine holds weights that are not committed anywhere
+            self.holds = None  # from here on the engine holds weights that are not committed anywhere
             self.plan()
             self.train()
             self.save_checkpoint()
-            self.version = spec.version
+            self.holds = spec.weights_uri
             self.updates_done += 1
         self.metrics["duration_s"] = round(time.perf_counter() - started, 3)
         if self.rank == 0:
@@ -373,12 +373,12 @@ class UpdateWorker:
         """Keep the resident engine when it holds this update's starting weights; else build and restore."""
         spec = self.spec
         key = build_key(spec)
-        if self.engine is not None and key == self.build_key and spec.start_version == self.version is not None:
-            log.info("resident: continuing from %s in memory (optimizer moments carried over)", self.version)
+        if self.engine is not None and key == self.build_key and spec.start_weights == self.holds is not None:
+            log.info("resident: continuing from %s in memory (optimizer moments carried over)", self.holds)
             return {"learner_loaded": False, "optimizer_state": "resident", "optimizer_age": 0}
         if self.engine is not None:
-            why = "engine settings changed" if key != self.build_key else f"holds {self.version}"
-            log.info("rebuilding the learner state for start %s (%s)", spec.start_version, why)
+            why = "engine settings changed" if key != self.build_key else f"holds {self.holds}"
+            log.info("rebuilding the learner state for start %s (%s)", spec.start_weights, why)
             self.release()
         t0 = time.perf_counter()
         self.build()
@@ -533,12 +533,12 @@ class UpdateWorker:
         """Optimizer state for the freshly built engine, and what it is: never a silent Adam restart."""
         spec = self.spec
         if not spec.resume_dir:
-            if spec.start_version in (None, BASE_VERSION):
+            if spec.start_weights in (None, BASE_WEIGHTS):
                 return {"optimizer_state": "new", "optimizer_age": 0}
             log.warning(
                 "optimizer state RESET: the weights of %s were trained, but no optimizer snapshot exists "
                 "(training.save_optimizer_every); Adam moments restart at zero",
-                spec.start_version,
+                spec.start_weights,
             )
             return {"optimizer_state": "reset", "optimizer_age": None}
         t0 = time.perf_counter()
@@ -566,7 +566,7 @@ class UpdateWorker:
                 "optimizer state STALE: moments from %s, %d update(s) older than the weights of %s",
                 path,
                 age,
-                spec.start_version,
+                spec.start_weights,
             )
             return {"optimizer_state": "stale", "optimizer_age": age}
         log.info("optimizer state restored exactly from %s (global step %d)", path, self.engine.global_steps)
@@ -734,17 +734,17 @@ class UpdateWorker:
         client_state = {"policy": spec.policy, "specialization": spec.specialization.value, "agents": list(spec.agents)}
         self.engine.save_checkpoint(str(ds_dir), client_state=client_state, exclude_frozen_parameters=spec.uses_lora)
 
-    def save_optimizer_snapshot(self, out_dir: str, version: str) -> dict[str, Any]:
+    def save_optimizer_snapshot(self, out_dir: str, weights_uri: str) -> dict[str, Any]:
         """Write the snapshot of the state the last update left into ``out_dir``/deepspeed, after that update
         returned (``training.optimizer_snapshot: background``): the flow commits it as ``optimizer-<policy>`` while
         it syncs, validates and collects the next rollouts. Refused when the engine no longer holds the weights
-        of ``version`` (a failed update released it, or a later one changed it): a snapshot must match its update.
+        of ``weights_uri`` (a failed update released it, or a later one changed it): a snapshot must match its update.
         """
         import torch.distributed as dist
 
-        if self.engine is None or self.version != version:
+        if self.engine is None or self.holds != weights_uri:
             raise RuntimeError(
-                f"no optimizer snapshot for {version}: this rank holds {self.version or 'no committed weights'}"
+                f"no optimizer snapshot for {weights_uri}: this rank holds {self.holds or 'no committed weights'}"
             )
         t0 = time.perf_counter()
         self._save_deepspeed(Path(out_dir) / DEEPSPEED_SUBDIR)
@@ -758,7 +758,7 @@ class UpdateWorker:
         self.client_optimizer = None
         self.trainable = []
         self.build_key = None
-        self.version = None
+        self.holds = None
         gc.collect()
 
     def cleanup(self) -> None:
