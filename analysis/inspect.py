@@ -19,7 +19,7 @@ from pettingflow.runs.context import STEP_ORDER
 from pettingflow.runs.run import format_change
 from pettingflow.steps.report import CURVE_FAMILIES, REPORT_STEP, read_metrics, stored_warnings
 from pettingflow.storage import RunLayout, list_runs, read_step_trajectories
-from pettingflow.storage.layout import UPDATE_STEP_PREFIX, StepName
+from pettingflow.storage.layout import StepName, update_policy
 
 
 def run_rows(root: str, storage_options: dict[str, Any] | None = None) -> list[dict[str, Any]]:
@@ -149,7 +149,7 @@ def optimizer_lines(layout: RunLayout, iteration: int) -> list[str]:
     """One line per attempt and policy whose update committed: the optimizer state it started from, with what else
     decides its numbers, and for a re-run whether it replayed the original exactly (``runs/replay.py``)."""
     lines = []
-    policies = [name.removeprefix(UPDATE_STEP_PREFIX) for name in layout.update_steps(iteration)]
+    policies = layout.update_policies(iteration)
     for attempt in layout.attempts(iteration):
         for policy in policies:
             step = layout.step(iteration, StepName.UPDATE.folder(policy), attempt=attempt or None)
@@ -309,14 +309,11 @@ def summary_lines(layout: RunLayout, ui: str | None = None, flow_run_id: str | N
         k = iters[-1]
         lines.append(f"  trajectories: {layout.step(k, StepName.ROLLOUTS).uri}/part-*.parquet")
         lines.append(f"  inspect:      pettingflow trajectories show {layout.run_id} --iteration {k}")
-        updates = [
-            layout.step(k, n).uri
-            for n in step_status(layout, k)
-            if n.startswith("update-") and layout.step(k, n).is_committed()
-        ]
+        updates = [layout.step(k, n).uri for n in layout.update_steps(k) if layout.step(k, n).is_committed()]
         for uri in updates:
             lines.append(f"  checkpoint:   {uri}")
-        lines.append(f"  re-run:       pettingflow rerun {layout.run_id} --iteration {k} --from-step filtered")
+        rerun = f"pettingflow rerun {layout.run_id} --iteration {k} --from-step {StepName.FILTERED}"
+        lines.append(f"  re-run:       {rerun}")
     if ui:
         lines.append(f"  Prefect UI:   {ui}" + (f"/runs/flow-run/{flow_run_id}" if flow_run_id else ""))
     lines.append(f"  details:      pettingflow runs show {layout.run_id}")
@@ -361,13 +358,13 @@ def timeline_spans(layout: RunLayout) -> list[Span]:
                 label = f"{StepName.ROLLOUTS} (ahead)" if ahead else StepName.ROLLOUTS
                 spans.append(Span(k, label, float(meta["started_at"]), float(meta["finished_at"])))
         updates_end = None
-        for name in [*_TIMED_STEPS, *_update_steps(layout, k)]:
+        for name in [*_TIMED_STEPS, *layout.update_steps(k)]:
             step = layout.step(k, name)
             if not step.is_committed():
                 continue
             manifest = step.manifest()
             seconds = float(metrics.get(f"duration/{name}_s", 0.0))
-            if name.startswith("update-"):
+            if update_policy(name):
                 seconds = max(seconds, float((manifest.metadata.get("metrics") or {}).get("duration_s") or 0.0))
                 updates_end = max(updates_end or 0.0, manifest.committed_at)
             spans.append(Span(k, name, manifest.committed_at - seconds, manifest.committed_at))
@@ -378,14 +375,6 @@ def timeline_spans(layout: RunLayout) -> list[Span]:
             at = report.manifest().committed_at
             spans.append(Span(k, REPORT_STEP, at, at))
     return sorted(spans, key=lambda s: (s.start, s.iteration, s.end))
-
-
-def _update_steps(layout: RunLayout, iteration: int) -> list[str]:
-    path = layout.iteration_path(iteration)
-    names = (
-        [p.rstrip("/").rsplit("/", 1)[-1] for p in layout.fs.ls(path, detail=False)] if layout.fs.exists(path) else []
-    )
-    return sorted(n for n in names if n.startswith("update-"))
 
 
 def timeline_text(layout: RunLayout, width: int = 64) -> str:

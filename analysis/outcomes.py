@@ -27,6 +27,7 @@ from typing import Any
 
 from pettingflow.envs.base import FAILED, MAX_TURNS, NOT_FINISHED, OUTCOMES, SOLVED
 from pettingflow.rollout import records
+from pettingflow.storage.layout import StepName
 from pettingflow.storage.schema import derived_outcomes
 
 #: outcome label -> how people read it (the episode printout, the viewer's column and filter)
@@ -185,7 +186,7 @@ def step_request(metadata: Mapping[str, Any], config: Any, step_name: str) -> tu
         return None
     samples = metadata.get("samples_per_task")
     if samples is None:
-        if step_name in ("validation", "baseline"):
+        if step_name in (StepName.VALIDATION, StepName.BASELINE):
             samples = config.validation.samples_per_task
         else:
             samples = 1 if config.rollout.mode == "tree" else config.env.group_size

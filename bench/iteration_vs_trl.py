@@ -200,7 +200,7 @@ def pettingflow_run(
             "overlap": metrics.get("async/overlap_s", 0.0),
         }
         row["other"] = row["wall"] - sum(row[p] for p in PHASES if p != "other")
-        update = layout.step(k, "update-shared")
+        update = layout.step(k, StepName.UPDATE.folder("shared"))
         if update.is_committed():
             try:
                 timings = update.read_json("metrics.json").get("timings") or {}

@@ -175,10 +175,10 @@ def run_iteration(layout: RunLayout, iteration: int | None, require_update: bool
     elif iteration not in ran:
         raise WeightsError(f"run {layout.run_id!r} has no iteration {iteration}: it has iterations {ran[0]}-{ran[-1]}")
     updates = [
-        (k, step)
+        (k, policy, step)
         for k in range(iteration, -1, -1)
-        for name in layout.update_steps(k)
-        if (step := layout.step(k, name)).did_work()
+        for policy in layout.update_policies(k)
+        if (step := layout.step(k, StepName.UPDATE.folder(policy))).did_work()
     ]
     if not updates and require_update:
         raise NoUpdateError(
@@ -186,8 +186,7 @@ def run_iteration(layout: RunLayout, iteration: int | None, require_update: bool
             "base model's"
         )
     newest: dict[str, int] = {}
-    for k, step in updates:  # the newest update per policy is what serves
-        policy = step.name.removeprefix("update-")
+    for k, policy, step in updates:  # the newest update per policy is what serves
         if policy in newest:
             continue
         newest[policy] = k

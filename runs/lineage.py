@@ -21,7 +21,7 @@ from pettingflow.configs.settings import ExperimentConfig
 from pettingflow.inference.models import resolve_model
 from pettingflow.runs.context import IterationContext
 from pettingflow.storage import RunLayout, Step
-from pettingflow.storage.layout import OPTIMIZER_STEP_PREFIX, StepName
+from pettingflow.storage.layout import StepName, optimizer_step_name
 from pettingflow.storage.local_copy import COMPLETE, cached_copy_dir, local_copy
 from pettingflow.storage.trajectories import read_step_trajectories
 from pettingflow.training.checkpoint import ADAPTERS_SUBDIR, DEEPSPEED_SUBDIR, MODEL_SUBDIR, PolicyWeights
@@ -44,11 +44,6 @@ __all__ = [
     "weights_before",
     "weights_in_step",
 ]
-
-
-def optimizer_step_name(policy: str) -> str:
-    """The step holding the optimizer snapshot written after ``policy``'s update, off the critical path."""
-    return f"{OPTIMIZER_STEP_PREFIX}{policy}"
 
 
 def base_model_dir(config: ExperimentConfig, policy: str) -> str:

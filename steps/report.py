@@ -20,7 +20,7 @@ from pettingflow.faults import maybe_crash
 from pettingflow.paths import home
 from pettingflow.runs.context import IterationContext
 from pettingflow.storage import RunLayout, StepNotCommittedError, read_step_trajectories
-from pettingflow.storage.layout import StepName
+from pettingflow.storage.layout import StepName, update_policy
 
 log = logging.getLogger(__name__)
 
@@ -109,8 +109,8 @@ def iteration_metrics(
         if "nonzero_advantage_rows" in values:
             flat[f"{StepName.ADVANTAGES}/{policy}/zero_signal"] = float(bool(values.get("zero_signal")))
     for name, outcome in outcomes.items():
-        if name.startswith("update-") and outcome:
-            flatten(name.replace("update-", "update/", 1), (outcome.get("metrics") or {}).get("metrics", {}), flat)
+        if (policy := update_policy(name)) and outcome:
+            flatten(f"{StepName.UPDATE}/{policy}", (outcome.get("metrics") or {}).get("metrics", {}), flat)
     for step in (StepName.BASELINE, StepName.VALIDATION):  # baseline: the base weights, before iteration 0's update
         scored = (outcomes.get(step) or {}).get("metrics") or {}
         for agent, values in (scored.get("agents") or {}).items():

@@ -55,6 +55,22 @@ UPDATE_STEP_PREFIX = f"{StepName.UPDATE}-"  # + policy name: the step holding th
 OPTIMIZER_STEP_PREFIX = "optimizer-"
 
 
+def optimizer_step_name(policy: str) -> str:
+    """The step holding the optimizer snapshot written after ``policy``'s update, off the critical path."""
+    if not policy:
+        raise ValueError("the optimizer snapshot is per policy: say which (optimizer-<policy>)")
+    return f"{OPTIMIZER_STEP_PREFIX}{policy}"
+
+
+def update_policy(folder: str) -> str | None:
+    """The policy whose update a folder holds (``update-<policy>`` -> ``<policy>``); None for any other step.
+
+    Also what a report's ``update-<policy>`` outcome or duration key is about: the reverse of
+    ``StepName.UPDATE.folder``, so no caller strips the prefix by hand."""
+    policy = folder.removeprefix(UPDATE_STEP_PREFIX)
+    return policy if policy != folder and policy else None
+
+
 def step_kind(folder: str) -> StepName:
     """The step a folder name belongs to: ``update-<policy>`` and ``optimizer-<policy>`` are the update's."""
     if folder.startswith((UPDATE_STEP_PREFIX, OPTIMIZER_STEP_PREFIX)):
@@ -130,6 +146,10 @@ class RunLayout:
     def update_steps(self, iteration: int) -> list[str]:
         """Names of the ``update-<policy>`` step folders of ``iteration`` (attempt 0), committed or not, sorted."""
         return self._steps_named(iteration, UPDATE_STEP_PREFIX)
+
+    def update_policies(self, iteration: int) -> list[str]:
+        """The policies with an ``update-<policy>`` folder in ``iteration`` (attempt 0), committed or not, sorted."""
+        return [policy for name in self.update_steps(iteration) if (policy := update_policy(name))]
 
     def optimizer_steps(self, iteration: int) -> list[str]:
         """Names of the ``optimizer-<policy>`` snapshot folders of ``iteration`` (attempt 0), sorted."""
