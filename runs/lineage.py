@@ -14,13 +14,17 @@ weights it starts from: 0 for synchronous rollouts, ``rollout.max_policy_lag`` w
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import replace
 from typing import Any
+
+import numpy as np
 
 from pettingflow.configs.settings import ExperimentConfig
 from pettingflow.inference.models import resolve_model
 from pettingflow.runs.context import IterationContext
 from pettingflow.storage import RunLayout, Step
+from pettingflow.storage.commits import Manifest
 from pettingflow.storage.layout import StepName, optimizer_step_name
 from pettingflow.storage.local_copy import COMPLETE, cached_copy_dir, local_copy
 from pettingflow.storage.trajectories import read_step_trajectories
@@ -34,12 +38,17 @@ __all__ = [
     "allowed_policy_lag",
     "base_model_dir",
     "cached_copy_dir",
+    "lag_metrics",
     "local_copy",
     "localize_start",
+    "lost_snapshot",
     "optimizer_step_name",
     "policy_lags",
+    "row_lags",
     "stale_rollouts",
     "start_version",
+    "update_checkpoints",
+    "update_with_snapshot",
     "weights_after",
     "weights_before",
     "weights_in_step",
@@ -94,6 +103,37 @@ def with_snapshot(weights: PolicyWeights, step: Step, age: int = 0) -> PolicyWei
     """``weights`` with the optimizer snapshot held by ``step`` (downloaded to this node when remote)."""
     folder = str(local_copy(step) / DEEPSPEED_SUBDIR)
     return replace(weights, deepspeed_dir=folder, snapshot_source=step.uri, optimizer_age=age)
+
+
+def update_with_snapshot(layout: RunLayout, iteration: int, policy: str) -> tuple[Step, Step]:
+    """``policy``'s update step of ``iteration`` (attempt 0) and the ``optimizer-<policy>`` step its background
+    snapshot is written to after it."""
+    return layout.step(iteration, StepName.UPDATE.folder(policy)), layout.step(iteration, optimizer_step_name(policy))
+
+
+def lost_snapshot(snapshot: Step, update: Step) -> bool:
+    """Whether ``snapshot`` (an ``optimizer-<policy>`` step) is a background snapshot a crash cut short: its folder
+    exists uncommitted while the update it belongs to (``update``) is committed. Nothing can complete it (the moments
+    it would hold died with the learner) and nothing reads it; before its update commits it may still be written."""
+    return not snapshot.is_committed() and update.is_committed() and snapshot.fs.exists(snapshot.path)
+
+
+def update_checkpoints(
+    layout: RunLayout, policy: str, iterations: Iterable[int]
+) -> dict[int, list[tuple[Step, Manifest]]]:
+    """The steps holding what ``policy``'s updates produced, by iteration (attempt 0), with their commit markers:
+    for each of ``iterations`` whose update did work (committed, not skipped), the update step (its weights, an
+    inline optimizer snapshot) and, when committed, the ``optimizer-<policy>`` step written after it. What retention
+    and ``runs prune`` choose from; read from the markers alone."""
+    found: dict[int, list[tuple[Step, Manifest]]] = {}
+    for k in iterations:
+        update, snapshot = update_with_snapshot(layout, k, policy)
+        if not update.is_committed() or (manifest := update.manifest()).metadata.get("skipped"):
+            continue
+        found[k] = [(update, manifest)]
+        if snapshot.is_committed():
+            found[k].append((snapshot, snapshot.manifest()))
+    return found
 
 
 def start_version(layout: RunLayout, policy: str, iteration: int) -> int:
@@ -211,11 +251,24 @@ def allowed_policy_lag(config: ExperimentConfig) -> int:
     return config.rollout.max_policy_lag if config.rollout.async_rollouts else 0
 
 
+def row_lags(policy_versions: Any, start_version: int) -> np.ndarray:
+    """Each row's lag: ``start_version - policy_version``, the versions between the weights that generated it and
+    the weights its update starts from (0: on-policy). Rows of files older than ``policy_version`` carry their
+    iteration, which can exceed an older start (updates skipped in between): lag 0. Pure (an array or a list in)."""
+    versions = np.asarray(policy_versions, dtype=np.int64)
+    return np.maximum(0, start_version - versions)
+
+
 def policy_lags(table: Any, start_version: int) -> Counter[int]:
-    """Rows per lag: ``start_version - policy_version``, the iterations between the weights that generated a row
-    and the weights its update starts from (0: on-policy). Rows of files older than ``policy_version`` carry
-    their iteration, which can exceed an older start (updates skipped in between): counted as 0."""
-    return Counter(max(0, start_version - int(v)) for v in table.column("policy_version").to_pylist())
+    """Rows per lag (``row_lags``) of a table with a ``policy_version`` column."""
+    versions = table.column("policy_version").to_numpy(zero_copy_only=False)
+    return Counter(int(lag) for lag in row_lags(versions, start_version))
+
+
+def lag_metrics(lags: Counter[int]) -> dict[str, int]:
+    """What an update reports of its rows' lags: the largest (``policy_lag_max``), and rows per lag
+    (``policy_lag/<lag>``)."""
+    return {"policy_lag_max": max(lags, default=0), **{f"policy_lag/{lag}": n for lag, n in sorted(lags.items())}}
 
 
 def check_batch_lag(policy: str, iteration: int, lags: Counter[int], start: PolicyWeights, allowed: int) -> None:

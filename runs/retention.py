@@ -22,11 +22,10 @@ import shutil
 from dataclasses import dataclass
 
 from pettingflow.configs.settings import ExperimentConfig
-from pettingflow.runs.lineage import cached_copy_dir, optimizer_step_name
+from pettingflow.runs.lineage import cached_copy_dir, update_checkpoints
 from pettingflow.storage import RunLayout, Step
 from pettingflow.storage.commits import Manifest
 from pettingflow.storage.fs import join
-from pettingflow.storage.layout import OPTIMIZER_STEP_PREFIX, UPDATE_STEP_PREFIX
 from pettingflow.training.checkpoint import ADAPTERS_SUBDIR, DEEPSPEED_SUBDIR, MODEL_SUBDIR
 
 WEIGHT_PREFIXES = (f"{MODEL_SUBDIR}/", f"{ADAPTERS_SUBDIR}/", f"{DEEPSPEED_SUBDIR}/")
@@ -73,19 +72,9 @@ def plan_prune(
     with Adam restarting from the newest kept snapshot or from zero.
     """
     prefixes = OPTIMIZER_PREFIXES if optimizer_only else WEIGHT_PREFIXES
-    by_policy: dict[str, dict[int, list[tuple[Step, Manifest]]]] = {}
-    for k in layout.iterations():
-        for name in layout.update_steps(k):
-            step = layout.step(k, name)
-            if not step.is_committed():
-                continue
-            manifest = step.manifest()
-            if not manifest.metadata.get("skipped"):
-                policy = name.removeprefix(UPDATE_STEP_PREFIX)
-                by_policy.setdefault(policy, {})[k] = [(step, manifest)]
-                snapshot = layout.step(k, f"{OPTIMIZER_STEP_PREFIX}{policy}")  # written after it (background)
-                if snapshot.is_committed():
-                    by_policy[policy][k].append((snapshot, snapshot.manifest()))
+    iterations = layout.iterations()
+    policies = sorted({policy for k in iterations for policy in layout.update_policies(k)})
+    by_policy = {policy: steps for policy in policies if (steps := update_checkpoints(layout, policy, iterations))}
     targets = []
     for policy, steps in sorted(by_policy.items()):
         kept = kept_iterations(sorted(steps), keep_last, keep_every)
@@ -159,17 +148,8 @@ def plan_retention(layout: RunLayout, config: ExperimentConfig, current: int) ->
         return []
     deletions = []
     for policy in dict.fromkeys(agent.policy for agent in config.agents):
-        did_work: list[int] = []
-        holders: dict[int, list[tuple[Step, Manifest]]] = {}  # the update step and its optimizer-<policy> step
-        for k in range(current + 1):
-            update = layout.step(k, f"{UPDATE_STEP_PREFIX}{policy}")
-            if not update.is_committed() or (manifest := update.manifest()).metadata.get("skipped"):
-                continue
-            did_work.append(k)
-            holders[k] = [(update, manifest)]
-            optimizer = layout.step(k, optimizer_step_name(policy))
-            if optimizer.is_committed():
-                holders[k].append((optimizer, optimizer.manifest()))
+        holders = update_checkpoints(layout, policy, range(current + 1))  # each update and its optimizer step
+        did_work = list(holders)
         with_snapshot = [k for k, steps in holders.items() if any(_has(m, OPTIMIZER_PREFIXES) for _, m in steps)]
         kept_w = (
             set(did_work)

@@ -28,7 +28,7 @@ from pettingflow.rl.filters import filter_samples
 from pettingflow.rl.rewards import discounted_returns, mix_rewards
 from pettingflow.rl.signal import GroupSpread, group_spread, zero_signal_message
 from pettingflow.runs.context import IterationContext
-from pettingflow.runs.lineage import start_version
+from pettingflow.runs.lineage import row_lags, start_version
 from pettingflow.steps.outcome import StepOutcome, already_done
 from pettingflow.storage import Manifest, read_step_trajectories, write_trajectories
 from pettingflow.storage.layout import StepName
@@ -189,7 +189,7 @@ def advantage_step(ctx: IterationContext, config: ExperimentConfig) -> StepOutco
         part = policy_batch(table, policy)
         # the lag each row will be trained at: versions between its sampler's weights and the update's start
         start = start_version(ctx.layout, policy, ctx.iteration)
-        lag = np.maximum(0, start - part.column("policy_version").to_numpy(zero_copy_only=False).astype(np.int64))
+        lag = row_lags(part.column("policy_version").to_numpy(zero_copy_only=False), start)
         part = part.append_column("policy_lag", pa.array(lag, pa.int32()))
         out.write_table(batch_file(policy), part)
         adv = part.column("advantage").to_numpy() if part.num_rows else np.zeros(0)

@@ -24,8 +24,11 @@ from pettingflow.runs.context import IterationContext
 from pettingflow.runs.lineage import (
     allowed_policy_lag,
     check_batch_lag,
+    lag_metrics,
+    lost_snapshot,
     optimizer_step_name,
     policy_lags,
+    update_with_snapshot,
     weights_after,
     weights_before,
 )
@@ -59,7 +62,8 @@ def update_step(
         runtime.wait_snapshots(policy)
     if ctx.iteration > 0:  # a crash while it was written, found by a resume past that iteration
         k = ctx.iteration - 1
-        discard_lost_snapshot(ctx.layout.step(k, optimizer_step_name(policy)), ctx.layout.step(k, name))
+        update, snapshot = update_with_snapshot(ctx.layout, k, policy)
+        discard_lost_snapshot(snapshot, update)
     batches = ctx.step(StepName.ADVANTAGES)
     entry = next((f for f in batches.manifest().files if f.name == batch_file(policy)), None)
     if entry is None:
@@ -115,8 +119,7 @@ def update_step(
         metrics["servers_released"] = servers_released  # paused, asleep or stopped during the update
         metrics["between_updates"] = runtime.between_updates.mode if runtime is not None else "keep"
         metrics["behaviour_logprobs"] = "sampler" if spec.algorithm.use_sampler_logprobs else "recomputed"
-        metrics["policy_lag_max"] = max(lags, default=0)
-        metrics.update({f"policy_lag/{lag}": n for lag, n in sorted(lags.items())})
+        metrics.update(lag_metrics(lags))
         metrics.update(_flat_timings(metrics))
         if ctx.attempt:  # a re-run: did its update start exactly where the original's did?
             metrics.update(replay_metrics(ctx, policy, metrics))
@@ -230,7 +233,7 @@ def discard_lost_snapshot(step: Step, update: Step) -> bool:
     it found). Nothing reads an uncommitted step; this gives its bytes (~1.8 GB at 135M) back. True when
     something was removed. ``update``: the update step the snapshot belongs to; nothing is removed before it
     is committed."""
-    if step.is_committed() or not update.is_committed() or not step.fs.exists(step.path):
+    if not lost_snapshot(step, update):
         return False
     step.fs.rm(step.path, recursive=True)
     log.warning("removed %s: an optimizer snapshot a crash left unfinished (it cannot be completed)", step.uri)
