@@ -37,7 +37,7 @@ test: venv lint
 	@scripts/test_deps.sh
 	@# the MLflow server's own environment (about 2 minutes of pip) builds while the first tests run
 	@(scripts/mlflow_server.sh --build > .venv-mlflow.log 2>&1 &)
-	$(BIN)/python -m pytest --durations=30 $(PYTEST_ARGS); rc=$$?; \
+	$(BIN)/python -m pytest --durations=80 $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 # The quick local loop: no end-to-end tests with real servers.
