@@ -21,7 +21,7 @@ from prefect.runtime import flow_run
 from pettingflow.configs.settings import ExperimentConfig
 from pettingflow.runs.context import IterationContext
 from pettingflow.runs.run import RunRef, load_run_config
-from pettingflow.runs.runtime import Runtime, active_runtime
+from pettingflow.runs.runtime import Runtime
 from pettingflow.storage import StepName
 from pettingflow.tasks.pipeline import PIPELINE, TASKS, StepDef, context, task_run_name, value
 from pettingflow.tasks.retention import retention
@@ -126,9 +126,19 @@ def _flow_run_name() -> str:
 
 @flow(name="iteration", flow_run_name=_flow_run_name, log_prints=True)
 def iteration(
-    run: RunRef, iteration: int, attempt: int = 0, from_step: str = StepName.ROLLOUTS, validate_now: bool | None = None
+    run: RunRef,
+    iteration: int,
+    attempt: int = 0,
+    from_step: str = StepName.ROLLOUTS,
+    validate_now: bool | None = None,
+    runtime: Runtime | None = None,
 ) -> dict[str, Any]:
-    """Run (or resume, or re-run from ``from_step``) one iteration of ``run``: the pipeline's steps in order."""
+    """Run (or resume, or re-run from ``from_step``) one iteration of ``run``: the pipeline's steps in order.
+
+    ``runtime``: the run's servers and learners, opened by the caller (the ``train`` flow keeps one up across its
+    iterations) and handed to every task; None (a re-run, a deployment run of one iteration): the iteration opens
+    one itself when a step needs servers, and closes it at its end. A runtime never leaves this process: Prefect
+    records the parameter as a placeholder (``<Runtime>``), not its contents."""
     flow_started = time.perf_counter()
     logger = get_run_logger()
     config = load_run_config(run, iteration, attempt)
@@ -141,9 +151,8 @@ def iteration(
     args = {"run": run, "iteration": iteration, "attempt": attempt, "from_step": ctx.from_step}
 
     with ExitStack() as stack:
-        runtime = active_runtime(run.run_id)
         if runtime is None and (ctx.first is StepName.ROLLOUTS or validate_now):
-            logger.info("no running servers for %s in this process: starting them for this iteration", run.run_id)
+            logger.info("no runtime given for %s: starting the servers for this iteration", run.run_id)
             runtime = stack.enter_context(Runtime(config, run.run_id))
         upstream: Any = None
         for step in PIPELINE:

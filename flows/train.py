@@ -51,15 +51,17 @@ def train(config: str = "code-env", overrides: list[str] | None = None, run_id: 
     with Runtime(cfg, ref.run_id, start_learners=True) as runtime:
         chosen, threads = runtime.between_updates, runtime.server_threads
         logger.info("inference servers during updates: %s (%s)", chosen.mode, chosen.reason)
-        if runtime.managed():
+        if any(service.managed for service in runtime.services.values()):
             logger.info("inference server compute threads: %s (%s)", threads.threads or "vLLM's choice", threads.reason)
-        for name, learner in runtime.learners().items():  # once per run: the learners live across iterations
+        for name, service in runtime.services.items():  # once per run: the learners live across iterations
+            if (learner := service.learner_handle) is None:
+                continue
             logger.info(
                 "resident learner of %s: %d rank(s) up (start #%d)", name, learner.num_processes, learner.starts
             )
         budget = cfg.run.max_generated_tokens
         for k in range(cfg.run.iterations):
-            results.append(iteration(ref, k))
+            results.append(iteration(ref, k, runtime=runtime))
             if budget is not None and (spent := generated_tokens(ref.layout())) >= budget:
                 logger.info("generation budget reached: %d of %d tokens after iteration %d", spent, budget, k)
                 break

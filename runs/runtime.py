@@ -26,7 +26,6 @@ import contextlib
 import logging
 import os
 import signal
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -48,14 +47,11 @@ from pettingflow.runs.between_updates import (
 )
 from pettingflow.runs.device_plan import DevicePlan, devices_overlap, plan_devices
 from pettingflow.runs.endpoint import PolicyEndpoint
-from pettingflow.runs.lineage import PolicyWeights, weights_before
+from pettingflow.runs.lineage import weights_before
 from pettingflow.runs.policy_service import SLEEP_LEVEL, PolicyService
 from pettingflow.storage import RunLayout
 
 log = logging.getLogger(__name__)
-
-_ACTIVE: dict[str, Runtime] = {}
-_LOCK = threading.Lock()
 
 
 def state_dir() -> Path:
@@ -65,33 +61,33 @@ def state_dir() -> Path:
 
 class RunServices(Protocol):
     """What an iteration's steps use of the run's runtime (``Runtime`` is the one implementation; tests pass
-    stand-ins)."""
+    stand-ins). What concerns one policy (serving weights, its optimizer snapshot in flight) is asked of its
+    ``PolicyService`` directly: ``runtime.services[policy].serve(weights)``; what is here concerns the run."""
 
     config: ExperimentConfig
     env_cache: EnvCache
     between_updates: BetweenUpdates
-
-    @property
-    def policies(self) -> list[str]: ...
+    services: dict[str, PolicyService]
 
     def endpoints(self) -> dict[str, PolicyEndpoint]: ...
 
     def served_versions(self) -> dict[str, int]: ...
 
-    def serve(self, weights: PolicyWeights) -> dict[str, Any]: ...
+    def serve_start_of(self, layout: RunLayout, iteration: int) -> dict[str, dict[str, Any]]: ...
 
     def servers_released(self) -> contextlib.AbstractContextManager[bool]: ...
 
     def learner(self, policy: str) -> Any: ...
 
-    def track_snapshot(self, policy: str, write: Any) -> None: ...
-
-    def wait_snapshots(self, policy: str | None = None, timeout_s: float | None = None) -> None: ...
-
 
 class Runtime:
     """The run's ``PolicyService`` per served policy (one for L0-L2, one per policy for L3), Ray and the sandbox
-    pool."""
+    pool.
+
+    ``services`` (policy -> ``PolicyService``, in the order of each policy's first agent) is public: a caller that
+    wants one policy's server, weights or snapshot asks its service; the runtime adds only what spans the run.
+    Whoever opens a runtime passes it on: the ``train`` flow gives it to each ``iteration`` subflow, which gives
+    it to its tasks (no registry to look it up in)."""
 
     def __init__(self, config: ExperimentConfig, run_id: str, *, start_learners: bool = False):
         """``start_learners``: create the resident learners' rank actors at ``start`` (the ``train`` flow does,
@@ -158,25 +154,10 @@ class Runtime:
         if self.start_learners:
             for name in self.services:
                 self.learner(name)
-        with _LOCK:
-            _ACTIVE[self.run_id] = self
-
-    @property
-    def policies(self) -> list[str]:
-        """The served policies, in the order of their first agent."""
-        return list(self.services)
 
     def served_versions(self) -> dict[str, int]:
-        """policy -> the version of the weights its server holds (what rows record)."""
+        """policy -> the version of the weights its server holds: what the rows of a rollout or validation record."""
         return {name: s.served_version for name, s in self.services.items()}
-
-    def learners(self) -> dict[str, Any]:
-        """The resident learners started so far, by policy."""
-        return {name: s.learner_handle for name, s in self.services.items() if s.learner_handle is not None}
-
-    def managed(self) -> dict[str, PolicyService]:
-        """The services whose server this run started (not attached): ours to pause, stop and restart."""
-        return {name: s for name, s in self.services.items() if s.managed}
 
     def _plan_devices(self) -> DevicePlan | None:
         """Which GPUs each managed replica and learner rank gets (``runs/device_plan.py``), on a GPU machine;
@@ -270,18 +251,9 @@ class Runtime:
         self.sandbox_pool = RaySandboxPool(self.config.env.sandbox, num_workers=self.config.rollout.ray_sandbox_workers)
 
     def learner(self, policy: str) -> Any:
-        """The policy's resident learner, started (again) when it has none or its ranks died."""
+        """The policy's resident learner, started (again) when it has none or its ranks died; the run connects to
+        Ray first (once per run), which is why this is asked of the runtime, not of the policy's service."""
         return self.services[policy].learner(self._ensure_ray)
-
-    def track_snapshot(self, policy: str, write: Any) -> None:
-        """Run ``write`` (``steps.updates.snapshot_in_background``) in a thread; one snapshot per policy at a time."""
-        self.services[policy].track_snapshot(write)
-
-    def wait_snapshots(self, policy: str | None = None, timeout_s: float | None = None) -> None:
-        """Wait for the optimizer snapshots being written (of ``policy``, or all): before its next update, and
-        before the learners stop at the end of the run."""
-        for name in [policy] if policy is not None else list(self.services):
-            self.services[name].wait_snapshot(timeout_s)
 
     @contextlib.contextmanager
     def servers_released(self) -> Iterator[bool]:
@@ -300,7 +272,7 @@ class Runtime:
           twice). When the update fails the servers start again at once, serving what they served before.
         """
         mode = self.between_updates.mode
-        managed = self.managed()
+        managed = {name: s for name, s in self.services.items() if s.managed}  # attached servers are not ours
         if mode == "keep" or not managed:
             yield False
         elif mode == "pause":
@@ -324,17 +296,16 @@ class Runtime:
                 yield True
             except Exception:  # not on SystemExit/KeyboardInterrupt: close() stops everything then anyway
                 log.warning("the update failed: starting the inference servers again with the weights they served")
-                self.bring_back()
+                self._bring_back()
                 raise
 
-    def stopped(self) -> list[str]:
-        """The policies whose server is down between updates (``restart``), to be started by the next ``serve``."""
-        return [name for name, s in self.services.items() if s.stopped]
-
-    def bring_back(self) -> None:
-        """Start every server stopped between updates again with the weights it served before (``restart``)."""
-        for name in sorted(self.stopped()):
+    def _bring_back(self) -> list[str]:
+        """Start every server stopped between updates (``restart``) again with the weights it served before;
+        returns their policies."""
+        stopped = sorted(name for name, s in self.services.items() if s.stopped)
+        for name in stopped:
             self.services[name].bring_back()
+        return stopped
 
     @contextlib.contextmanager
     def _paused(self) -> Iterator[bool]:
@@ -364,10 +335,8 @@ class Runtime:
         return EnvFactory(spec)
 
     def close(self) -> None:
-        with _LOCK:
-            if _ACTIVE.get(self.run_id) is self:
-                del _ACTIVE[self.run_id]
-        self.wait_snapshots(timeout_s=600.0)  # a snapshot being written finishes (and commits) before its ranks stop
+        for service in self.services.values():  # a snapshot being written finishes (and commits) before its ranks stop
+            service.wait_snapshot(timeout_s=600.0)
         for service in self.services.values():
             service.stop_learner()
         if self.sandbox_pool is not None:
@@ -384,9 +353,10 @@ class Runtime:
 
     # ------------------------------------------------------------------ what tasks use
     def endpoints(self) -> dict[str, PolicyEndpoint]:
-        if self.stopped():  # no sync since the update (e.g. a re-run without one): serve what was served
-            log.warning("inference servers of %s still stopped after an update: starting them", self.stopped())
-            self.bring_back()
+        """Where each policy is served, for a rollout or validation: servers still stopped after an update (no
+        sync since, e.g. a re-run without one) start again with what they served, and dead replicas restart."""
+        if stopped := self._bring_back():
+            log.warning("inference servers of %s were still stopped after an update: started them again", stopped)
         for service in self.services.values():  # a replica that died since the last sync starts again
             service.heal()
         return {name: service.endpoint() for name, service in self.services.items()}
@@ -395,16 +365,11 @@ class Runtime:
         """Serve, for every policy, the weights ``iteration`` of the run at ``layout`` starts from.
 
         The one answer to "which weights do this iteration's rollouts and validation see": the base model
-        before iteration 0, else the newest committed update before it (``runs/weights.weights_before``).
+        before iteration 0, else the newest committed update before it (``runs/lineage.weights_before``).
         ``layout`` may be another run's (the evaluate flow scores a trained run's weights in a runtime opened
         with that run's config).
         """
-        return {p: self.serve(weights_before(layout, self.config, p, iteration)) for p in self.services}
-
-    def serve(self, weights: PolicyWeights) -> dict[str, Any]:
-        """Make the policy's server serve ``weights`` (``PolicyService.serve``, the single way weights reach a
-        server)."""
-        return self.services[weights.policy].serve(weights)
+        return {p: s.serve(weights_before(layout, self.config, p, iteration)) for p, s in self.services.items()}
 
 
 @contextlib.contextmanager
@@ -431,12 +396,6 @@ def _wait_stopped(procs: list[psutil.Process], timeout_s: float = 5.0) -> None:
         with contextlib.suppress(psutil.NoSuchProcess):
             while proc.status() not in (psutil.STATUS_STOPPED, psutil.STATUS_ZOMBIE) and time.monotonic() < deadline:
                 time.sleep(0.01)
-
-
-def active_runtime(run_id: str) -> Runtime | None:
-    """The runtime the ``train`` flow opened for ``run_id`` in this process, if any."""
-    with _LOCK:
-        return _ACTIVE.get(run_id)
 
 
 #: The name of the ``learn`` flow's shared server's service (its pid and log files say it).

@@ -173,7 +173,7 @@ def rollouts_step(
     """
     step = ctx.step(StepName.ROLLOUTS)
     if not ahead and step.is_committed():  # the start versions (commit markers, S3 reads) only when there is a verdict
-        starts = {p: start_version(ctx.layout, p, ctx.iteration) for p in runtime.policies}
+        starts = {p: start_version(ctx.layout, p, ctx.iteration) for p in runtime.services}
         if reason := stale_rollouts(ctx, config, starts):
             warn(f"{reason}: collecting them again (the old ones moved to {set_aside(step)})")
     if not step.is_committed():

@@ -55,11 +55,11 @@ def update_step(
     step = ctx.step(name)
     if done := already_done(step):
         if runtime is not None:
-            runtime.wait_snapshots(policy)
+            runtime.services[policy].wait_snapshot()
         discard_lost_snapshot(ctx.step(optimizer_step_name(policy)), step)
         return done
     if runtime is not None:  # the previous update's snapshot commits first: this one may start from it
-        runtime.wait_snapshots(policy)
+        runtime.services[policy].wait_snapshot()
     if ctx.iteration > 0:  # a crash while it was written, found by a resume past that iteration
         k = ctx.iteration - 1
         update, snapshot = update_with_snapshot(ctx.layout, k, policy)
@@ -145,7 +145,8 @@ def update_step(
         snapshot_in_background(ctx, policy, learner, runtime, step.uri, config.training.update_timeout_s, config)
         snapshot = ctx.step(optimizer_step_name(policy))
         if armed("snapshot:mid", snapshot.path) or armed(f"before_marker:{snapshot.name}", snapshot.path):
-            runtime.wait_snapshots(policy)  # kill matrix: the crash lands while the snapshot is the only work in flight
+            # kill matrix: the crash lands while the snapshot is the only work in flight
+            runtime.services[policy].wait_snapshot()
     elif spec.save_resume_state and not metrics.get("skipped") and not ctx.attempt:
         drop_old_replay_snapshots(ctx, config, policy)  # the snapshot came inline, committed with the update
     return StepOutcome(name, step.uri, manifest.rows, False, meta)
@@ -214,7 +215,7 @@ def snapshot_in_background(
             if local is None:
                 shutil.rmtree(out_dir, ignore_errors=True)
 
-    runtime.track_snapshot(policy, write_and_commit)
+    runtime.services[policy].track_snapshot(write_and_commit)
 
 
 def drop_old_replay_snapshots(ctx: IterationContext, config: ExperimentConfig, policy: str) -> None:
@@ -313,8 +314,8 @@ def sync_step(ctx: IterationContext, config: ExperimentConfig, runtime: RunServi
     are down after the update: this starts them from the new weights (no reload on top).
     """
     results = {}
-    for policy in runtime.policies:
-        results[policy] = runtime.serve(weights_after(ctx, config, policy))
+    for policy, service in runtime.services.items():
+        results[policy] = service.serve(weights_after(ctx, config, policy))
     step = ctx.step(StepName.SYNC)
     maybe_crash("sync:mid", step.path)  # kill matrix: servers synced, the step not committed
     if not step.is_committed():

@@ -214,7 +214,7 @@ def _make_task(step: StepDef) -> Any:
         ctx = context(run, iteration, attempt, from_step)
         config = load_run_config(run, iteration, attempt)
         if step.per_policy and runtime is not None:  # the previous snapshot's bytes count as used (the guard below)
-            runtime.wait_snapshots(policy)
+            runtime.services[policy].wait_snapshot()
         check_step(ctx, config, step.name.folder(policy))  # the disk guard: stop here rather than fill the disk
         call = StepCall(ctx, config, runtime, policy, ahead, **(report_inputs or {}))
         return finished(step.run(call))

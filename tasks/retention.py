@@ -27,7 +27,8 @@ def retention(run: RunRef, iteration: int, runtime: Any = None, upstream: Any = 
     layout = run.layout()
     config = load_run_config(run)
     if runtime is not None:  # a snapshot committing now may prune snapshots too (training.replay_snapshots)
-        runtime.wait_snapshots()
+        for service in runtime.services.values():
+            service.wait_snapshot()
     try:
         done = apply_retention(layout, config, iteration)
     except Exception as exc:

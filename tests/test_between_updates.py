@@ -101,15 +101,15 @@ def new_weights(version: int = 1, **adapters: str) -> PolicyWeights:
 def test_restart_stops_for_the_update_and_starts_from_the_new_weights(monkeypatch) -> None:
     runtime, server = make_runtime(monkeypatch, "restart")
     with runtime.servers_released() as released:
-        assert released and server.calls == ["stop"] and runtime.stopped() == ["shared"]
+        assert released and server.calls == ["stop"] and runtime.services["shared"].stopped
     assert server.calls == ["stop"]  # down until the sync: it starts from the weights the update wrote
     weights = new_weights(1)
-    done = runtime.serve(weights)
+    done = runtime.services["shared"].serve(weights)
     assert server.calls == ["stop", ("start", weights.model_dir)]  # no reload on top of the fresh start
     assert [s["via"] for s in done["synced"]] == ["restart"]
     assert runtime.services["shared"].served_model == weights.model_dir and runtime.served_versions()["shared"] == 1
-    assert not runtime.stopped()
-    runtime.serve(weights)  # the next sync of the same weights does nothing
+    assert not runtime.services["shared"].stopped
+    runtime.services["shared"].serve(weights)  # the next sync of the same weights does nothing
     assert server.calls == ["stop", ("start", weights.model_dir)]
 
 
@@ -118,7 +118,7 @@ def test_restart_brings_the_old_weights_back_when_the_update_fails(monkeypatch) 
     with pytest.raises(RuntimeError, match="update failed"), runtime.servers_released():
         raise RuntimeError("update failed")
     assert server.calls == ["stop", ("start", "/models/base")]
-    assert not runtime.stopped() and runtime.served_versions()["shared"] == 0
+    assert not runtime.services["shared"].stopped and runtime.served_versions()["shared"] == 0
 
 
 def test_restart_without_a_sync_serves_the_previous_weights_before_any_request(monkeypatch) -> None:
@@ -138,7 +138,7 @@ def test_restart_with_lora_loads_the_adapters_into_the_fresh_server(monkeypatch)
     assert server.calls == ["stop", ("start", "/models/base"), old]  # base model, then the adapter it served
     with runtime.servers_released():
         pass
-    runtime.serve(new_weights(2, coder="/run/iter-1/update-shared/adapters/coder"))
+    runtime.services["shared"].serve(new_weights(2, coder="/run/iter-1/update-shared/adapters/coder"))
     new = ("load_adapter", lora_name("coder"), "/run/iter-1/update-shared/adapters/coder")
     assert server.calls[3:] == ["stop", ("start", "/models/base"), new]
     assert runtime.served_versions()["shared"] == 2
@@ -149,7 +149,7 @@ def test_sleep_sleeps_then_wakes_up_and_the_sync_reloads(monkeypatch) -> None:
     with runtime.servers_released() as released:
         assert released and server.calls == [("sleep", 1)]
     weights = new_weights(1)
-    runtime.serve(weights)
+    runtime.services["shared"].serve(weights)
     assert server.calls == [("sleep", 1), "wake_up", ("reload", weights.model_dir)]
     assert runtime.served_versions()["shared"] == 1
 
@@ -203,19 +203,19 @@ def test_every_replica_is_synced_and_must_agree_with_the_others(monkeypatch) -> 
     runtime, first, second = replicated_runtime(monkeypatch, "keep")
     endpoint = runtime.endpoints()["shared"]
     assert endpoint.urls == (first.url, second.url) and endpoint.url == first.url
-    done = runtime.serve(new_weights(1))
+    done = runtime.services["shared"].serve(new_weights(1))
     assert first.calls == second.calls == [("reload", new_weights(1).model_dir)]
     assert [e["replica"] for e in done["synced"]] == [0, 1] and runtime.served_versions()["shared"] == 1
     second.probe = (1, 2, 4)  # the second replica answers differently: it does not hold these weights
     with pytest.raises(ReplicaMismatchError, match="disagree after the sync"):
-        runtime.serve(new_weights(2))
+        runtime.services["shared"].serve(new_weights(2))
     assert runtime.served_versions()["shared"] == 1  # what the rows would record is not moved on
 
 
 def test_a_replica_that_died_is_started_again_with_what_the_others_serve(monkeypatch) -> None:
     runtime, first, second = replicated_runtime(monkeypatch, "keep")
     weights = new_weights(1)
-    runtime.serve(weights)
+    runtime.services["shared"].serve(weights)
     second.running = False  # kill -9: the process is gone
     runtime.endpoints()  # before the next rollout
     assert second.calls[-1] == ("start", weights.model_dir) and first.running and second.running
@@ -226,7 +226,7 @@ def test_restart_mode_stops_and_starts_every_replica(monkeypatch) -> None:
     runtime, first, second = replicated_runtime(monkeypatch, "restart")
     with runtime.servers_released():
         assert first.calls == second.calls == ["stop"]
-    done = runtime.serve(new_weights(1))
+    done = runtime.services["shared"].serve(new_weights(1))
     assert first.calls == second.calls == ["stop", ("start", new_weights(1).model_dir)]
     assert [(e["via"], e["replica"]) for e in done["synced"]] == [("restart", 0), ("restart", 1)]
 

@@ -138,7 +138,7 @@ class _RecordingRuntime:
     when."""
 
     def __init__(self, events: list[str]) -> None:
-        self.policies = ["shared"]
+        self.services = {"shared": None}  # only its policies are read
         self.env_cache = None
         self.events = events
 

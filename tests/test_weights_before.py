@@ -135,16 +135,16 @@ class _FakeLearner:
 
 
 class _Runtime:
-    """``Runtime.track_snapshot``/``wait_snapshots`` over a ``PolicyService`` without a server or a learner: the
-    snapshot thread runs for real."""
+    """A runtime's ``services``: one ``PolicyService`` without a server or a learner, whose snapshot thread
+    (``track_snapshot``/``wait_snapshot``) runs for real."""
 
     def __init__(self) -> None:
         from pettingflow.runs.policy_service import PolicyService
-        from pettingflow.runs.runtime import Runtime
 
         self.services = {"shared": PolicyService("shared", None, "snapshot-test", Path("/nonexistent-state"))}
-        self.track_snapshot = Runtime.track_snapshot.__get__(self)
-        self.wait_snapshots = Runtime.wait_snapshots.__get__(self)
+
+    def wait_snapshots(self) -> None:
+        self.services["shared"].wait_snapshot()
 
 
 def test_a_background_snapshot_is_found_once_committed_and_never_half_written(setup) -> None:
