@@ -203,9 +203,16 @@ class EnvSettings(_Strict):
     class_path: str = Field("code-env", description="Short registered name or 'package.module:Class'.")
     dataset: DatasetSettings = Field(default_factory=DatasetSettings)
     max_turns: int = Field(4, ge=1, description="Agent calls per episode, counted over all agents.")
-    group_size: int = Field(2, ge=1, description="G: samples per task from the same initial state and seed.")
+    group_size: int = Field(
+        2,
+        ge=1,
+        description="G: episodes per task, all from the task's initial state and env seed (sample_idx 0 .. G-1), "
+        "in every rollout.mode. With rollout.mode=independent the G episodes' rows of one (task, turn, agent) are "
+        "the group GRPO compares; rollout.mode=tree runs one episode per task (group_size 1), whose groups are the "
+        "rollout.tree.branches candidates of each turn.",
+    )
     tasks_per_iteration: int = Field(
-        4, ge=1, description="Training tasks drawn per iteration; each runs group_size episodes (one UID group)."
+        4, ge=1, description="Training tasks drawn per iteration; each runs group_size episodes."
     )
     token_budget: int = Field(
         1024, ge=1, description="Generated tokens allowed per episode (as in verl's multi-turn recipe)."
@@ -241,8 +248,16 @@ class EnvSettings(_Strict):
 
 
 class TreeSettings(_Strict):
-    """Tree rollouts (``rollout.mode: tree``): how each candidate of a turn is credited with the team's outcome."""
+    """Tree rollouts (``rollout.mode: tree``): how many candidates each turn draws, and how each is credited with
+    the team's outcome."""
 
+    branches: int | None = Field(
+        None,
+        ge=1,
+        description="K: the candidates the acting agent draws from one prompt at every turn of a tree episode (one "
+        "request with n=K); the K rows of a turn are the group GRPO compares. Needed with rollout.mode=tree, "
+        "unset otherwise. Its own setting, not env.group_size, which stays the episodes per task (1 in tree mode).",
+    )
     team_credit: Literal["shared", "step", "round", "episode"] = Field(
         "shared",
         description="The team term of each candidate's row (what algorithm.team_reward_weight mixes in). shared: the "
@@ -296,9 +311,9 @@ class RolloutSettings(_Strict):
     mode: Literal["independent", "tree"] = Field(
         "independent",
         description="independent: env.group_size independent episodes per task, grouped by (task, turn, agent). "
-        "tree (AT-GRPO, arXiv 2510.11062): one episode per task; at every turn the acting agent draws "
-        "env.group_size candidates from the same prompt in one request, the env scores each on a fork of the "
-        "state, the candidates form the group and the episode continues from one of them (docs/rl.md).",
+        "tree (AT-GRPO, arXiv 2510.11062): one episode per task (env.group_size 1); at every turn the acting agent "
+        "draws rollout.tree.branches candidates from the same prompt in one request, the env scores each on a fork "
+        "of the state, the candidates form the group and the episode continues from one of them (docs/rl.md).",
     )
     tree_select: Literal["best", "sample"] = Field(
         "best",
@@ -308,11 +323,17 @@ class RolloutSettings(_Strict):
     tree: TreeSettings = Field(default_factory=TreeSettings, description="Team credit of tree candidates.")
 
     @model_validator(mode="after")
-    def _team_credit_needs_tree(self) -> RolloutSettings:
+    def _tree_settings_need_tree(self) -> RolloutSettings:
         if self.tree.team_credit != "shared" and self.mode != "tree":
             raise ValueError(
                 f"rollout.tree.team_credit={self.tree.team_credit} credits the candidates of a tree turn, but "
                 f"rollout.mode={self.mode}; set rollout.mode=tree, or leave team_credit at shared"
+            )
+        if self.tree.branches is not None and self.mode != "tree":
+            raise ValueError(
+                f"rollout.tree.branches={self.tree.branches} is the candidates per turn of tree mode, but "
+                f"rollout.mode={self.mode}; set rollout.mode=tree, or drop rollout.tree.branches (the episodes per "
+                "task are env.group_size)"
             )
         return self
 
@@ -825,25 +846,7 @@ class ExperimentConfig(_Strict):
             for i, policy in enumerate(self.policies):
                 if policy.name in used and policy.lora.rank <= 0:
                     problems.append((f"policies.{i}.lora.rank", "must be > 0 when specialization is lora"))
-        if self.algorithm.filter_method == "dapo" and self.env.group_size < 2:
-            problems.append(
-                (
-                    "algorithm.filter_method",
-                    "dapo removes zero-variance groups; with env.group_size=1 every group is removed",
-                )
-            )
-        if self.algorithm.filter_method == "uid" and self.env.group_size < 2 and self.algorithm.filter_ratio > 0:
-            problems.append(
-                ("algorithm.filter_method", "uid filtering removes outliers within a group; needs env.group_size >= 2")
-            )
-        if self.env.group_size < 2:
-            problems.append(
-                (
-                    "env.group_size",
-                    f"{self.algorithm.advantage_estimator} advantages are relative to the other samples of a group; "
-                    "with group_size=1 every advantage is 0 and nothing is learned (use >= 2)",
-                )
-            )
+        problems.extend(self._group_problems())
         if self.rollout.async_rollouts and self.inference.between_updates not in ("auto", "keep"):
             problems.append(
                 (
@@ -900,6 +903,64 @@ class ExperimentConfig(_Strict):
         if problems:
             raise CombinationError(problems)
         return self
+
+    @property
+    def advantage_group_size(self) -> int:
+        """The rows that share a UID, i.e. the group GRPO compares: ``rollout.tree.branches`` candidates of a
+        turn in tree mode, ``env.group_size`` episodes otherwise."""
+        if self.rollout.mode == "tree" and self.rollout.tree.branches is not None:
+            return self.rollout.tree.branches
+        return self.env.group_size
+
+    def _group_problems(self) -> list[tuple[str, str]]:
+        """Tree mode's settings, and groups too small to compare (``_check_combinations``).
+
+        Why tree mode refuses ``env.group_size`` other than 1 instead of reading it as the branches: configs
+        written before ``rollout.tree.branches`` existed said ``rollout.mode: tree`` with ``env.group_size: K``
+        for K candidates per turn. Reading that K as K episodes per task now would silently change what they run;
+        the message gives the new spelling instead."""
+        if self.rollout.mode == "tree" and self.rollout.tree.branches is None:
+            k = self.env.group_size
+            return [
+                (
+                    "rollout.tree.branches",
+                    "rollout.mode=tree needs the candidates each turn draws from one prompt: set "
+                    f"rollout.tree.branches (e.g. {max(k, 2)}). env.group_size no longer sets them: it is the "
+                    "episodes per task in every mode, and tree mode runs one. A config written as rollout.mode: tree "
+                    f"with env.group_size: {k} for {k} candidates per turn now says rollout.tree.branches: {k} and "
+                    "env.group_size: 1 (the same rollouts)",
+                )
+            ]
+        problems: list[tuple[str, str]] = []
+        tree = self.rollout.mode == "tree"
+        if tree and self.env.group_size != 1:
+            problems.append(
+                (
+                    "env.group_size",
+                    f"rollout.mode=tree runs one episode per task, its groups are the rollout.tree.branches="
+                    f"{self.rollout.tree.branches} candidates of each turn: set env.group_size=1 (got "
+                    f"{self.env.group_size})",
+                )
+            )
+        key = "rollout.tree.branches" if tree else "env.group_size"
+        size = self.advantage_group_size
+        if self.algorithm.filter_method == "dapo" and size < 2:
+            problems.append(
+                ("algorithm.filter_method", f"dapo removes zero-variance groups; with {key}=1 every group is removed")
+            )
+        if self.algorithm.filter_method == "uid" and size < 2 and self.algorithm.filter_ratio > 0:
+            problems.append(
+                ("algorithm.filter_method", f"uid filtering removes outliers within a group; needs {key} >= 2")
+            )
+        if size < 2:
+            problems.append(
+                (
+                    key,
+                    f"{self.algorithm.advantage_estimator} advantages are relative to the other samples of a group; "
+                    f"with {key}=1 every advantage is 0 and nothing is learned (use >= 2)",
+                )
+            )
+        return problems
 
     def policy(self, name: str) -> PolicySettings:
         """The policy called ``name`` (KeyError names the defined ones)."""

@@ -13,12 +13,12 @@ One episode (PettingLLMs' agent/env cycle; a per-episode token budget as in verl
         if env.done or budget spent: stop
     record.info |= env.episode_info()      # optional: per-episode values (e.g. a team reward) for every row
 
-Tree mode (``tree_branches=K``, AT-GRPO, arXiv 2510.11062; docs/rl.md): one episode per task; at every
-turn the acting agent's prompt is sampled K times in ONE request (``n=K``), each candidate is parsed and
-stepped on its own fork of the (agent, env) pair (``Agent.fork``, ``Env.fork``), so none of them touches the
-episode, and the episode continues on the fork of the chosen candidate (``select_branch``). All K candidates
-are recorded (``TurnRecord.branch_idx``, ``continued``); they share the prompt, which is what makes them a
-GRPO group.
+Tree mode (``tree_branches=K``, ``rollout.tree.branches``; AT-GRPO, arXiv 2510.11062; docs/rl.md): one episode
+per task (``env.group_size`` 1); at every turn the acting agent's prompt is sampled K times in ONE request
+(``n=K``), each candidate is parsed and stepped on its own fork of the (agent, env) pair (``Agent.fork``,
+``Env.fork``), so none of them touches the episode, and the episode continues on the fork of the chosen
+candidate (``select_branch``). All K candidates are recorded (``TurnRecord.branch_idx``, ``continued``); they
+share the prompt, which is what makes them a GRPO group.
 
 An independent episode is the same turn loop with one candidate per turn that acts on the episode itself
 (no fork, nothing to choose): ``run_episode`` has one path for both.

@@ -140,8 +140,9 @@ class Sampling:
     pool and its actors down to ``run_episodes``: a new option is a field here, not a parameter in every signature
     on the way.
 
-    ``group_size`` episodes per task (tree mode: 1 episode, with ``tree_branches`` = K candidates per turn);
-    ``seed_namespace`` prefixes the episodes' seeds; ``temperature`` overrides the agents' own."""
+    ``group_size``: episodes per task (``env.group_size``; 1 in tree mode); ``tree_branches``: K candidates per
+    turn of tree episodes (``rollout.tree.branches``), None for independent ones; ``seed_namespace`` prefixes the
+    episodes' seeds; ``temperature`` overrides the agents' own."""
 
     group_size: int
     seed_namespace: str
@@ -166,8 +167,8 @@ async def run_episodes(
 ) -> tuple[list[EpisodeRecord], EngineStats]:
     """Run ``group_size`` episodes per task with the configured team; return records and stats.
 
-    ``tree_branches``: K for tree episodes (K candidates per turn, ``rollout.tree_select``; pass
-    ``group_size=1``), None for independent ones.
+    ``tree_branches``: K for tree episodes (K candidates per turn, ``rollout.tree.branches``; the continued one
+    by ``rollout.tree_select``), None for independent ones.
 
     ``skip_groups``: task indexes (``env_idx``) not to run (already stored); the others keep their indexes,
     seeds and UIDs. ``on_episode``: called with each finished episode (see ``ExecutionEngine.run``).

@@ -10,9 +10,10 @@ Two layouts (docs/architecture.md, storage):
   that came between them (mask 0), exactly as the sampler saw the sequence. The UID groups the G
   samples of one task for the same agent (turn_idx is 0 for these rows).
 
-Tree episodes (``rollout.mode: tree``) give one row per candidate in both layouts: the K candidates of a
-(task, turn, agent) share the prompt and the UID (``rollout_idx`` is the task: one episode per task, so the
-UID key is ``(env_idx, turn_idx, agent_idx)``); ``branch_idx`` says which candidate a row is and ``continued``
+Tree episodes (``rollout.mode: tree``) give one row per candidate in both layouts: the K
+(``rollout.tree.branches``) candidates of a (task, turn, agent) share the prompt and the UID (tree mode runs one
+episode per task, ``group_size`` 1, so ``rollout_idx`` is the task and the UID key ``(env_idx, turn_idx,
+agent_idx)``, by the same rule as independent rows); ``branch_idx`` says which candidate a row is and ``continued``
 whether the episode went on from it. In the per_episode layout the prompt of a tree row is the agent's whole
 sequence along the continued path (earlier actions and the env tokens between them, exactly as the sampler
 saw it), so the continued path is the episode and only the candidate's own tokens are trained.
@@ -151,7 +152,8 @@ def _base_row(run_id: str, iteration: int, ep: EpisodeRecord) -> dict[str, Any]:
 
 def per_turn_rows(episodes: list[EpisodeRecord], run_id: str, iteration: int, group_size: int) -> list[dict[str, Any]]:
     """One row per agent call (tree: per candidate); UID from (rollout_idx // group_size, turn_idx, agent_idx)
-    (PettingLLMs' trainer). Tree episodes pass ``group_size=1``: the group is the K candidates of one episode's turn."""
+    (PettingLLMs' trainer). ``group_size``: the episodes per task; tree episodes run one per task, so their group
+    is the K candidates of one episode's turn."""
     rows: list[dict[str, Any]] = []
     for ep in episodes:
         for turn in ep.turns:
@@ -278,7 +280,8 @@ def build_rows(
     policy_versions: Mapping[str, int] | None = None,
 ) -> list[dict[str, Any]]:
     """Rows in the configured sample layout (``per_turn`` or ``per_episode``); tree episodes: one row per
-    candidate in either layout (module docstring), UIDs by (task, turn, agent) whatever ``group_size``.
+    candidate in either layout (module docstring). ``group_size``: the episodes per task the records were run
+    with (``env.group_size``; 1 for tree episodes), which the UIDs group by.
 
     ``policy_versions``: policy -> version of the weights that generated its rows (``policy_version`` column);
     None: ``iteration`` for every policy (sync rollouts, every earlier iteration updated).
@@ -288,9 +291,14 @@ def build_rows(
         raise ValueError("build_rows got tree and independent episodes together; their UIDs follow different rules")
     if layout not in ("per_turn", "per_episode"):
         raise ValueError(f"unknown sample layout {layout!r}; use per_turn or per_episode")
-    if trees == {True}:  # one row per candidate in both layouts; the group is one episode's turn
-        rows = per_turn_rows(episodes, run_id, iteration, group_size=1)
-    elif layout == "per_turn":
+    if trees == {True} and group_size != 1:
+        raise ValueError(
+            f"build_rows got tree episodes with group_size={group_size}; tree mode runs one episode per task, so "
+            "pass group_size=1 (the episodes per task, env.group_size), not the candidates per turn "
+            "(rollout.tree.branches)"
+        )
+    # tree episodes: one row per candidate in both layouts, the group is one episode's turn
+    if trees == {True} or layout == "per_turn":
         rows = per_turn_rows(episodes, run_id, iteration, group_size)
     else:
         rows = per_episode_rows(episodes, run_id, iteration, group_size)

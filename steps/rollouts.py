@@ -87,8 +87,8 @@ def collect_step(
     show_progress: bool = True,
     policy_versions: dict[str, int] | None = None,
 ) -> StepOutcome:
-    """Collect the iteration's rollouts (G per task; tree mode: one tree episode of G candidates per turn per
-    task) and commit them as ``rollouts``.
+    """Collect the iteration's rollouts (``env.group_size`` episodes per task; tree mode: one tree episode of
+    ``rollout.tree.branches`` candidates per turn per task) and commit them as ``rollouts``.
 
     ``policy_versions``: policy -> version of the weights its server serves (rows record it); None: the
     iteration's own (sync rollouts).
@@ -105,10 +105,7 @@ def collect_step(
         return done
     started_at = time.time()
     tasks = select_train_tasks(config, ctx.iteration)[: limit or None]
-    group_size = config.env.group_size
-    # tree mode (docs/rl.md): one episode per task, the group is the group_size candidates of each turn
-    tree = config.rollout.mode == "tree"
-    episodes_per_task = 1 if tree else group_size
+    group_size = config.env.group_size  # episodes per task (1 in tree mode, docs/rl.md)
     shards = TrajectoryShards(step)
     stored = shards.committed()
     resumed = len(stored)
@@ -130,11 +127,11 @@ def collect_step(
 
     runner = EpisodeRunner.for_config(config, endpoints, env_cache=env_cache, show_progress=show_progress)
     sampling = Sampling(
-        group_size=episodes_per_task,
+        group_size=group_size,
         # seeds follow run.seed and the iteration only (not the run id, which holds the clock): a config
         # reproduces its samples, and tests do not depend on when they run
         seed_namespace=f"iter-{ctx.iteration}/",
-        tree_branches=group_size if tree else None,
+        tree_branches=config.rollout.tree.branches if config.rollout.mode == "tree" else None,
     )
     ran = runner.run(
         tasks,
@@ -146,7 +143,7 @@ def collect_step(
     if ran.workers is not None:  # which actor (pid, Ray node) ran which groups of this attempt
         metrics["workers"] = ran.workers
     metrics["tasks"] = [task_id(t, i) for i, t in enumerate(tasks)]
-    metrics["samples_per_task"] = episodes_per_task  # with tasks: the episodes asked for (analysis/outcomes.py)
+    metrics["samples_per_task"] = group_size  # with tasks: the episodes asked for (analysis/outcomes.py)
     metrics["layout"] = config.env.sample_layout
     metrics["mode"] = config.rollout.mode
     # groups stored by an earlier attempt: their rows are in the step, their engine statistics are not

@@ -173,8 +173,8 @@ def plan_path_engine_rows(
 ) -> tuple[list[Any], Any, list[dict[str, Any]], ScriptedLLM]:
     """Plan-path episodes through the real ``ExecutionEngine`` with a scripted LLM: (records, stats, rows, llm).
 
-    ``tree_branches`` set: AT-GRPO tree mode (one episode per task, K candidates per turn), and the rows'
-    group size is K; otherwise ``group_size`` independent samples per task."""
+    ``tree_branches`` set: AT-GRPO tree mode (one episode per task, K candidates per turn: groups of K rows);
+    otherwise ``group_size`` independent samples per task."""
     from pettingflow.agents import build_agent
     from pettingflow.configs import load_config
     from pettingflow.envs import EnvCache
@@ -203,5 +203,5 @@ def plan_path_engine_rows(
         **extra,
     )
     records, stats = asyncio.run(engine.run(specs))
-    rows = build_rows(records, layout, "run", 0, group_size=tree_branches if tree else group_size)
+    rows = build_rows(records, layout, "run", 0, group_size=1 if tree else group_size)
     return records, stats, rows, llm

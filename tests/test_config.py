@@ -303,7 +303,8 @@ def test_a_config_extends_another_and_says_only_what_differs(tmp_path: Path) -> 
     a chain works, a cycle fails naming the files."""
     (tmp_path / "parent.yaml").write_text("extends: code-env\nrun: {name: parent, iterations: 5}\n")
     (tmp_path / "child.yaml").write_text(
-        "extends: parent.yaml\nrun: {name: child}\nrollout: {mode: tree, tree: {team_credit: round}}\n"
+        "extends: parent.yaml\nrun: {name: child}\nenv: {group_size: 1}\n"
+        "rollout: {mode: tree, tree: {branches: 4, team_credit: round}}\n"
     )
     child, base = load_config(str(tmp_path / "child.yaml")), load_config("code-env")
     assert (child.run.name, child.run.iterations) == ("child", 5)  # from the child, then the parent

@@ -412,7 +412,7 @@ def test_tree_team_credit_with_lookahead_gives_the_same_rows_with_remote_envs(
             team_credit="round",
         )
         records, _ = asyncio.run(engine.run(specs))
-        return build_rows(records, "per_turn", "run", 0, group_size=3)
+        return build_rows(records, "per_turn", "run", 0, group_size=1)
 
     want = rows()
     assert any(json.loads(r["info_json"]).get("lookahead") for r in want)

@@ -280,7 +280,10 @@ def test_arms_that_score_the_base_model_alike_share_one_base_evaluation() -> Non
     assert base_evaluation_key(team) != base_evaluation_key(load_config("plan-path-learn", ["run.seed=7"]))
     assert base_evaluation_key(team) != base_evaluation_key(load_config("plan-path-learn", ["validation.num_tasks=3"]))
     assert base_evaluation_key(team) == base_evaluation_key(
-        load_config("plan-path-learn", ["algorithm.filter_method=mean", "rollout.mode=tree"])
+        load_config(
+            "plan-path-learn",
+            ["algorithm.filter_method=mean", "rollout.mode=tree", "rollout.tree.branches=4", "env.group_size=1"],
+        )
     )
 
     calls = []

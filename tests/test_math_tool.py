@@ -414,7 +414,7 @@ def engine_rows(reply, *, sandbox, tasks, group_size=2, tree_branches=None, max_
         **extra,
     )
     records, stats = asyncio.run(engine.run(specs))
-    rows = build_rows(records, "per_turn", "run", 0, group_size=tree_branches if tree else group_size)
+    rows = build_rows(records, "per_turn", "run", 0, group_size=1 if tree else group_size)
     return records, stats, rows, llm
 
 

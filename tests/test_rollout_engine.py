@@ -248,7 +248,7 @@ def test_a_scripted_agent_acts_without_the_model_and_is_never_a_training_row(tre
     path = rec.path()
     assert [(t.agent_name, t.response_text) for t in path][1::2] == [("tester", "checked-1"), ("tester", "checked-3")]
     assert sum(t.agent_name == "tester" for t in rec.turns) == 2  # one reply per scripted turn, even in tree mode
-    rows = build_rows([rec], "per_turn", "run", 0, group_size=tree or 1)
+    rows = build_rows([rec], "per_turn", "run", 0, group_size=1)  # one episode, tree or not
     assert {r["agent_name"] for r in rows} == {"coder"}
     assert stats.tokens_generated == sum(len(r["response_ids"]) for r in rows)
     assert "tester:checked-1" in llm.calls[1]["prompt"]  # the coder reads the scripted reply through the env

@@ -173,7 +173,7 @@ def engine_rows(reply, *, tree_branches=None, layout="per_turn", max_turns=8):
         **extra,
     )
     records, stats = asyncio.run(engine.run(specs))
-    rows = build_rows(records, layout, "run", 0, group_size=tree_branches if tree else 2)
+    rows = build_rows(records, layout, "run", 0, group_size=1 if tree else 2)
     return records, stats, rows, llm
 
 

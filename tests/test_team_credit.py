@@ -95,7 +95,7 @@ def relay_rows(team_credit: str, max_turns: int = 2, token_budget: int = 1000) -
 
     specs = group_specs([{"task_id": "relay"}], 1, 0, "relay", make_env)
     records, stats = asyncio.run(engine.run(specs))
-    return build_rows(records, "per_turn", "run", 0, group_size=K), llm, [records, stats]
+    return build_rows(records, "per_turn", "run", 0, group_size=1), llm, [records, stats]
 
 
 def chooser_advantages(rows: list[dict]) -> dict[str, float]:
@@ -161,7 +161,8 @@ def test_the_lookahead_stays_within_the_episode_token_budget() -> None:
 def test_team_credit_needs_tree_mode_and_a_team_outcome() -> None:
     with pytest.raises(ValueError, match=r"rollout\.mode=tree"):
         load_config("plan-path", ["rollout.tree.team_credit=round"])
-    config = load_config("plan-path", ["rollout.mode=tree", "rollout.tree.team_credit=round"])
+    tree = ["rollout.mode=tree", "rollout.tree.branches=4", "env.group_size=1"]
+    config = load_config("plan-path", [*tree, "rollout.tree.team_credit=round"])
     assert config.rollout.tree.team_credit == "round" and config.rollout.tree.lookahead_temperature == 0.0
     with pytest.raises(ValueError, match="needs tree_branches"):
         ExecutionEngine(list, {}, max_turns=2, token_budget=10, team_credit="step")

@@ -13,9 +13,10 @@ import pytest
 from rollout_fakes import BoardEnv, CharChatTokenizer, ScriptedLLM, ToyAgent, ToyEnv, plan_path_engine_rows
 
 from bench.scripted_server import plan_path_answer
-from pettingflow.configs import load_config
+from pettingflow.configs import ConfigError, load_config
 from pettingflow.envs.plan_path import PlanPathEnv, parse_moves
 from pettingflow.rollout.engine import AgentBinding, ExecutionEngine, group_specs, select_branch
+from pettingflow.rollout.records import build_rows
 from pettingflow.storage import trajectories_to_table
 
 TOK = CharChatTokenizer()
@@ -171,6 +172,50 @@ def test_envs_without_fork_fail_clearly_in_tree_mode() -> None:
         ExecutionEngine(lambda: [], bindings, max_turns=1, token_budget=1, tree_branches=0)
 
 
+def test_tree_branches_is_its_own_setting_and_group_size_keeps_its_meaning() -> None:
+    """``rollout.tree.branches`` is K, the candidates per turn; ``env.group_size`` stays the episodes per task in
+    every mode (1 in tree mode), and the group GRPO compares is K rows in tree mode, G otherwise."""
+    config = load_config("plan-path", ["rollout.mode=tree", "rollout.tree.branches=3", "env.group_size=1"])
+    assert (config.rollout.tree.branches, config.env.group_size, config.advantage_group_size) == (3, 1, 3)
+    independent = load_config("plan-path", ["env.group_size=5"])
+    assert independent.rollout.tree.branches is None and independent.advantage_group_size == 5
+    for name in ("plan-path-learn-tree", "plan-path-learn-lookahead", "code-env-learn-tree"):
+        shipped = load_config(name)
+        assert (shipped.rollout.mode, shipped.rollout.tree.branches, shipped.env.group_size) == ("tree", 4, 1), name
+
+
+def test_the_earlier_tree_spelling_fails_and_names_the_new_one() -> None:
+    """Tree mode used to read ``env.group_size`` as the candidates per turn (and run one episode per task). Such a
+    config must not now run something else under the same words: it fails, saying what to write for the same
+    rollouts. Tree settings outside tree mode and a tree group of one fail too."""
+    with pytest.raises(ConfigError) as old:
+        load_config("plan-path", ["rollout.mode=tree", "env.group_size=8"])
+    assert [path for path, _ in old.value.problems] == ["rollout.tree.branches"]
+    assert "now says rollout.tree.branches: 8 and env.group_size: 1 (the same rollouts)" in str(old.value)
+    with pytest.raises(ConfigError, match=r"runs one episode per task.*set env.group_size=1 \(got 4\)"):
+        load_config("plan-path", ["rollout.mode=tree", "rollout.tree.branches=4"])
+    with pytest.raises(ConfigError, match=r"rollout.tree.branches=4 is the candidates per turn of tree mode, but "):
+        load_config("plan-path", ["rollout.tree.branches=4"])
+    one = ["rollout.mode=tree", "rollout.tree.branches=1", "env.group_size=1", "algorithm.filter_method=none"]
+    with pytest.raises(ConfigError) as single:
+        load_config("plan-path", one)
+    assert single.value.problems == [
+        (
+            "rollout.tree.branches",
+            "grpo advantages are relative to the other samples of a group; with rollout.tree.branches=1 every "
+            "advantage is 0 and nothing is learned (use >= 2)",
+        )
+    ]
+
+
+def test_build_rows_takes_the_episodes_per_task_not_the_branches() -> None:
+    """Tree records were run one episode per task: ``group_size`` K (the old call) is refused, not rewritten."""
+    records, _, rows, _ = tree_run()
+    assert {len(g) for g in groups(rows).values()} == {K}
+    with pytest.raises(ValueError, match=r"group_size=3; tree mode runs one episode per task, so pass group_size=1"):
+        build_rows(records, "per_turn", "run", 0, group_size=K)
+
+
 def test_collect_step_in_tree_mode_against_the_scripted_server(tmp_path, default_model_dir, default_tokenizer) -> None:
     """The rollouts step over HTTP in tree mode: one request with n = G per turn, one shard per task."""
     from bench.scripted_server import ScriptedServer
@@ -181,17 +226,25 @@ def test_collect_step_in_tree_mode_against_the_scripted_server(tmp_path, default
 
     config = load_config(
         "plan-path",
-        [f"run.storage_root={tmp_path}", "env.max_turns=6", "env.token_budget=200", "rollout.mode=tree"],
+        [
+            f"run.storage_root={tmp_path}",
+            "env.max_turns=6",
+            "env.token_budget=200",
+            "rollout.mode=tree",
+            "env.group_size=1",
+            "rollout.tree.branches=3",
+        ],
     )
     layout = RunLayout(str(tmp_path), "run-tree")
     with ScriptedServer(default_tokenizer, {}) as server:
         endpoint = PolicyEndpoint("shared", server.url, "shared", str(default_model_dir))
         outcome = collect_step(IterationContext(layout, 0), config, {"shared": endpoint}, show_progress=False)
         requests = list(server.requests)
-    g = config.env.group_size
+    g = config.rollout.tree.branches
     rows = read_step_trajectories(layout.step(0, "rollouts")).to_pylist()
     assert outcome.rows == len(rows) and outcome.metrics["mode"] == "tree"
     assert outcome.metrics["episodes"] == config.env.tasks_per_iteration  # one episode per task
+    assert outcome.metrics["samples_per_task"] == 1
     assert {r["n"] for r in requests} == {g} and len(rows) == g * len(requests)
     assert {r["sample_idx"] for r in rows} == {0}
     for group in groups(rows).values():
