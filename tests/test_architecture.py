@@ -100,3 +100,85 @@ def test_every_package_folder_ships_in_the_wheel() -> None:
         if folder.split("/")[0] in {"tests", "bench", "scripts", ".venv", "docs"} or folder.startswith("."):
             continue
         assert folder in folders, f"{folder}/ is a package but pyproject.toml does not ship it (packages, package-dir)"
+
+
+# ------------------------------------------------------------------------------------------------ the folder map
+_ROW = re.compile(r"^\| `([a-z_]+)/` \| (.*) \| ([^|]*) \|$")
+_NAMED = re.compile(r"`([A-Za-z0-9_./-]+)`")
+
+
+def map_rows(doc: str) -> dict[str, str]:
+    """``{folder: its "holds" cell}`` of docs/architecture.md's folder map."""
+    return {m.group(1): m.group(2) for line in doc.splitlines() if (m := _ROW.match(line))}
+
+
+def package_folders(root: Path) -> list[str]:
+    """The top-level folders that ship as packages (pyproject.toml's package-dir), read at test time."""
+    import tomllib
+
+    mapped = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    return sorted({path for path in mapped.values() if "/" not in path})
+
+
+def map_problems(doc: str, root: Path) -> list[str]:
+    """What the folder map gets wrong about the tree under ``root``, one line each:
+
+    - a package folder without a row;
+    - a module of a package folder the row does not name: each ``<folder>/<name>.py`` (``__init__.py`` aside) is
+      named in its folder's row as `name.py`; a subpackage (``envs/sandbox/``) is named as a whole (`sandbox/`
+      or `envs/sandbox`), its modules then belong to it;
+    - a named module that does not exist (`x.py` in a row: ``<folder>/x.py``; `other/x.py`: from the root).
+    """
+    rows = map_rows(doc)
+    problems = [f"{folder}/ has no row in the folder map" for folder in package_folders(root) if folder not in rows]
+    for folder, cell in sorted(rows.items()):
+        named = {token.rstrip("/") for token in _NAMED.findall(cell)}
+        for token in sorted(t for t in named if t.endswith(".py")):
+            top = token.split("/")[0]
+            path = root / token if "/" in token and (root / top).is_dir() and top != token else root / folder / token
+            if not path.is_file():
+                problems.append(f"{folder}/ names `{token}`, which does not exist ({path.relative_to(root)})")
+        if folder not in package_folders(root):
+            continue  # bench/, tests/: listed as folders, their files are not a package's modules
+        base = root / folder
+        for module in sorted(base.glob("*.py")):
+            if module.name != "__init__.py" and module.name not in named:
+                problems.append(f"{folder}/{module.name} is not in the folder map's {folder}/ row")
+        for sub in sorted(p for p in base.iterdir() if (p / "__init__.py").is_file()):
+            if not {sub.name, f"{folder}/{sub.name}"} & named:
+                problems.append(f"{folder}/{sub.name}/ (a subpackage) is not in the folder map's {folder}/ row")
+    return problems
+
+
+def test_the_folder_map_names_every_module_and_only_modules_that_exist() -> None:
+    """docs/architecture.md's folder map against the tree as it is now (folders and modules come and go)."""
+    problems = map_problems((ROOT / "docs" / "architecture.md").read_text(), ROOT)
+    assert not problems, "docs/architecture.md's folder map differs from the tree:\n" + "\n".join(problems)
+
+
+def test_the_folder_map_check_finds_a_missing_and_an_invented_module(tmp_path: Path) -> None:
+    """The check above can fail: on a small tree, a module without a mention, a mention without a module, an
+    unnamed subpackage and a package folder without a row are each reported."""
+    (tmp_path / "pyproject.toml").write_text(
+        '[tool.setuptools.package-dir]\n"p" = "p"\n"p.steps" = "steps"\n"p.steps.sub" = "steps/sub"\n"p.rl" = "rl"\n'
+    )
+    for path in ("steps/__init__.py", "steps/a.py", "steps/b.py", "steps/sub/__init__.py", "p/__init__.py"):
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text("")
+    doc = "\n".join(
+        [
+            "| folder | holds | imports from |",
+            "|---|---|---|",
+            "| `steps/` | what runs (`a.py`, `gone.py`; the pipeline in `p/pipeline.py`) | — |",
+            "| `p/` | the CLI | — |",
+            "| `tests/` | suites (`conftest.py`) | anything |",
+        ]
+    )
+    assert map_problems(doc, tmp_path) == [
+        "rl/ has no row in the folder map",
+        "steps/ names `gone.py`, which does not exist (steps/gone.py)",
+        "steps/ names `p/pipeline.py`, which does not exist (p/pipeline.py)",
+        "steps/b.py is not in the folder map's steps/ row",
+        "steps/sub/ (a subpackage) is not in the folder map's steps/ row",
+        "tests/ names `conftest.py`, which does not exist (tests/conftest.py)",
+    ]
