@@ -23,7 +23,7 @@ from typing import Any
 from pettingflow.analysis.outcomes import EpisodeCounts
 from pettingflow.steps.report import REPORT_STEP, history, stored_warnings
 from pettingflow.storage import RunLayout, read_step_trajectories
-from pettingflow.storage.layout import UPDATE_STEP_PREFIX, StepName
+from pettingflow.storage.layout import StepName, update_policy
 
 # report duration keys -> the phase they count in
 _PHASES = {
@@ -117,7 +117,7 @@ def summarize_run(layout: RunLayout) -> RunSummary:
             if not key.startswith("duration/") or key == "duration/iteration_before_report_s":
                 continue
             name = key.removeprefix("duration/").removesuffix("_s")
-            phase = str(StepName.UPDATE) if name.startswith(UPDATE_STEP_PREFIX) else _PHASES.get(name, "other")
+            phase = str(StepName.UPDATE) if update_policy(name) else _PHASES.get(name, "other")
             phases[phase] += float(seconds)
             timed += float(seconds)
         total = float(report.get("duration/iteration_before_report_s", timed))
