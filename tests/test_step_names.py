@@ -129,8 +129,9 @@ def _step_places(node: ast.AST) -> list[ast.AST]:
     """The expressions of ``node`` that hold a step if anything does: what a step-taking call gets, a
     ``*step*`` parameter's default, what is assigned to or compared with a ``*step*`` name."""
     if isinstance(node, ast.Call):
-        places = list(node.args) if _call_name(node) in STEP_CALLS else []
-        return places + [k.value for k in node.keywords if k.arg and "step" in k.arg.lower()]
+        if _call_name(node) in STEP_CALLS:  # layout.step(k, "rollouts"), layout.step(k, name="rollouts")
+            return [*node.args, *(k.value for k in node.keywords)]
+        return [k.value for k in node.keywords if k.arg and "step" in k.arg.lower()]
     if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
         args = node.args
         positional = [*args.posonlyargs, *args.args]
@@ -206,7 +207,7 @@ def f(k, policy, step_name, from_step: str = "filtered"):
     snapshot = "optimizer-" + policy
     if step_name in ("validation", "baseline"):
         pass
-    kind = StepName("report")
+    kind = StepName(value="report")
     return [n for n in names if n.startswith("update-")]
 '''
 
