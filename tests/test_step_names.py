@@ -147,8 +147,10 @@ def _step_places(node: ast.AST) -> list[ast.AST]:
     return []
 
 
-def scan_source(source: str, path: str) -> list[Hit]:
-    """Literal step names in one module's source (``path`` names it in the report)."""
+def scan_source(source: str, path: str, exceptions: dict[tuple[str, str], str] | None = None) -> list[Hit]:
+    """Literal step names in one module's source (``path`` names it in the report), but for ``exceptions``
+    (default: ``NOT_STEP_NAMES``)."""
+    exceptions = NOT_STEP_NAMES if exceptions is None else exceptions
     tree = ast.parse(source)
     docs = _docstrings(tree)
     pieces = {id(v) for n in ast.walk(tree) if isinstance(n, ast.JoinedStr) for v in n.values}
@@ -163,7 +165,7 @@ def scan_source(source: str, path: str) -> list[Hit]:
                 text = _render(literal) or ""
                 if text in NAMES or text in PREFIXES or _per_policy(text):
                     hits[id(literal)] = Hit(path, literal.lineno, text)
-    found = [h for h in hits.values() if (h.path, h.literal) not in NOT_STEP_NAMES]
+    found = [h for h in hits.values() if (h.path, h.literal) not in exceptions]
     return sorted(found, key=lambda h: (h.path, h.line, h.literal))
 
 
@@ -184,6 +186,17 @@ def test_no_literal_step_names_outside_their_definition() -> None:
         "literal step names outside storage/layout.py (use StepName, StepName.UPDATE.folder(policy), "
         "optimizer_step_name, update_policy, RunLayout.update_steps):\n" + "\n".join(map(str, hits))
     )
+
+
+def test_every_exception_still_matches_a_literal() -> None:
+    """An entry of ``NOT_STEP_NAMES`` whose literal is gone is removed, so the list only shrinks."""
+    found = set()
+    for rel in project_modules():
+        module = rel.as_posix()
+        if any(path == module for path, _ in NOT_STEP_NAMES):
+            found |= {(h.path, h.literal) for h in scan_source((ROOT / rel).read_text(), module, exceptions={})}
+    stale = sorted(set(NOT_STEP_NAMES) - found)
+    assert not stale, f"NOT_STEP_NAMES entries that match nothing any more (remove them): {stale}"
 
 
 def test_the_scan_covers_the_code_that_names_steps() -> None:
