@@ -98,13 +98,13 @@ def step_runs(
     """Whether this attempt runs ``step``: it comes at or after ``from_step``, what it needs is there, and it is due.
 
     The baseline only before a run's first iteration; sync whenever servers run (rollouts or validation
-    follow on them); validation when due."""
+    follow on them) and the iteration is not finished; validation when due."""
     if not ctx.runs(step.name) or (step.needs_servers and not servers):
         return False
     if step.name is StepName.BASELINE:
         return baseline_due(config, ctx.iteration, ctx.attempt)
-    if step.name is StepName.SYNC:
-        return ctx.first is StepName.ROLLOUTS or validate_now
+    if step.name is StepName.SYNC:  # not for a finished iteration: retention may have deleted the weights it served
+        return (ctx.first is StepName.ROLLOUTS or validate_now) and not ctx.step(StepName.REPORT).is_committed()
     if step.name is StepName.VALIDATION:
         return validate_now
     return True
