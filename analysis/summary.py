@@ -154,13 +154,13 @@ OUTCOME_COLUMNS = [
 
 def _run_config(layout: RunLayout) -> Any | None:
     """The run's validated config (None for a run folder without one, e.g. hand-made reports in tests)."""
-    from pettingflow.configs.loader import validate_config
+    from pettingflow.configs.loader import validate_stored_config
 
     try:
         info = layout.read_run_info()
     except FileNotFoundError:
         return None
-    return validate_config(info["config"], source=f"{layout.run_uri}/run.json")
+    return validate_stored_config(info["config"], source=f"{layout.run_uri}/run.json")
 
 
 def scored_step(

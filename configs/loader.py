@@ -280,6 +280,32 @@ def validate_config(
     return config
 
 
+def upgrade_stored_config(raw: dict[str, Any]) -> dict[str, Any]:
+    """A config a run stored (``run.json``, ``attempt.json``) in today's spelling, so runs started before a setting
+    was renamed still resume, re-run, summarize, evaluate and export. A config a user writes is not upgraded: it
+    fails with a message giving the new spelling (``ExperimentConfig``'s checks), since reading an old spelling
+    silently would keep two meanings of one name alive; a stored config records what already ran, so its meaning
+    is known.
+
+    - before ``rollout.tree.branches`` (Nov 28 2026), tree runs stored K candidates per turn as ``env.group_size``:
+      now ``rollout.tree.branches: K`` and ``env.group_size: 1`` (the same rollouts).
+    """
+    data = copy.deepcopy(raw)
+    rollout, env = data.get("rollout") or {}, data.get("env") or {}
+    tree = rollout.get("tree") if isinstance(rollout.get("tree"), dict) else {}
+    if rollout.get("mode") == "tree" and tree.get("branches") is None and int(env.get("group_size") or 1) > 1:
+        rollout["tree"] = {**tree, "branches": int(env["group_size"])}
+        env["group_size"] = 1
+    return data
+
+
+def validate_stored_config(
+    raw: dict[str, Any], source: str = "<dict>", overrides: list[str] | tuple[str, ...] = ()
+) -> ExperimentConfig:
+    """``validate_config`` for a config a run stored: upgraded to today's spelling first (``upgrade_stored_config``)."""
+    return validate_config(upgrade_stored_config(raw), source=source, overrides=overrides)
+
+
 def _problems(exc: ValidationError) -> list[tuple[str, str]]:
     problems: list[tuple[str, str]] = []
     for err in exc.errors():

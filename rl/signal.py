@@ -53,9 +53,16 @@ def group_spread(uids: Sequence[str], rewards: Sequence[float] | np.ndarray) -> 
 
 
 def zero_signal_message(
-    policy: str, spread: GroupSpread, rows_before_filter: int, rows_after_filter: int, filter_method: str
+    policy: str,
+    spread: GroupSpread,
+    rows_before_filter: int,
+    rows_after_filter: int,
+    filter_method: str,
+    group_setting: str = "env.group_size",
 ) -> str:
-    """The warning for a policy whose training batch has no non-zero advantage, with its likely causes."""
+    """The warning for a policy whose training batch has no non-zero advantage, with its likely causes.
+    ``group_setting``: the setting that sizes a group (``rollout.tree.branches`` in tree mode, where
+    ``env.group_size`` must stay 1)."""
     head = f"no learning signal for policy {policy!r}: no row of its batch has a non-zero advantage, so its update "
     head += "changes nothing (grad_norm 0)."
     if rows_before_filter == 0:
@@ -65,7 +72,7 @@ def zero_signal_message(
         causes.append(
             f"every reward of its {spread.groups} groups was 0: the tasks are too hard for the model (e.g. "
             "SmolLM2-135M on HumanEval); train on a task set it partly solves (env.dataset.source=basic-python), "
-            "or raise the sampling temperature or env.group_size"
+            f"or raise the sampling temperature or {group_setting}"
         )
     elif spread.groups and spread.all_max == spread.groups:
         causes.append(
@@ -76,7 +83,7 @@ def zero_signal_message(
         causes.append(
             f"within each of its {spread.groups} groups every sample got the same reward ({spread.all_zero} groups "
             f"all 0, {spread.all_max} all at the top reward, {spread.other_equal} at another value): raise the "
-            "sampling temperature or env.group_size"
+            f"sampling temperature or {group_setting}"
         )
     if rows_after_filter == 0:
         causes.append(

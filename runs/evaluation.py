@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
-from pettingflow.configs.loader import validate_config
+from pettingflow.configs.loader import validate_config, validate_stored_config
 from pettingflow.configs.settings import ExperimentConfig, Specialization
 from pettingflow.runs.context import IterationContext
 from pettingflow.runs.endpoint import PolicyEndpoint
@@ -356,7 +356,7 @@ def read_scores(layout: RunLayout) -> EvaluationScores:
     from pettingflow.analysis.summary import OUTCOME_COLUMNS
 
     info = layout.read_run_info()
-    config = validate_config(info["config"], source=f"{layout.run_uri}/run.json")
+    config = validate_stored_config(info["config"], source=f"{layout.run_uri}/run.json")
     step = layout.step(0, StepName.VALIDATION)
     if not step.is_committed():
         raise FileNotFoundError(f"evaluation run {layout.run_id!r} has no committed validation step (it stopped)")

@@ -24,7 +24,7 @@ from typing import Any
 
 import yaml
 
-from pettingflow.configs.loader import validate_config
+from pettingflow.configs.loader import validate_stored_config
 from pettingflow.configs.settings import ExperimentConfig, Specialization
 from pettingflow.runs.evaluation import NoUpdateError, WeightsError, run_iteration
 from pettingflow.runs.lineage import PolicyWeights, base_model_dir, weights_in_step
@@ -69,7 +69,7 @@ def export_run(layout: RunLayout, out: str | Path, iteration: int | None = None,
         raise ExportError(
             f"no run {layout.run_id!r} under {layout.root} (`pettingflow runs list` shows runs)"
         ) from None
-    config = validate_config(info["config"], source=f"{layout.run_uri}/run.json")
+    config = validate_stored_config(info["config"], source=f"{layout.run_uri}/run.json")
     try:
         k = run_iteration(layout, iteration)
     except NoUpdateError as exc:

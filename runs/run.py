@@ -15,7 +15,7 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from pettingflow import __version__
-from pettingflow.configs.loader import ConfigError, parse_override, validate_config
+from pettingflow.configs.loader import ConfigError, parse_override, validate_stored_config
 from pettingflow.configs.settings import ExperimentConfig
 from pettingflow.runs.context import STEP_ORDER, step_kind
 from pettingflow.storage import RunLayout, new_run_id
@@ -79,9 +79,11 @@ def load_run_config(ref: RunRef, iteration: int | None = None, attempt: int = 0)
     if iteration is not None and attempt:
         info = layout.read_attempt_info(iteration, attempt)
         if info is not None:
-            return validate_config(info["config"], source=f"{layout.iteration_path(iteration, attempt)}/attempt.json")
+            return validate_stored_config(
+                info["config"], source=f"{layout.iteration_path(iteration, attempt)}/attempt.json"
+            )
     info = layout.read_run_info()
-    return validate_config(info["config"], source=f"{layout.run_uri}/run.json")
+    return validate_stored_config(info["config"], source=f"{layout.run_uri}/run.json")
 
 
 # ------------------------------------------------------------------------------------------ re-runs
@@ -227,7 +229,7 @@ def rerun_config(
         )
     layout = ref.layout()
     stored = layout.read_run_info()["config"]
-    config = validate_config(stored, source=f"{layout.run_uri}/run.json", overrides=list(overrides))
+    config = validate_stored_config(stored, source=f"{layout.run_uri}/run.json", overrides=list(overrides))
     return config, config_changes(_normalized(stored), config.model_dump(mode="json"))
 
 
@@ -245,7 +247,7 @@ def _normalized(stored: dict[str, Any]) -> dict[str, Any]:
     """A stored config with today's defaults filled in (a run stored before a setting existed compares equal to
     one resolved now); as stored when it no longer validates."""
     try:
-        return validate_config(stored).model_dump(mode="json")
+        return validate_stored_config(stored).model_dump(mode="json")
     except ConfigError:
         return stored
 

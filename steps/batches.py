@@ -207,7 +207,12 @@ def advantage_step(ctx: IterationContext, config: ExperimentConfig) -> StepOutco
             if not (adv != 0).any():
                 metrics["policies"][policy]["zero_signal"] = True
                 metrics["policies"][policy]["signal_message"] = zero_signal_message(
-                    policy, spread, rows_before, part.num_rows, config.algorithm.filter_method
+                    policy,
+                    spread,
+                    rows_before,
+                    part.num_rows,
+                    config.algorithm.filter_method,
+                    "rollout.tree.branches" if config.rollout.mode == "tree" else "env.group_size",
                 )
     manifest: Manifest = out.commit(metrics)
     return StepOutcome(StepName.ADVANTAGES, out.uri, manifest.rows, False, metrics)

@@ -36,6 +36,8 @@ def test_equal_groups_at_mixed_values_suggest_more_samples():
     spread = group_spread(["a", "a", "b", "b"], [0.0, 0.0, 1.0, 1.0])
     assert spread.all_zero == 1 and spread.all_max == 1
     assert "raise the sampling temperature or env.group_size" in zero_signal_message("p", spread, 4, 4, "none")
+    tree = zero_signal_message("p", spread, 4, 4, "none", "rollout.tree.branches")  # env.group_size stays 1 there
+    assert "raise the sampling temperature or rollout.tree.branches" in tree and "env.group_size" not in tree
 
 
 def test_no_rows_at_all_says_so():

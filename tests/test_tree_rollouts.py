@@ -8,6 +8,7 @@ import itertools
 import json
 import random
 from collections import Counter, defaultdict
+from pathlib import Path
 
 import pytest
 from rollout_fakes import BoardEnv, CharChatTokenizer, ScriptedLLM, ToyAgent, ToyEnv, plan_path_engine_rows
@@ -206,6 +207,31 @@ def test_the_earlier_tree_spelling_fails_and_names_the_new_one() -> None:
             "advantage is 0 and nothing is learned (use >= 2)",
         )
     ]
+
+
+def test_a_tree_run_stored_in_the_earlier_spelling_still_loads_with_the_same_rollouts(tmp_path) -> None:
+    """A run started before ``rollout.tree.branches`` stored K as ``env.group_size`` in its run.json: that run still
+    resumes, re-runs, summarizes and exports (its config read as branches K, one episode per task); the same
+    mapping written by a user still fails (the test above)."""
+    from pettingflow.configs.loader import upgrade_stored_config, validate_stored_config
+    from pettingflow.runs.run import RunRef, load_run_config
+    from pettingflow.storage import RunLayout
+
+    new = load_config("plan-path", ["rollout.mode=tree", "rollout.tree.branches=4", "env.group_size=1"])
+    stored = new.model_dump(mode="json")
+    stored["rollout"]["tree"].pop("branches")
+    stored["env"]["group_size"] = 4  # as a run of Nov 27 wrote it
+    upgraded = validate_stored_config(stored, source="run.json")
+    assert (upgraded.rollout.tree.branches, upgraded.env.group_size) == (4, 1)
+    assert upgraded.model_dump(mode="json") == new.model_dump(mode="json")
+    assert stored["env"]["group_size"] == 4 and "branches" not in stored["rollout"]["tree"]  # the input is untouched
+    independent = load_config("plan-path", ["env.group_size=5"]).model_dump(mode="json")
+    assert upgrade_stored_config(independent) == independent  # nothing else is rewritten
+    layout = RunLayout(str(tmp_path), "old-tree-run")
+    layout.fs.makedirs(layout.run_path, exist_ok=True)
+    Path(layout.run_path, "run.json").write_text(json.dumps({"run_id": "old-tree-run", "config": stored}))
+    ref = RunRef(root=str(tmp_path), run_id="old-tree-run")
+    assert load_run_config(ref).rollout.tree.branches == 4
 
 
 def test_build_rows_takes_the_episodes_per_task_not_the_branches() -> None:
