@@ -24,7 +24,7 @@ from pettingflow.runs.lineage import optimizer_step_name
 from pettingflow.storage import Step
 from pettingflow.storage.commits import StepNotCommittedError
 from pettingflow.storage.fs import is_local
-from pettingflow.storage.layout import UPDATE_STEP_PREFIX, StepName
+from pettingflow.storage.layout import StepName, update_policy
 from pettingflow.training.checkpoint import optimizer_snapshot_written
 
 log = logging.getLogger(__name__)
@@ -82,8 +82,8 @@ def step_need(ctx: IterationContext, config: ExperimentConfig, folder: str) -> N
     ``LOOKBACK`` iterations; an update with the optimizer snapshot written with or after it); else, for an update,
     the estimate (``estimate_update``); else 0 (trajectories and reports are MBs: the margin covers them)."""
     layout, k = ctx.layout, ctx.iteration
-    if folder.startswith(UPDATE_STEP_PREFIX):
-        return _update_need(ctx, config, folder)
+    if (policy := update_policy(folder)) is not None:
+        return _update_need(ctx, config, folder, policy)
     names = [folder, StepName.BASELINE.value] if folder == StepName.VALIDATION else [folder]
     for j in range(k, max(-1, k - 1 - LOOKBACK), -1):
         for name in names:
@@ -93,10 +93,10 @@ def step_need(ctx: IterationContext, config: ExperimentConfig, folder: str) -> N
     return Need(0, "no earlier run of this step")
 
 
-def _update_need(ctx: IterationContext, config: ExperimentConfig, folder: str) -> Need:
+def _update_need(ctx: IterationContext, config: ExperimentConfig, folder: str, policy: str) -> Need:
     """An update's need: the last update that did work, with its snapshot; the snapshot part estimated when this
     update writes one (``optimizer_snapshot_written``) and that one did not."""
-    layout, k, policy = ctx.layout, ctx.iteration, folder.removeprefix(UPDATE_STEP_PREFIX)
+    layout, k = ctx.layout, ctx.iteration
     t = config.training
     snapshot = not ctx.attempt and optimizer_snapshot_written(
         t.save_optimizer_every, t.replay_snapshots, k, config.run.iterations
