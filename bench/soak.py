@@ -28,11 +28,12 @@ flow run ended before the last iteration. The bench itself may stop at any time:
 processes are in sessions of their own), and the next command samples the iterations it missed as ``late`` (phase
 times and disk, no process figures).
 
-``--kill-every N``: about every N iterations (after a report, a random 5 to 90 s later, so the kill lands in any
-step), SIGKILL one process of the run chosen at random (seeded) among the flow run's process, a learner rank, the
-vLLM server, the Prefect worker and the Prefect server; each kill goes to ``<out>/kills.jsonl``. The bench then
-restarts a killed server or worker on the same port and database and resumes the run with the one documented
-command when its flow run ended. ``--verify`` checks the result (``bench/soak_verify.py``).
+``--kill-every N``: about every N iterations (after a report, a random fraction of the median time of the last
+iterations later, so the kill lands in any step of the next one), SIGKILL one process of the run chosen at random
+(seeded) among the flow run's process, a learner rank, the vLLM server, the Prefect worker and the Prefect server;
+each kill goes to ``<out>/kills.jsonl``. The bench then restarts a killed server or worker on the same port and
+database and resumes the run with the one documented command when its flow run ended. ``--verify`` checks the
+result (``bench/soak_verify.py``).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ import random
 import re
 import shutil
 import signal
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -152,7 +154,8 @@ class Soak:
         self.samples = out / "samples.jsonl"
         self.seen = {s["iteration"] for s in read_jsonl(self.samples)}
         self.rng = random.Random(f"{meta.get('seed', 0)}-{len(read_jsonl(out / 'kills.jsonl'))}")
-        self.last_at: dict[str, float] = {}  # flow run id -> committed_at of the previous report in it
+        previous = read_jsonl(self.samples)
+        self.prev: dict[str, Any] | None = previous[-1] if previous else None  # the last sample taken
 
     def save_meta(self) -> None:
         (self.out / "soak.json").write_text(json.dumps(self.meta, indent=2))
@@ -254,19 +257,29 @@ class Soak:
         flow_run = self.meta.get("flow_run_id", "")
         procs = run_processes(self.out) if newest else []
         flow_pids = sorted(p.pid for p in procs if p.role == "flow")
-        segment = f"{flow_run}:{flow_pids[0] if flow_pids else '-'}"
-        previous = self.last_at.get(segment)
+        if newest and not flow_pids:  # the flow run's process is gone (killed, or ending): no figures of the run
+            newest, procs = False, []
+        base = f"{flow_run}:{flow_pids[0] if flow_pids else '-'}"
+        # a learner rank or the vLLM server restarted inside the same flow process also starts a new segment
+        pids = {r: sorted(p.pid for p in procs if p.role == r and p.ppid not in {q.pid for q in procs if q.role == r})
+                for r in ("learner", "vllm")}  # fmt: skip
+        prev = self.prev if self.prev and self.prev.get("segment", "").split("/")[0] == base else None
+        restarts = (prev or {}).get("restarts", 0)
+        if newest and prev and prev.get("pids") and prev["pids"] != pids:
+            restarts += 1
         sample: dict[str, Any] = {
             "iteration": k,
             "at": at,
             "sampled_at": time.time(),
             "late": not newest,
-            "segment": segment,
-            "wall_s": at - previous if previous is not None else None,
+            "segment": base + (f"/r{restarts}" if restarts else ""),
+            "restarts": restarts,
+            "pids": pids if newest else (prev or {}).get("pids"),
+            # the time between two reports of one flow process (a resume's restart is not an iteration's time)
+            "wall_s": at - prev["at"] if prev is not None and prev["iteration"] == k - 1 else None,
             "load1": os.getloadavg()[0],
             "load5": os.getloadavg()[1],
         }
-        self.last_at[segment] = at
         for key, value in metrics.items():
             if key.startswith("duration/") and isinstance(value, int | float):
                 sample[f"phase_s/{key.removeprefix('duration/').removesuffix('_s')}"] = float(value)
@@ -282,6 +295,7 @@ class Soak:
                 sample.update(db_rows(self.stack.db))
                 sample["prefect_log/database_locked"] = log_errors(self.stack.logs / "prefect_server.log")
         append_jsonl(self.samples, sample)
+        self.prev = sample
         self.seen.add(k)
         shown = {m: round(sample[m], 1) for m in ("wall_s", "rss_mb/total", "disk_mb/run", "disk_mb/prefect_db")
                  if sample.get(m) is not None}  # fmt: skip
@@ -295,8 +309,11 @@ class Soak:
         due = self.meta.setdefault("next_kill_after", every - 1)
         if done[-1] < due:
             return
-        if "kill_at" not in state:
-            state["kill_at"] = time.monotonic() + self.rng.uniform(5, 90)
+        if "kill_at" not in state:  # somewhere in the next iteration: a fraction of a recent iteration's time
+            walls = [s["wall_s"] for s in read_jsonl(self.samples)[-5:] if s.get("wall_s")]
+            state["kill_at"] = time.monotonic() + self.rng.uniform(0.05, 0.95) * (
+                statistics.median(walls) if walls else 60
+            )
             return
         if time.monotonic() < state["kill_at"]:
             return

@@ -112,7 +112,8 @@ def report(samples: list[dict[str, Any]], meta: dict[str, Any], kills: list[dict
         return "no samples yet"
     its = sorted(s["iteration"] for s in samples)
     segments = sorted({s.get("segment", "") for s in samples})
-    live = [s for s in samples if not s.get("late")]
+    # process figures only where the flow run's process was there (a sample taken just after a kill has a part)
+    live = [s for s in samples if not s.get("late") and s.get("procs/flow", 1) > 0]
     loads = [s["load1"] for s in samples if "load1" in s]
     lines = [
         f"soak {meta['run_id']}: {len(samples)} iterations sampled ({its[0]}..{its[-1]}), {len(segments)} segment(s) "
@@ -231,7 +232,9 @@ def plot(samples: list[dict[str, Any]], kills: list[dict[str, Any]], path: Path,
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    live = sorted((s for s in samples if not s.get("late")), key=lambda s: s["iteration"])
+    live = sorted(
+        (s for s in samples if not s.get("late") and s.get("procs/flow", 1) > 0), key=lambda s: s["iteration"]
+    )
     every = sorted(samples, key=lambda s: s["iteration"])
     fig, axes = plt.subplots(2, 3, figsize=(16, 8.5))
 
@@ -260,7 +263,7 @@ def plot(samples: list[dict[str, Any]], kills: list[dict[str, Any]], path: Path,
     draw(axes[1, 1], every, api, "ms (Prefect API)", lambda m: m.removeprefix("api_ms/"))
     counts = sorted({k for s in every for k in s if k.startswith("db_rows/")})
     draw(axes[1, 2], every, counts, "rows in the Prefect database", lambda m: m.removeprefix("db_rows/"))
-    axes[1, 2].set_yscale("symlog")
+    axes[1, 2].set_yscale("log")
     fig.suptitle(title + ("  (red: kills)" if kills else ""))
     fig.tight_layout()
     fig.savefig(path, dpi=90)
