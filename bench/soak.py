@@ -1,5 +1,5 @@
 """Soak: does anything grow with the iteration count? A long training run through the real stack, sampled once per
-iteration (issue 49; docs/benchmarks.md, "Soak").
+iteration (docs/benchmarks.md, "bench/soak.py").
 
     .venv/bin/python -m bench.soak --out /work/soak/main --iterations 300          # start, or continue, the soak
     .venv/bin/python -m bench.soak --out /work/soak/kill --iterations 80 --kill-every 10 --seed 0   # with kills

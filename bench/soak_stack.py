@@ -4,8 +4,8 @@ free loopback port, never 4200's), the process work pool with prefect.yaml's dep
 
 Every process the stack starts carries ``PETTINGFLOW_SOAK=<soak folder>`` in its environment, and so does
 everything they start (the flow run's process, its vLLM server, Ray and the learner ranks inherit it). That is how
-the bench finds the processes of *its* run among the machine's (other sessions run their own servers and Ray), also
-after one was orphaned by a kill, and how the kill mode is sure it signals only its own processes.
+the bench finds the processes of *its* run among the machine's (other jobs run their own servers and Ray), also after
+one was orphaned by a kill, and how the kill mode is sure it signals only its own processes.
 """
 
 from __future__ import annotations

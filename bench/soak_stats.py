@@ -1,4 +1,4 @@
-"""The soak's numbers: slopes per 100 iterations after a warm-up, verdicts against issue 49's goals, the table and
+"""The soak's numbers: slopes per 100 iterations after a warm-up, verdicts against a long run's goals, the table and
 the plot (``python -m bench.soak --report [--publish DIR]``).
 
 Slopes are least squares over the iteration number. Process figures (memory, descriptors, threads) and the time per
@@ -119,7 +119,7 @@ def report(samples: list[dict[str, Any]], meta: dict[str, Any], kills: list[dict
         f"soak {meta['run_id']}: {len(samples)} iterations sampled ({its[0]}..{its[-1]}), {len(segments)} segment(s) "
         f"(flow-run processes), warm-up {warmup} per segment left out; {len(kills)} kill(s)",
         f"  load average (1 min) per sample: median {fmt(statistics.median(loads))}, "
-        f"range {fmt(min(loads))}..{fmt(max(loads))} (2 cores, shared with other sessions)"
+        f"range {fmt(min(loads))}..{fmt(max(loads))} (the machine's other jobs included)"
         if loads
         else "",
     ]

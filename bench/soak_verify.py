@@ -1,7 +1,7 @@
 """Is every committed iteration of a run intact, and its weights lineage unbroken? (``python -m bench.soak --verify``;
 ``verify_run`` for any run folder.)
 
-Written for the soak's kill mode (issue 49, Deliver 4): after SIGKILLs of the flow run, a learner rank, the vLLM
+Written for the soak's kill mode: after SIGKILLs of the flow run, a learner rank, the vLLM
 server and the Prefect worker or server, and resumes, nothing committed may be lost or duplicated. For every
 iteration whose report is committed (attempt 0):
 

@@ -1,4 +1,4 @@
-"""bench/soak_stats.py: the slopes and verdicts of the soak's report (issue 49, Deliver 3)."""
+"""bench/soak_stats.py: the slopes and verdicts of the soak's report."""
 
 from __future__ import annotations
 

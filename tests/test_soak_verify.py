@@ -1,4 +1,4 @@
-"""bench/soak_verify.py: the check that a run killed along the way lost nothing (issue 49, Deliver 4).
+"""bench/soak_verify.py: the check that a run killed along the way lost nothing.
 
 A small run is written with the project's own storage (two iterations: rollouts with the UIDs the rollout gives,
 filtered, advantages, an update per iteration whose marker says which weights it started from, a report): intact,
