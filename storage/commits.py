@@ -276,7 +276,7 @@ class Step:
                 metadata={**manifest.metadata, "pruned": history},
             )
             write_bytes_atomic(self.fs, self.marker_path, pruned.to_json().encode())
-            maybe_crash("prune:mid")  # kill matrix: the marker says pruned, its files are still there
+            maybe_crash("prune:mid", self.path)  # kill matrix: the marker says pruned, its files are still there
         for prefix in prefixes:  # also what an interrupted prune left behind
             folder = join(self.path, prefix.rstrip("/"))
             if self.fs.exists(folder):

@@ -170,14 +170,27 @@ def kill_tree(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
     psutil.wait_procs(procs, timeout=30)
 
 
-def update_jobs() -> list[psutil.Process]:
-    """One-shot update processes and resident learner ranks on this machine."""
+def update_jobs(env: dict[str, str] | None = None) -> list[psutil.Process]:
+    """One-shot update processes and resident learner ranks on this machine; with ``env``, only those whose
+    environment holds those values (inherited from the worker a test started: another test's learner on a shared
+    machine is not this test's survivor)."""
     marks = ("pettingflow.training.worker", "ray::LearnerRank")
-    return [
+    found = [
         p
         for p in psutil.process_iter(["cmdline"])
         if p.info["cmdline"] and any(m in " ".join(p.info["cmdline"]) for m in marks)
     ]
+    if not env:
+        return found
+    mine = []
+    for p in found:
+        try:
+            environ = p.environ()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        if all(environ.get(k) == v for k, v in env.items()):
+            mine.append(p)
+    return mine
 
 
 @contextlib.contextmanager

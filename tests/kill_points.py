@@ -34,6 +34,10 @@ class Point:
     event: str = ""  # what the test does besides while this point's worker runs (vllm, prefect)
     redone: bool = True  # False: the step is never redone (a lost optimizer snapshot cannot be rewritten)
     hold: bool = False  # the worker holds every update before its commit (faults.hold): it is in flight for sure
+    #: "prune": the crash comes in the retention pass deleting ``step``'s weights (``Step.prune``): that step stays
+    #: committed (its marker rewritten, the files not yet deleted) and the resumed run's pass deletes the leftovers
+    kind: str = "step"
+    fires_in: int | None = None  # the iteration whose end the point fires at, when not the step's own (prune)
 
     @property
     def point(self) -> str:
@@ -41,7 +45,13 @@ class Point:
 
     @property
     def iteration(self) -> int:
+        """The iteration of the step the point names (``step``)."""
         return int(self.step.split("/", 1)[0].removeprefix("iter-"))
+
+    @property
+    def fires(self) -> int:
+        """The iteration the crash comes in."""
+        return self.iteration if self.fires_in is None else self.fires_in
 
 
 def _step_points(k: int, step: str, mid: str, when_mid: str) -> list[Point]:
@@ -82,6 +92,14 @@ SYNC_POINTS: list[Point] = [
         "iteration 1's update committed; its optimizer snapshot written, the marker not",
         event="prefect",
         redone=False,
+    ),
+    Point(
+        "prune:mid@iter-0",
+        "iter-0/update-shared",
+        "iteration 1's report committed; the retention pass (disk.keep_last_updates=1) rewrote update 0's marker "
+        "without its weights, the weights' files not yet deleted",
+        kind="prune",
+        fires_in=1,
     ),
 ]
 
@@ -132,17 +150,24 @@ def table() -> str:
     for run, points in (("sync", SYNC_POINTS), ("async", ASYNC_POINTS)):
         for p in points:
             step = p.step.split("/", 1)[1]
-            after = (
-                f"`{step}` redone; every step committed before kept its marker"
-                if p.redone
-                else f"`{step}` never committed nor redone (its folder removed); the next update says which "
-                "optimizer state it found"
-            )
-            rows.append(f"| {run} | {p.iteration} | `{p.entry}` | {p.when} | `{step}` | {after} |")
+            if p.kind == "prune":
+                after = (
+                    f"`{step}` still committed with its marker unchanged but for the prune record (one, not two); "
+                    "the resumed run's retention pass deleted the leftover weights; the run completed"
+                )
+            elif p.redone:
+                after = f"`{step}` redone; every step committed before kept its marker"
+            else:
+                after = (
+                    f"`{step}` never committed nor redone (its folder removed); the next update says which "
+                    "optimizer state it found"
+                )
+            flight = f"`{step}`" if p.fires == p.iteration else f"`{step}` of iteration {p.iteration}"
+            rows.append(f"| {run} | {p.fires} | `{p.entry}` | {p.when} | {flight} | {after} |")
     for p in SYNC_POINTS:
         if p.event:
             what, asserted = EVENTS[p.event]
-            rows.append(f"| sync | {p.iteration} | with `{p.entry}`: {what} | - | - | {asserted} |")
+            rows.append(f"| sync | {p.fires} | with `{p.entry}`: {what} | - | - | {asserted} |")
     return "\n".join(rows)
 
 

@@ -44,6 +44,7 @@ import pytest
 from kill_points import ASYNC_POINTS, SYNC_POINTS
 
 from pettingflow import faults
+from pettingflow.runs.retention import RETENTION_BY
 from pettingflow.storage import Step
 from pettingflow.storage.commits import MARKER
 
@@ -190,8 +191,9 @@ def test_every_step_of_the_pipeline_has_its_points() -> None:
         assert any(not e.startswith("before_marker:") for e in entries) or step == "optimizer-shared", entries
     assert any(p.entry.startswith("snapshot:mid@") for p in SYNC_POINTS)
     assert any(p.iteration >= 1 for p in SYNC_POINTS) and ASYNC_POINTS
+    assert any(p.kind == "prune" for p in SYNC_POINTS)  # a kill while the run's retention deletes weights
     assert len({p.entry for p in SYNC_POINTS}) == len(SYNC_POINTS)
-    assert [p.iteration for p in SYNC_POINTS] == sorted(p.iteration for p in SYNC_POINTS)
+    assert [p.fires for p in SYNC_POINTS] == sorted(p.fires for p in SYNC_POINTS)
 
 
 def test_the_docs_table_is_the_list() -> None:
@@ -338,7 +340,7 @@ def wait_crash(stack: Stack, worker: subprocess.Popen, point: kill_points.Point,
     procs = [psutil.Process(k["pid"]) for k in record["killed"] if psutil.pid_exists(k["pid"])]
     _, alive = psutil.wait_procs(procs, timeout=60)
     assert not alive, f"{point.entry}: survived the crash: {[(p.pid, p.cmdline()) for p in alive]}"
-    _, alive = psutil.wait_procs(update_jobs(), timeout=60)
+    _, alive = psutil.wait_procs(update_jobs({faults.ENV_DIR: str(stack.faults)}), timeout=60)
     assert not alive, f"{point.entry}: learner ranks or update jobs outlived the crash: {[p.pid for p in alive]}"
     record["seconds"] = round(time.monotonic() - started, 1)
     return record
@@ -369,6 +371,9 @@ def matrix_overrides(root: Path, vllm_server, model_dir: Path) -> list[str]:
         "validation.at_start=true",
         "inference.max_retries=5",
         "training.save_optimizer_every=1",  # a snapshot every update: the snapshot's points
+        # the run's retention deletes update 0's weights at the end of iteration 1 (the prune point)
+        "disk.keep_last_updates=1",
+        "training.replay_snapshots=0",
     ]
 
 
@@ -458,8 +463,12 @@ def kill_prefect_mid_update(stack: Stack, worker, flow_run_id: str, layout_of, i
 
 
 def assert_crash_kept(point: kill_points.Point, before: dict[str, float], after: dict[str, float]) -> None:
-    """The step in flight has no marker; every step committed before the crash kept its marker (not redone)."""
-    assert point.step not in after, f"{point.entry}: {point.step} was committed although the crash came before"
+    """The step in flight has no marker (a pruned step keeps its own); every step committed before the crash kept
+    its marker (not redone)."""
+    if point.kind == "prune":
+        assert point.step in after, f"{point.entry}: {point.step} is no longer committed"  # unchanged: below
+    else:
+        assert point.step not in after, f"{point.entry}: {point.step} was committed although the crash came before"
     redone = [k for k, v in before.items() if after.get(k) != v]
     assert not redone, f"{point.entry}: steps committed before the crash were written again: {redone}"
 
@@ -488,6 +497,9 @@ def walk(stack: Stack, points, overrides, root: Path, events=None) -> tuple[str 
         run_id = layout.run_id
         after = markers(layout)
         assert_crash_kept(point, before, after)
+        if point.kind == "prune":  # cut between the marker and the files: unlisted, still on disk, recorded once
+            listed, records, on_disk = pruned_weights(layout, point.step)
+            assert not listed and len(records) == 1 and on_disk, (point.entry, listed, records, on_disk)
         shards = committed_shards(layout.step(point.iteration, "rollouts"))
         result.update(record=record, before=before, after=after, shards=shards)
         results.append(result)
@@ -508,13 +520,23 @@ def finish(stack: Stack, overrides, run_id: str | None) -> tuple[str, dict[str, 
     return flow_run_id, messages
 
 
+def pruned_weights(layout: RunLayout, step_key: str) -> tuple[list[str], list[dict], bool]:
+    """A step's listed weight files, its prune records and whether its weights' folder is still on disk."""
+    k, name = step_key.split("/", 1)
+    step = layout.step(int(k.removeprefix("iter-")), name)
+    listed = [f for f in step.files() if f.startswith(("model/", "adapters/"))]
+    return listed, step.pruned(), (Path(step.path) / "model").exists()
+
+
 def assert_kept_to_the_end(results: list[dict], final: dict[str, float]) -> None:
     """Every step committed before a crash still has that marker; every crashed step was completed later, but a
-    lost snapshot, which is never committed."""
+    lost snapshot, which is never committed, and a step whose pruning was cut short, which stays committed."""
     for r in results:
         point = r["point"]
         changed = [k for k, v in r["after"].items() if final.get(k) != v]
         assert not changed, f"{point.entry}: redone after the resume: {changed}"
+        if point.kind == "prune":
+            continue
         if point.redone:
             assert final[point.step] > r["record"]["at"], f"{point.entry}: {point.step} was not completed later"
         else:
@@ -569,6 +591,11 @@ def test_kill_matrix(stack, tmp_path, killable_vllm, default_model_dir, restore_
         r = by_entry["before_marker:optimizer-shared@iter-1"]
         assert r["record"]["pid"] in r["prefect"]["flow_pids"], (r["record"], r["prefect"])  # the same flow run
         assert "iter-1/update-shared" in r["after"]  # committed by that process once the server was back
+    # the run's retention (disk.keep_last_updates=1) ended in the uninterrupted pass's state, with or without the
+    # prune:mid crash: update 0's weights unlisted and deleted, recorded once; update 1's, the newest, kept
+    listed, records, on_disk = pruned_weights(layout, "iter-0/update-shared")
+    assert not listed and not on_disk and [r["by"] for r in records] == [RETENTION_BY], (listed, records, on_disk)
+    assert pruned_weights(layout, "iter-1/update-shared")[0], "update 1's weights were pruned: nothing to resume from"
     print(f"crash points: {crashes_s:.0f} s, whole test: {time.monotonic() - started:.0f} s; {checked} files match")
     report(results)
 
