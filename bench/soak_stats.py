@@ -123,6 +123,17 @@ def report(samples: list[dict[str, Any]], meta: dict[str, Any], kills: list[dict
         if loads
         else "",
     ]
+    if live:
+        first, last = min(live, key=lambda s: s["iteration"]), max(live, key=lambda s: s["iteration"])
+        keys = [f"rss_mb/{r}" for r in (*ROLES, "total")] + ["pss_mb/total", "fds/total", "threads/total"]
+        keys = [k for k in keys if first.get(k) or last.get(k)]
+        lines.append(
+            f"  first and last sample with the run's processes (iterations {first['iteration']}, {last['iteration']}):"
+        )
+        lines += [f"    {k:<22} {fmt(first.get(k, math.nan)):>10} -> {fmt(last.get(k, math.nan)):>10}" for k in keys]
+    walls = [s["wall_s"] for s in samples if s.get("wall_s")]
+    if walls:
+        lines.append(f"  time per iteration: median {fmt(statistics.median(walls))} s over {len(walls)} iterations")
     post = after_warmup(live, warmup)
     verdicts: list[tuple[str, bool | None, str]] = []
 
