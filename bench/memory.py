@@ -376,7 +376,7 @@ def run_case(case: Case, args: Any, model: Path, batch: Path, tmp: Path) -> dict
 
     from pettingflow.configs.settings import TrainingSettings
     from pettingflow.processes import free_port
-    from pettingflow.training.launch import UpdateSpec, worker_env
+    from pettingflow.training.launch import UpdateSpec
 
     row: dict[str, Any] = {"zero": case.zero, "checkpointing": case.checkpointing, "offload": case.offload}
     try:
@@ -412,7 +412,9 @@ def run_case(case: Case, args: Any, model: Path, batch: Path, tmp: Path) -> dict
         "--rank-worker",
         str(job),
     ]
-    env = worker_env(2, port, {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD), "OMP_NUM_THREADS": "1"})
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    env.update(MALLOC_MMAP_THRESHOLD_=str(MMAP_THRESHOLD), OMP_NUM_THREADS="1")  # torchrun sets the rank variables
     env.pop("LD_PRELOAD", None)
     log_path = folder / "ranks.log"
     started = time.perf_counter()

@@ -197,7 +197,7 @@ def update(
     ] = 0,
     overrides: Overrides = None,
 ) -> None:
-    """Run one update job from a stored batch (e.g. to re-run an iteration's update by hand).
+    """Run one update from a stored batch (e.g. to re-run an iteration's update by hand), in a learner of its own.
 
     BATCH may also be plain trajectories (e.g. from `pettingflow rollout`): the config's filter and
     advantage estimator are then applied first, and the batch is written to OUT/batch-<policy>.parquet.

@@ -1,10 +1,11 @@
 """Steps 4 and 5: one update per policy, then weight sync to the servers.
 
 The update runs in the policy's resident learner (Ray actors that keep the model and optimizer across
-iterations, ``training.learner: resident``) or in a new process (``process``, and whenever no runtime is up,
-e.g. a re-run without servers). This module decides the update's inputs (batch, starting weights, optimizer
-snapshot) from committed steps, builds its spec with the one builder (``training.spec_from_config``) and
-commits its outputs (checkpoint, metrics) as the ``update-<policy>`` step.
+iterations, ``training.learner: resident``) or in a learner of its own, started for this update
+(``training.run_update``: ``process``, and whenever no runtime is up, e.g. a re-run without servers). This
+module decides the update's inputs (batch, starting weights, optimizer snapshot) from committed steps, builds
+its spec with the one builder (``training.spec_from_config``) and commits its outputs (checkpoint, metrics) as
+the ``update-<policy>`` step.
 """
 
 from __future__ import annotations

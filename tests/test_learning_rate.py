@@ -1,5 +1,6 @@
-"""The learning rate in ``training.lr`` is the one the optimizer steps with: one-shot (``pettingflow update``
-processes) and resident (Ray ranks), at 1 and 2 ranks.
+"""The learning rate in ``training.lr`` is the one the optimizer steps with: one-shot (``run_update``, as
+``pettingflow update`` runs it: a learner started for the one update) and resident (a learner kept across updates),
+at 1 and 2 ranks.
 
 From a fresh optimizer, AdamW's first step moves every parameter by ``lr * g / (|g| + eps)`` (bias-corrected
 moments; no weight decay here), so the largest move of any weight is ``lr`` to ~1e-6: read from the weights the

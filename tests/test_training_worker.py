@@ -51,7 +51,7 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def in_process(monkeypatch):
-    """Environment for running the worker inside the test process (single rank, gloo)."""
+    """The recipe run inside the test process (single rank, gloo): one ``UpdateWorker``, one update, then freed."""
     from pettingflow.processes import free_port
 
     for key, value in {
@@ -63,9 +63,16 @@ def in_process(monkeypatch):
         "HF_HUB_OFFLINE": "1",
     }.items():
         monkeypatch.setenv(key, value)
-    from pettingflow.training.worker import run_worker
+    from pettingflow.training.worker import UpdateWorker
 
-    return run_worker
+    def run(spec: UpdateSpec) -> dict:
+        worker = UpdateWorker()
+        try:
+            return worker.update(spec)
+        finally:
+            worker.cleanup()
+
+    return run
 
 
 def load_model(path: Path, dtype=torch.float32):
@@ -243,7 +250,7 @@ def test_loss_equals_hand_computation(tiny_model_dir):
 
 # ------------------------------------------------------------------------------------------------ full-weight update
 def test_full_update_learns_and_writes_a_transformers_checkpoint(tiny_model_dir, tmp_path):
-    """Through run_update (its own process): positive-advantage tokens become likelier, negative ones less;
+    """Through run_update (a learner of its own): positive-advantage tokens become likelier, negative ones less;
     model/ loads with AutoModelForCausalLM, carries the tokenizer files; deepspeed/ and metrics.json exist."""
     rows = make_rows(8, seed=1)
     batch = write_batch(tmp_path / "batch.parquet", rows, [1.0 if i % 2 == 0 else -1.0 for i in range(8)])
@@ -623,7 +630,7 @@ data.Window.loss_scale = lambda self: _scale(self) * len(self.slots)
 
 
 def planted_env(tmp_path: Path, code: str) -> dict[str, str]:
-    """Environment for ``run_update`` whose Python processes (torchrun and every rank) run ``code`` at start."""
+    """Environment for ``run_update`` whose rank processes (Ray actors) run ``code`` at start."""
     import os
 
     folder = tmp_path / "planted"
@@ -674,8 +681,8 @@ def assert_two_ranks_equal_one(two: dict, one: dict, two_dir: Path, one_dir: Pat
 
 
 def test_two_processes_under_torchrun_match_one_process(torchrun_batch, tiny_model_dir, tmp_path):
-    """2 ranks (torchrun, gloo) make the optimizer steps of 1 rank on the same rows and report the same metrics,
-    up to float rounding.
+    """2 ranks (a learner of 2 Ray actors, gloo; under torchrun before Nov 28 2026) make the optimizer steps of 1
+    rank on the same rows and report the same metrics, up to float rounding.
 
     7 rows, mini-batches of 6 rows, micro-batches of 2, 2 epochs: the same 4 steps at either world size. 1 rank
     runs the first mini-batch as 3 micro-batches of 2 rows; 2 ranks split it 3 + 3 rows, so each rank runs 2 + 1

@@ -1,7 +1,8 @@
-"""Policy update jobs: one DeepSpeed process (or N under torchrun) per policy and iteration.
+"""Policy updates: one recipe (``worker.UpdateWorker``) run by the ranks of a learner (``learner.Learner``).
 
-``run_update(UpdateSpec(...))`` launches ``python -m pettingflow.training.worker`` and returns its metrics;
-see docs/training.md. Importing this package does not import torch (the worker does).
+``run_update(UpdateSpec(...))`` runs one update in a learner of its own and returns its metrics; a run keeps one
+learner per policy for all its updates. See docs/training.md. Importing this package imports neither torch nor
+Ray (the ranks do).
 """
 
 from pettingflow.training.launch import UpdateError, UpdateSpec, run_update, spec_from_config

@@ -1,4 +1,4 @@
-"""``pettingflow update``: run one policy's update job from a config and a batch file.
+"""``pettingflow update``: run one policy's update from a config and a batch file, in a learner of its own.
 
 ``update`` is a plain function; the main CLI (``pettingflow/cli.py``) calls it after turning plain
 trajectories into a batch when needed.
@@ -7,12 +7,12 @@ trajectories into a batch when needed.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from pettingflow.configs.loader import ConfigError, load_config
+from pettingflow.inference.models import resolve_model
 from pettingflow.training.checkpoint import PolicyWeights
 from pettingflow.training.launch import METRICS_FILE, UpdateError, run_update, spec_from_config
 
@@ -20,21 +20,6 @@ from pettingflow.training.launch import METRICS_FILE, UpdateError, run_update, s
 def _fail(message: str, code: int = 2) -> None:
     typer.secho(message, fg=typer.colors.RED, err=True)
     raise typer.Exit(code)
-
-
-def resolve_model_dir(name_or_path: str) -> str:
-    """A policy's ``model``: a prepared model name or a local HF folder -> the folder."""
-    try:
-        from pettingflow.inference.models import resolve_model
-    except ImportError:  # the inference package is optional for this command
-        from pettingflow.paths import models_dir
-
-        candidate = Path(name_or_path).expanduser()
-        folder = candidate if candidate.is_dir() else models_dir() / name_or_path
-        if not (folder / "config.json").is_file():
-            raise FileNotFoundError(f"no HF model folder for {name_or_path!r} (looked at {folder})") from None
-        return str(folder)
-    return str(resolve_model(name_or_path))
 
 
 def _parse_adapters(items: list[str] | None) -> dict[str, str | None] | None:
@@ -84,7 +69,7 @@ def update(
     try:
         cfg = load_config(config, overrides or [])
         settings = cfg.policy(policy)
-        init_dir = init or resolve_model_dir(settings.model)
+        init_dir = init or str(resolve_model(settings.model))  # a prepared model's name, or an HF folder
         adapters = _parse_adapters(adapter) or {}
         start = PolicyWeights(
             policy=policy,

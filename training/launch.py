@@ -1,45 +1,32 @@
-"""The update spec, and the one-shot way to run it: one policy update as its own process.
+"""The update spec, and the one launch path: ``run_update`` is the resident learner used for one update.
 
 ``UpdateSpec`` describes one update (batch, starting weights, optimizer snapshot, settings); ``spec_from_config``
 is the only place that builds it from a config, for the flows, the resident learner and ``pettingflow update``
-alike. ``run_update(spec)`` writes ``spec.json`` into the output folder, starts
-``python -m pettingflow.training.worker --spec spec.json`` (one process) or the same module under
-``torch.distributed.run --nproc_per_node N`` (gloo), streams the worker's output line by line into
-``worker.log`` and this module's logger, and returns the worker's metrics. A failed worker raises
-``UpdateError`` with the log tail. This module imports no torch, so a Prefect flow can import it cheaply.
+alike. Every update runs in the ranks of a ``training.learner.Learner`` (one Ray actor per rank around the recipe,
+``training.worker.UpdateWorker``): a run keeps its learner for all its updates (``training.learner: resident``);
+``run_update(spec)`` starts one for this update and stops it after (``pettingflow update``, a re-run without
+servers, ``training.learner: process``), so the one-shot update is the resident code, not a second implementation.
+A failed update raises ``UpdateError`` with the tail of every rank's log. This module imports no torch and no Ray
+at import time, so a Prefect flow can import it cheaply.
 
-Environment given to the worker: ``OMP_NUM_THREADS=1`` (two threads are 2-5x slower on this kind of
-machine when two processes compute at once), ``HF_HUB_OFFLINE=1`` (nothing may come from a hub),
-``TOKENIZERS_PARALLELISM=false`` and a free ``MASTER_PORT`` on 127.0.0.1. Values already set in ``env`` or the
-caller's environment for ``OMP_NUM_THREADS`` win.
-
-Output folders: the worker writes to a local folder. When ``out_dir`` is a remote fsspec URI
-(``s3://...``), the job runs in a local staging folder and the finished folder is uploaded afterwards;
-model/adapter/resume inputs must be local folders.
+Output folders: ranks write to a local folder. When ``out_dir`` is a remote fsspec URI (``s3://...``), the update
+runs in a local staging folder that is uploaded afterwards (``StagedOutput``); model/adapter/resume inputs must be
+local folders.
 """
 
 from __future__ import annotations
 
-import collections
 import json
 import logging
 import os
 import shutil
-import signal
-import subprocess
-import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from pettingflow import deathsig
-from pettingflow.allocator import preload_env
 from pettingflow.configs.settings import AlgorithmSettings, LoraSettings, Specialization, TrainingSettings
-from pettingflow.processes import free_port, stop_process_group
 from pettingflow.training.checkpoint import BASE_WEIGHTS, PolicyWeights, optimizer_snapshot_written
 
 log = logging.getLogger(__name__)
@@ -47,7 +34,9 @@ log = logging.getLogger(__name__)
 SPEC_FILE = "spec.json"
 LOG_FILE = "worker.log"
 METRICS_FILE = "metrics.json"
-WORKER_MODULE = "pettingflow.training.worker"
+#: Ray CPUs a one-shot update's rank books: next to none. It ran as a plain process before it ran in Ray actors,
+#: beside whatever holds the Ray's CPUs (a run's rollout actors), and it must still start then.
+ONE_SHOT_CPUS_PER_RANK = 0.01
 
 
 class StartSources(BaseModel):
@@ -185,7 +174,8 @@ def build_key(spec: UpdateSpec) -> str:
 
 
 class UpdateError(RuntimeError):
-    """The worker process failed; the message holds its exit code and the tail of its log."""
+    """An update failed; the message holds the reason and the tail of every rank's log. ``returncode``: 1 when a
+    rank raised, None when a rank was lost or the update timed out; ``log_path``: rank 0's log file."""
 
     def __init__(self, message: str, returncode: int | None = None, log_path: str | None = None):
         super().__init__(message)
@@ -193,134 +183,65 @@ class UpdateError(RuntimeError):
         self.log_path = log_path
 
 
-def worker_command(spec_path: str | Path, num_processes: int, port: int) -> list[str]:
-    """argv of the worker: plain ``python -m`` for one process, ``torch.distributed.run`` for several."""
-    if num_processes <= 1:
-        return [sys.executable, "-m", WORKER_MODULE, "--spec", str(spec_path)]
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc_per_node={num_processes}",
-        "--nnodes=1",
-        "--master_addr=127.0.0.1",
-        f"--master_port={port}",
-        "-m",
-        WORKER_MODULE,
-        "--spec",
-        str(spec_path),
-    ]
-
-
-def worker_env(num_processes: int, port: int, extra: dict[str, str] | None = None) -> dict[str, str]:
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env["HF_HUB_OFFLINE"] = "1"
-    env["TRANSFORMERS_OFFLINE"] = "1"
-    env["TOKENIZERS_PARALLELISM"] = "false"
-    env["PYTHONUNBUFFERED"] = "1"
-    env["MASTER_ADDR"] = "127.0.0.1"
-    env["MASTER_PORT"] = str(port)
-    if num_processes <= 1:
-        env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
-    else:  # torchrun sets them per rank
-        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
-            env.pop(key, None)
-    env.update(extra or {})
-    return env
-
-
 def run_update(
-    spec: UpdateSpec,
-    *,
-    timeout_s: float | None = None,
-    env: dict[str, str] | None = None,
-    log_level: int = logging.INFO,
+    spec: UpdateSpec, *, timeout_s: float | None = None, env: dict[str, str] | None = None
 ) -> dict[str, Any]:
-    """Run the update job described by ``spec`` in a child process and return its metrics dict.
+    """Run the update ``spec`` describes in a learner of its own and return rank 0's metrics.
 
-    The returned dict is ``metrics.json`` plus ``out_dir``, ``log_path`` and ``wall_s`` (launch to exit).
-    ``metrics["skipped"]`` is true when the batch had no trainable rows (no weights are written then; keep
-    using the previous ones). Raises ``UpdateError`` (exit code + log tail) on failure or timeout.
+    The learner (``training.learner.Learner``: ``training.num_processes`` Ray actors, one torch.distributed group)
+    is started for this update and stopped after it, so every update, one-shot or resident, runs the same rank
+    code. Its ranks run on this machine (pinned to this Ray node, ``127.0.0.1`` for their process group) and book
+    next to no Ray CPUs (``ONE_SHOT_CPUS_PER_RANK``). It uses the Ray this process is connected to, or starts a
+    local one (as many logical CPUs as cores, at least ranks + 1, without Ray's memory monitor) and shuts it down
+    after. ``env``: more environment for the ranks' processes (their ``OMP_NUM_THREADS`` from there, else from this
+    process, else 1).
+
+    The returned dict is ``metrics.json`` plus ``out_dir``, ``log_path`` and ``wall_s`` (from the ranks joining
+    their group to the end of the update). ``metrics["skipped"]`` is true when the batch had no trainable rows (no
+    weights are written then; keep using the previous ones). Raises ``UpdateError`` with the ranks' log tails on
+    failure or timeout; their log files are then kept (``log_path``), and removed after a success (``worker.log``
+    holds their lines).
     """
-    stage = StagedOutput(spec)
-    local_out = stage.local_out
-    spec_path = local_out / SPEC_FILE
-    metrics_path = local_out / METRICS_FILE
+    import ray
+
+    from pettingflow.ray_cluster import init_ray
+    from pettingflow.training.learner import Learner
 
     n = spec.training.num_processes
-    port = free_port()
-    cmd = worker_command(spec_path, n, port)
-    log_path = local_out / LOG_FILE
-    log.info("update %s: %s (log %s)", spec.policy, " ".join(cmd), log_path)
-    started = time.perf_counter()
-    tail: collections.deque[str] = collections.deque(maxlen=60)
-    with open(log_path, "w") as log_file:
-        proc = subprocess.Popen(
-            deathsig.wrap(cmd, signal.SIGKILL),  # a crashed caller must not leave a job writing into its step
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=worker_env(n, port, {**preload_env(spec.training.malloc), **(env or {})}),
-            text=True,
-            bufsize=1,
-            start_new_session=True,
+    owns_ray = not ray.is_initialized()
+    if owns_ray:
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        # no Ray memory monitor: it kills a worker once the node's memory use passes 95 %, whoever uses it, where
+        # the plain process this replaced met only the kernel's OOM killer (seen on a shared machine)
+        init_ray(
+            num_cpus=max(os.cpu_count() or 1, n + 1),
+            include_dashboard=False,
+            log_to_driver=False,
+            _system_config={"memory_monitor_refresh_ms": 0},
         )
-        fired = threading.Event()
-
-        def _on_timeout() -> None:
-            fired.set()
-            _kill(proc)
-
-        watchdog = threading.Timer(timeout_s, _on_timeout) if timeout_s is not None else None
-        if watchdog is not None:
-            watchdog.daemon = True
-            watchdog.start()
-        try:
-            assert proc.stdout is not None
-            for line in proc.stdout:
-                log_file.write(line)
-                log_file.flush()
-                tail.append(line.rstrip("\n"))
-                log.log(log_level, "[update %s] %s", spec.policy, line.rstrip("\n"))
-            proc.wait()
-        except BaseException:
-            _kill(proc)
-            raise
-        finally:
-            if watchdog is not None:
-                watchdog.cancel()
-    timed_out = fired.is_set()
-    wall = time.perf_counter() - started
-    tail_text = "\n".join(tail)
-    if timed_out:
-        raise UpdateError(
-            f"update of policy {spec.policy!r} timed out after {timeout_s} s; log {log_path}, tail:\n{tail_text}",
-            None,
-            str(log_path),
-        )
-    if proc.returncode != 0 or not metrics_path.is_file():
-        why = f"exited with code {proc.returncode}" if proc.returncode else "wrote no metrics.json"
-        raise UpdateError(
-            f"update of policy {spec.policy!r} {why}; log {log_path}, tail:\n{tail_text}",
-            proc.returncode,
-            str(log_path),
-        )
-    metrics = stage.finish(json.loads(metrics_path.read_text()), log_name=LOG_FILE)
-    metrics["wall_s"] = round(wall, 3)
-    log.info(
-        "update %s done in %.1f s: %s",
+    env = dict(env or {})
+    log_dir = tempfile.mkdtemp(prefix="pettingflow-update-logs-")
+    learner = Learner(
         spec.policy,
-        wall,
-        "skipped (no trainable rows)" if metrics.get("skipped") else f"loss={metrics.get('loss')}",
+        n,
+        log_dir,
+        name=f"update-{spec.policy}",
+        num_cpus_per_rank=ONE_SHOT_CPUS_PER_RANK,
+        omp_threads=int(env.get("OMP_NUM_THREADS") or os.environ.get("OMP_NUM_THREADS") or 1),
+        master_host="127.0.0.1",
+        malloc=spec.training.malloc,
+        resources={f"node:{ray.util.get_node_ip_address()}": ONE_SHOT_CPUS_PER_RANK},
+        env=env,
     )
+    try:
+        metrics = learner.update(spec, timeout_s=timeout_s)
+        metrics.pop("learner", None)  # a learner of one update: its start count and pids say nothing
+    finally:
+        learner.stop()
+        if owns_ray:
+            ray.shutdown()
+    shutil.rmtree(log_dir, ignore_errors=True)
     return metrics
-
-
-def _kill(proc: subprocess.Popen[str]) -> None:
-    """Stop the worker's process group (torchrun and its ranks): SIGTERM, then SIGKILL if the worker itself
-    has not exited 10 s later (torchrun passes SIGTERM on to its ranks and waits for them)."""
-    stop_process_group(proc, ((signal.SIGTERM, 10.0),), scope="leader")
 
 
 class StagedOutput:

@@ -1,9 +1,10 @@
-"""The resident learner of one policy: its training ranks as Ray actors that live for a whole run.
+"""The learner of one policy: its training ranks as Ray actors, for a whole run or for one update.
 
 Why: a cold update process per iteration spends most of its time starting Python, importing torch and
 DeepSpeed, loading the model, building the engine and saving an optimizer state it then throws away (most
 of a small model's update: docs/benchmarks.md), and Adam restarts every iteration. verl and OpenRLHF keep the
-policy resident in Ray actors that host the training ranks; so does this module.
+policy resident in Ray actors that host the training ranks; so does this module. It is also the one-shot
+update's launcher: ``launch.run_update`` starts a ``Learner`` for one update and stops it after.
 
 Process picture (one policy, ``training.num_processes = N``)::
 
@@ -14,7 +15,7 @@ Process picture (one policy, ``training.num_processes = N``)::
   in one placement group (PACK: on one node when it fits, spread over nodes when not). Rank 0's node address
   and a free port there become the group's ``MASTER_ADDR``/``MASTER_PORT``, so ranks on several nodes of an
   attached cluster (``rollout.ray_address``) form one group without new code.
-- Each rank runs ``UpdateWorker.update(spec)`` (``training/worker.py``), the same code as the one-shot process.
+- Each rank runs ``UpdateWorker.update(spec)`` (``training/worker.py``), the recipe of every update.
   The worker keeps the engine while the next spec starts from the weights it holds (``start_weights``).
 - Every rank logs to its own file (``learner-<policy>-rank<r>.log``); when a rank dies (kill -9, out of memory)
   the update fails with ``UpdateError`` carrying the tails of those logs, the learner is marked dead, and the
@@ -343,13 +344,16 @@ class Learner:
         resources: dict[str, float] | None = None,
         localize: Callable[[UpdateSpec], UpdateSpec] | None = None,
         placement_wait_s: float = 180.0,
+        env: dict[str, str] | None = None,
     ) -> None:
         """``master_host``: the address of the ranks' process group; None: rank 0's node address (a cluster).
         A local Ray passes 127.0.0.1 so that training traffic stays on loopback. ``resources``: custom Ray
         resources every rank asks for (``training.rank_resources``), which place the ranks on the nodes that
         offer them. ``localize``: how a rank on another node than this one makes its own copies of an update's start
         weights (``runs.lineage.localize_start``). ``placement_wait_s``: how long a restart (after a rank or its
-        node was lost) waits for the cluster to offer the ranks' resources again."""
+        node was lost) waits for the cluster to offer the ranks' resources again. ``env``: more environment for the
+        ranks' processes (Ray's ``runtime_env``; tests plant code with it)."""
+        self.env = dict(env or {})
         self.resources = dict(resources or {})
         self.localize = localize
         self.placement_wait_s = placement_wait_s
@@ -410,7 +414,7 @@ class Learner:
                 max_restarts=0,
                 name=f"{self.name}-rank{rank}-{os.getpid()}-{self.starts}",
                 # the allocator is chosen at process start: Ray launches the actor's worker with this env
-                runtime_env={"env_vars": preload_env(self.malloc)},
+                runtime_env={"env_vars": {**preload_env(self.malloc), **self.env}},
             ).remote(
                 rank,
                 self.num_processes,
@@ -512,12 +516,13 @@ class Learner:
             self.stop()
             raise
         except Exception as exc:  # a rank died (RayActorError) or raised inside the update (RayTaskError)
-            lost = self._lost_nodes() if _actor_lost(exc) else ""  # a rank that raised was not lost
+            raised = not _actor_lost(exc)
+            lost = "" if raised else self._lost_nodes()
             tails = self.log_tails()
             self.stop()
             raise UpdateError(
                 f"update of policy {spec.policy!r} failed in the resident learner: {_short(exc)}{lost}\n{tails}",
-                None,
+                1 if raised else None,
                 str(self.log_paths()[0]),
             ) from exc
         wall = time.perf_counter() - started

@@ -1,31 +1,30 @@
-"""The update code of one policy, resident or one-shot: ``UpdateWorker.update(spec)``.
+"""The update recipe of one rank: ``UpdateWorker.update(spec)``, read top to bottom (torchtune's shape).
 
-The same class serves both ways of running an update:
+Every update runs it in the ranks of a learner (``training/learner.py``: one Ray actor per rank): the resident
+learner of a run calls it once per iteration on the same object, ``launch.run_update`` (``pettingflow update``, a
+re-run without servers) starts a learner for one call. Tests and benches may call it in their own process.
 
-- **resident** (``training.learner: resident``, the default in flows): one ``UpdateWorker`` per rank lives in a
-  Ray actor (``training/learner.py``) for the whole run. Model, DeepSpeed engine, optimizer moments and the
-  KL reference stay in memory; each iteration's ``update(spec)`` only reads the batch, trains and writes the
-  new weights. The worker remembers which weights it holds (``version``); a spec whose ``start_version``
-  differs (a resumed run, a re-run, a restarted learner) makes it rebuild from the committed checkpoint.
-- **one-shot** (``python -m pettingflow.training.worker --spec SPEC.json``, alone or as N ranks under
-  ``torch.distributed.run``; ``launch.run_update`` starts it): ``run()`` = ``update(spec)`` then ``cleanup()``.
-
-One update (torchtune-style lifecycle, each step a method)::
+One update::
 
     read rows -> prepare (keep resident state | build + restore) -> plan -> train -> save
 
 - ``read rows``: drop untrainable rows (counted). An empty batch stops here: ``metrics.json`` says
   ``skipped: true``, no weights are written and the resident state is untouched.
-- ``build``: ``torch.distributed`` (gloo on CPU, NCCL on GPU), the policy (full weights, or base + one LoRA
+- ``prepare``: keep the engine when it holds this update's starting weights (``holds == spec.start_weights``) and
+  its shape (``launch.build_key``) is unchanged; else ``build`` and ``restore``.
+- ``build`` (setup): ``torch.distributed`` (gloo on CPU, NCCL on GPU), the policy (full weights, or base + one LoRA
   adapter per agent) and, when ``kl_coef > 0``, the reference, wrapped in a DeepSpeed engine (ZeRO stage and
-  bf16 from the config, a client ``torch.optim.AdamW`` so no DeepSpeed op is JIT-compiled).
+  bf16 from the config, the optimizer from ``optim.OptimizerConfig``, a client ``torch.optim.AdamW`` so no
+  DeepSpeed op is JIT-compiled).
 - ``restore``: optimizer state from ``resume_dir`` (a ``deepspeed/`` snapshot). When the snapshot is older
   than the start weights (``optimizer_age > 0``), its moments are kept and the weights are set back to the
   start weights. The metrics say which case happened (``optimizer_state``: new | resident | restored | stale |
   reset), so a restart never silently resets Adam.
-- ``train``: old log-probs and reference log-probs are computed once, then ``epochs`` PPO passes over the
-  windows. With one epoch, the first window's old log-probs equal the current ones exactly (no optimizer
-  step has happened yet), so that forward pass is skipped (as TRL does with one iteration per batch).
+- ``plan``: optimizer-step windows over the rows (``data.plan_windows``) and this rank's micro-batches.
+- ``train`` (the train step): old and reference log-probs once (``logprobs.micro_batch_logprobs``), then
+  ``epochs`` PPO passes: per micro-batch ``logprobs.micro_batch_loss`` and a backward, per window one optimizer
+  step. With one epoch, the first window's old log-probs equal the current ones exactly (no optimizer step has
+  happened yet), so that forward pass is skipped (as TRL does with one iteration per batch).
 - ``save``: ``model/`` (full: HF safetensors + tokenizer files) or ``adapters/<agent>/`` (LoRA: peft
   folders), ``deepspeed/`` when ``save_resume_state``, then ``metrics.json`` last: its presence means the
   update finished.
@@ -37,7 +36,6 @@ made of its own agent's rows; an agent without rows keeps its adapter bit-identi
 
 from __future__ import annotations
 
-import argparse
 import functools
 import gc
 import importlib
@@ -46,7 +44,6 @@ import logging
 import math
 import os
 import resource
-import sys
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -72,7 +69,8 @@ def _env_int(name: str, default: int) -> int:
 
 
 def ensure_dist_env() -> None:
-    """Single-process defaults for the variables torch.distributed reads (torchrun sets them per rank)."""
+    """Single-process defaults for the variables torch.distributed reads, for the recipe run in a caller's own
+    process (tests, benches); a learner's ranks set them from the learner (``LearnerRank``)."""
     if "MASTER_PORT" not in os.environ:
         from pettingflow.processes import free_port
 
@@ -276,11 +274,11 @@ class _Accumulator:
 
 
 class UpdateWorker:
-    """One rank's update code and, when kept alive, its resident model and optimizer.
+    """One rank's update recipe and, between updates, its resident model and optimizer.
 
-    ``run()`` is the one-shot lifecycle (update, then free everything). ``update(spec)`` may be called again
-    and again on the same object (the resident learner does): the engine is kept while the spec's engine
-    shape (``build_key``) and starting weights (``start_version``) match what this object holds.
+    ``update(spec)`` may be called again and again on the same object (the learner does): the engine is kept
+    while the spec's engine shape (``build_key``) and starting weights (``start_weights``) match what this object
+    holds. ``spec`` here only serves callers that run the steps one by one (``bench/memory.py``).
     """
 
     def __init__(self, spec: UpdateSpec | None = None):
@@ -309,13 +307,6 @@ class UpdateWorker:
         self._grad_norms: list[float] = []
 
     # ------------------------------------------------------------------------------------------------ lifecycle
-    def run(self) -> dict[str, Any]:
-        """One-shot: one update, then free the model and optimizer."""
-        try:
-            return self.update(self.spec)
-        finally:
-            self.cleanup()
-
     def update(self, spec: UpdateSpec) -> dict[str, Any]:
         """Train on ``spec``'s batch from ``spec``'s starting weights; write weights and ``metrics.json``."""
         started = time.perf_counter()
@@ -922,40 +913,3 @@ class UpdateWorker:
         tmp = self.out / f".{METRICS_FILE}.tmp"
         tmp.write_text(json.dumps(self.metrics, indent=2, sort_keys=True, default=str))
         os.replace(tmp, self.out / METRICS_FILE)
-
-
-def run_worker(spec: UpdateSpec) -> dict[str, Any]:
-    """Run the lifecycle in this process (tests, or under torchrun via ``main``)."""
-    ensure_dist_env()
-    return UpdateWorker(spec).run()
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pettingflow.training.worker", description=__doc__.split("\n")[0])
-    parser.add_argument("--spec", required=True, help="UpdateSpec JSON file (written by launch.run_update)")
-    args = parser.parse_args(argv)
-    rank = _env_int("RANK", 0)
-    logging.basicConfig(
-        level=logging.INFO,
-        format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-    spec = UpdateSpec.model_validate_json(Path(args.spec).read_text())
-    try:
-        metrics = run_worker(spec)
-    finally:
-        try:
-            import torch.distributed as dist
-
-            if dist.is_available() and dist.is_initialized():
-                dist.destroy_process_group()
-        except Exception:  # pragma: no cover - best effort at exit
-            pass
-    if rank == 0:
-        summary = {k: metrics.get(k) for k in ("skipped", "rows_used", "loss", "grad_norm", "duration_s")}
-        log.info("done: %s", json.dumps(summary))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
