@@ -184,7 +184,11 @@ class Soak:
         return done
 
     def start_flow_run(self, why: str) -> None:
-        flow_run = self.stack.deployment_run(self.meta["config"], self.params())
+        try:
+            flow_run = self.stack.deployment_run(self.meta["config"], self.params())
+        except RuntimeError:  # no deployment yet (an earlier part stopped between the server's start and the deploy)
+            self.stack.ensure_deployments()
+            flow_run = self.stack.deployment_run(self.meta["config"], self.params())
         self.meta.setdefault("flow_runs", []).append({"id": flow_run, "at": time.time(), "why": why})
         self.meta["flow_run_id"] = flow_run
         self.save_meta()
@@ -193,7 +197,8 @@ class Soak:
     def ensure_stack(self) -> None:
         if self.stack.ensure_server():
             self.event("prefect server started", pid=self.stack.pids["prefect_server"], port=self.meta["port"])
-            self.stack.ensure_deployments()
+            if not self.meta.get("flow_run_id"):  # a restarted server has the pool and deployments in its database
+                self.stack.ensure_deployments()
         if self.stack.ensure_worker():
             self.event("worker started", pid=self.stack.pids["worker"])
 
@@ -358,8 +363,6 @@ class Soak:
     def run(self, poll_s: float) -> int:
         state: dict[str, Any] = {}
         self.ensure_stack()
-        if not self.meta.get("flow_run_id"):  # a server left up by a first part that stopped before deploying
-            self.stack.ensure_deployments()
         while True:
             self.ensure_stack()
             done = self.committed()

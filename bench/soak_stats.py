@@ -282,7 +282,8 @@ def plot(samples: list[dict[str, Any]], kills: list[dict[str, Any]], path: Path,
 
 
 def publish(out: Path, dest: Path, text: str) -> None:
-    """The raw per-iteration table (CSV), the report and the plot, plus kills.jsonl when there were kills."""
+    """The raw per-iteration table (CSV), the report and the plot, the bench's events, and kills.jsonl when there
+    were kills."""
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines() if line.strip()]
     kills_path = out / "kills.jsonl"
     kills = (
@@ -301,5 +302,7 @@ def publish(out: Path, dest: Path, text: str) -> None:
     (dest / "soak.json").write_text(json.dumps(meta, indent=2) + "\n")
     if kills:
         shutil.copy(kills_path, dest / "kills.jsonl")
+    if (out / "events.jsonl").exists():  # starts, restarts and resumes of the stack and the run
+        shutil.copy(out / "events.jsonl", dest / "events.jsonl")
     plot(samples, kills, dest / "soak.png", f"soak {meta['run_id']}: {len(samples)} iterations")
     print(f"wrote {dest}/samples.csv, report.txt, soak.json, soak.png" + (", kills.jsonl" if kills else ""))
