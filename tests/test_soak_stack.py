@@ -1,0 +1,78 @@
+"""bench/soak_stack.py: the soak finds its own run's processes (by their mark, and everything below them) with their
+roles, and its kill mode signals nothing else."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from bench.soak_stack import MARK, RunProcess, kill_pid, role_of, run_processes
+
+PARENT = """
+import subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env={"PATH": "/usr/bin"})
+print(child.pid, flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize(
+    ("cmdline", "name", "role"),
+    [
+        ("/venv/bin/python /venv/bin/prefect server start --host 127.0.0.1 --port 4444", "python", "prefect_server"),
+        ("/venv/bin/python /venv/bin/prefect worker start --pool pettingflow", "python", "worker"),
+        ("/venv/bin/python -m prefect.engine", "python", "flow"),
+        ("/venv/bin/python -m vllm.entrypoints.openai.api_server --model m", "python", "vllm"),
+        ("VLLM::EngineCore", "VLLM::EngineCore", "vllm"),
+        ("ray::LearnerRank.update", "ray::LearnerRank", "learner"),
+        ("ray::_SandboxWorker", "ray::_SandboxWorker", "ray_workers"),
+        ("ray::DashboardAgent", "ray::DashboardAgent", "ray_system"),
+        ("/venv/lib/ray/core/src/ray/raylet/raylet --raylet_socket_name=x", "raylet", "ray_system"),
+        (
+            "/venv/bin/python -m pettingflow.deathsig --group 5.0 SIGTERM 9 -- python -m vllm.entrypoints",
+            "python",
+            "other",
+        ),
+    ],
+)
+def test_roles_from_command_lines(cmdline: str, name: str, role: str) -> None:
+    assert role_of(cmdline, name) == role
+
+
+def test_the_marked_tree_is_found_and_only_it_is_killed(tmp_path: Path) -> None:
+    soak = tmp_path / "soak"
+    # a marked parent whose child has an environment without the mark (as a renamed process's reads), and a stranger
+    marked = subprocess.Popen(
+        [sys.executable, "-c", PARENT], env={**os.environ, MARK: str(soak)}, stdout=subprocess.PIPE, text=True
+    )
+    stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env={**os.environ, MARK: "x"})
+    try:
+        child = int(marked.stdout.readline())
+        found = {p.pid: p for p in run_processes(soak)}
+        assert set(found) == {marked.pid, child}
+        assert stranger.pid not in found
+        # a pid of this run that was reused by another process (another start time) is not signalled
+        reused = RunProcess(child, marked.pid, "other", "", found[child].create_time + 1)
+        assert not kill_pid(reused, soak) and psutil.pid_exists(child)
+        assert not kill_pid(RunProcess(stranger.pid, 1, "other", "", psutil.Process(stranger.pid).create_time()), soak)
+        assert stranger.poll() is None
+        assert kill_pid(found[child], soak)
+        for _ in range(300):  # killed: a zombie until its parent reaps it
+            try:
+                if psutil.Process(child).status() == psutil.STATUS_ZOMBIE:
+                    break
+            except psutil.NoSuchProcess:
+                break
+            time.sleep(0.1)
+        else:
+            pytest.fail(f"{child} still runs after its kill")
+    finally:
+        for proc in (marked, stranger):
+            proc.kill()
+            proc.wait(timeout=30)
