@@ -270,7 +270,7 @@ def test_world_size_changes_speed_never_the_updates(local_ray, tiny_model_dir, t
     assert [m["optimizer_state"] for m in two] == ["new", "resident", "resident"]
     assert one[2]["global_step"] == two_state["summary"]["global_steps"] == 6
     # loss and gradient norm (Adam's weights hide a uniform gradient scale such as a sum over ranks; the norm does
-    # not): fp32 sums in another order, within the torchrun test's 1e-5 relative
+    # not): fp32 sums in another order, within the 2-rank test's 1e-5 relative
     print("\ngrad_norm 1 rank vs 2:", [(m1["grad_norm"], m2["grad_norm"]) for m1, m2 in zip(one, two, strict=True)])
     for m1, m2 in zip(one, two, strict=True):
         assert m2["model_tokens"] == m1["model_tokens"] and m2["loss"] == pytest.approx(m1["loss"], abs=1e-6)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -495,6 +496,54 @@ def test_worker_failure_raises_with_log_tail(tiny_model_dir, tmp_path):
     good = write_batch(tmp_path / "good.parquet", make_rows(2), [1.0, -1.0])
     with pytest.raises(UpdateError, match=r"timed out after 0\.5 s"):
         run_update(spec_for(good, tmp_path / "slow", tiny_model_dir), timeout_s=0.5)
+
+
+def test_one_shot_update_is_a_learner_used_once(tmp_path, monkeypatch):
+    """``run_update``'s wiring, without Ray processes: one ``Learner`` of the spec's ranks, pinned to this Ray node,
+    booking next to no CPUs, given the caller's env, updated once and stopped; the learner's own entry is dropped
+    from the metrics; its log folder is removed after a success and kept (named by the error) after a failure."""
+    import ray
+
+    from pettingflow.training import launch, learner
+
+    made: list = []
+
+    class FakeLearner:
+        def __init__(self, policy, num_processes, log_dir, **kw):
+            self.args, self.kw, self.calls = (policy, num_processes, Path(log_dir)), kw, []
+            made.append(self)
+
+        def update(self, spec, timeout_s=None):
+            self.calls.append(("update", spec.policy, timeout_s))
+            if spec.seed == 13:
+                raise UpdateError("rank raised", 1, str(self.args[2] / "rank0.log"))
+            return {"skipped": False, "loss": 0.5, "learner": {"starts": 1}}
+
+        def stop(self):
+            self.calls.append(("stop",))
+
+    monkeypatch.setattr(learner, "Learner", FakeLearner)
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)  # a connected Ray: none is started or shut down
+    monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "10.1.2.3")
+    spec = UpdateSpec(
+        batch_uri="b", policy="p", out_dir=str(tmp_path), init_model_dir="m", training={"num_processes": 2}
+    )
+    metrics = launch.run_update(spec, timeout_s=9.0, env={"OMP_NUM_THREADS": "3", "X": "y"})
+    (one,) = made
+    assert metrics == {"skipped": False, "loss": 0.5}
+    assert one.args[:2] == ("p", 2) and not one.args[2].exists()
+    assert one.calls == [("update", "p", 9.0), ("stop",)]
+    assert one.kw["resources"] == {"node:10.1.2.3": launch.ONE_SHOT_CPUS_PER_RANK}
+    assert one.kw["num_cpus_per_rank"] == launch.ONE_SHOT_CPUS_PER_RANK < 1
+    assert (one.kw["master_host"], one.kw["omp_threads"], one.kw["env"]) == (
+        "127.0.0.1",
+        3,
+        {"OMP_NUM_THREADS": "3", "X": "y"},
+    )
+    with pytest.raises(UpdateError, match="rank raised"):
+        launch.run_update(spec.model_copy(update={"seed": 13}))
+    assert made[1].calls[-1] == ("stop",) and made[1].args[2].is_dir()  # the failed update's logs stay
+    shutil.rmtree(made[1].args[2])
 
 
 def test_spec_validation():
