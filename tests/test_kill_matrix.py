@@ -545,7 +545,7 @@ def assert_kept_to_the_end(results: list[dict], final: dict[str, float]) -> None
 
 @pytest.mark.slow
 # 21 crashes, each a new worker resuming the run (40-95 s apiece, by the machine's load), then the clean resume:
-# the suite's 30-minute bound per test (pyproject.toml) was reached on a loaded machine (7 of 21 points in 1800 s,
+# the suite's 30-minute bound per test (pyproject.toml) was reached on a loaded machine (10 of 21 points in 1800 s,
 # none hung); a hang still fails here, at 60 minutes
 @pytest.mark.timeout(3600)
 def test_kill_matrix(stack, tmp_path, killable_vllm, default_model_dir, restore_base_weights) -> None:
