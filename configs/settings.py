@@ -509,8 +509,8 @@ class TrainingSettings(_Strict):
     learner: Literal["resident", "process"] = Field(
         "resident",
         description="resident: each policy's training ranks live in Ray actors for the whole run (model, optimizer "
-        "and reference stay in memory across iterations). process: a new process per update (load, train, save, "
-        "exit), as `pettingflow update` does.",
+        "and reference stay in memory across iterations). process: the same learner started for one update and "
+        "stopped after it (load, train, save, exit), as `pettingflow update` does.",
     )
     save_optimizer_every: int = Field(
         4,
