@@ -6,7 +6,7 @@ Why: the update (``training/worker.py``) is developed and tested on CPU machines
 scarce, so this script runs every check once, each stage in its own subprocess with its own timeout: a failing
 stage records its error's key lines and the next one runs.
 Everything uses the repo's own learner: ``UpdateWorker`` run in-process by this script's ``--run-job`` mode
-(one process, or 2 ranks under ``torch.distributed.run``), the one-shot ``launch.run_update``, ``UpdateSpec``,
+(one process, or 2 ranks under ``torch.distributed.run``), the one-shot ``learner.run_update``, ``UpdateSpec``,
 ``bench.common.write_random_batch`` and ``bench.memory.key_line``. Models are random Llamas built locally
 (``transformers.LlamaConfig``, nothing downloaded; a stand-in ``tokenizer_config.json`` + chat template as the
 tests use, which the worker's save step copies).
@@ -43,7 +43,7 @@ Stages (``--device cuda``; ``--budget-s`` 420 s caps the stages, so give the com
    this mode sets ``LOCAL_RANK=0`` in both ranks (the job's ``same_gpu``), since DeepSpeed puts a rank on
    ``cuda:LOCAL_RANK``. (b) the default backend (NCCL) with both ranks on cuda:0: expected to fail with NCCL's
    duplicate-GPU error, 90 s timeout, recorded as is. (c) the repo's own one-shot path as a flow calls it
-   (``launch.run_update``: torchrun, default backend, so NCCL with ranks on cuda:0 and cuda:1 on a 1-GPU machine),
+   (``learner.run_update``: Ray rank actors, default backend, so NCCL with ranks on cuda:0 and cuda:1 on a 1-GPU machine),
    90 s timeout, recorded as is (on the CPU: gloo, compared with the 1-rank run too). (a), (b), (c) run at once.
 5. ``bf16_lora``: (a) a bf16 LoRA update (two agents, one adapter each, ZeRO-2) on the small model: it runs,
    both adapters are written and moved, the loss is finite. (b) a ~1.1B random Llama (hidden 2048, 16 layers,
@@ -939,7 +939,7 @@ def stage_two_ranks(work: Path, mode: str, args: Any) -> dict[str, Any]:
             repo.update(ok=False, key_lines=[f"{type(exc).__name__}: {exc}"])
         repo["wall_s"] = round(time.perf_counter() - t0, 1)
 
-    say(f"  run s4-repo: launch.run_update, 2 ranks, default backend, timeout {repo_timeout:.0f} s")
+    say(f"  run s4-repo: learner.run_update, 2 ranks, default backend, timeout {repo_timeout:.0f} s")
     thread = threading.Thread(target=repo_path, daemon=True)
     thread.start()
     results = run_jobs(procs)

@@ -62,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     args = common.parse_args(parser, argv)
 
     from pettingflow.training.checkpoint import BASE_WEIGHTS, DEEPSPEED_SUBDIR, PolicyWeights
-    from pettingflow.training.launch import run_update, spec_from_config
+    from pettingflow.training.launch import spec_from_config
+    from pettingflow.training.learner import run_update
     from pettingflow.training.worker import UpdateWorker, ensure_dist_env
 
     ensure_dist_env()

@@ -99,7 +99,8 @@ def worker_update(config: Any, model: Path, batch: Path, out: Path) -> dict[str,
     """One update of ``batch`` by the DeepSpeed worker in its own process, from the base weights, no resume state
     saved; returns its metrics (``timings.train_s`` is the training pass alone)."""
     from pettingflow.training.checkpoint import PolicyWeights
-    from pettingflow.training.launch import run_update, spec_from_config
+    from pettingflow.training.launch import spec_from_config
+    from pettingflow.training.learner import run_update
 
     start = PolicyWeights(policy="shared", base_dir=str(model), model_dir=str(model))
     spec = spec_from_config(config, policy="shared", batch_uri=str(batch), out_dir=str(out), start=start)

@@ -39,8 +39,8 @@ from pettingflow.steps.outcome import StepOutcome, already_done
 from pettingflow.storage.commits import FileEntry, Step
 from pettingflow.storage.fs import join, uri_of
 from pettingflow.storage.layout import StepName
-from pettingflow.training.launch import METRICS_FILE, rebase_outputs, run_update, spec_from_config
-from pettingflow.training.learner import UPLOADED_KEY
+from pettingflow.training.launch import METRICS_FILE, rebase_outputs, spec_from_config
+from pettingflow.training.learner import UPLOADED_KEY, run_update
 
 if TYPE_CHECKING:
     from pettingflow.runs.runtime import RunServices

@@ -18,7 +18,8 @@ from safetensors.torch import load_file
 from test_training_worker import make_rows, spec_for, write_batch
 
 from pettingflow.training.checkpoint import BASE_WEIGHTS
-from pettingflow.training.launch import UpdateSpec, run_update
+from pettingflow.training.launch import UpdateSpec
+from pettingflow.training.learner import run_update
 
 tiny_model_dir = test_training_worker.tiny_model_dir  # the same session fixture (one tiny model per test run)
 

@@ -504,7 +504,7 @@ def test_one_shot_update_is_a_learner_used_once(tmp_path, monkeypatch):
     from the metrics; its log folder is removed after a success and kept (named by the error) after a failure."""
     import ray
 
-    from pettingflow.training import launch, learner
+    from pettingflow.training import learner
 
     made: list = []
 
@@ -528,20 +528,20 @@ def test_one_shot_update_is_a_learner_used_once(tmp_path, monkeypatch):
     spec = UpdateSpec(
         batch_uri="b", policy="p", out_dir=str(tmp_path), init_model_dir="m", training={"num_processes": 2}
     )
-    metrics = launch.run_update(spec, timeout_s=9.0, env={"OMP_NUM_THREADS": "3", "X": "y"})
+    metrics = learner.run_update(spec, timeout_s=9.0, env={"OMP_NUM_THREADS": "3", "X": "y"})
     (one,) = made
     assert metrics == {"skipped": False, "loss": 0.5}
     assert one.args[:2] == ("p", 2) and not one.args[2].exists()
     assert one.calls == [("update", "p", 9.0), ("stop",)]
-    assert one.kw["resources"] == {"node:10.1.2.3": launch.ONE_SHOT_CPUS_PER_RANK}
-    assert one.kw["num_cpus_per_rank"] == launch.ONE_SHOT_CPUS_PER_RANK < 1
+    assert one.kw["resources"] == {"node:10.1.2.3": learner.ONE_SHOT_CPUS_PER_RANK}
+    assert one.kw["num_cpus_per_rank"] == learner.ONE_SHOT_CPUS_PER_RANK < 1
     assert (one.kw["master_host"], one.kw["omp_threads"], one.kw["env"]) == (
         "127.0.0.1",
         3,
         {"OMP_NUM_THREADS": "3", "X": "y"},
     )
     with pytest.raises(UpdateError, match="rank raised"):
-        launch.run_update(spec.model_copy(update={"seed": 13}))
+        learner.run_update(spec.model_copy(update={"seed": 13}))
     assert made[1].calls[-1] == ("stop",) and made[1].args[2].is_dir()  # the failed update's logs stay
     shutil.rmtree(made[1].args[2])
 

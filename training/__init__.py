@@ -5,6 +5,7 @@ learner per policy for all its updates. See docs/training.md. Importing this pac
 Ray (the ranks do).
 """
 
-from pettingflow.training.launch import UpdateError, UpdateSpec, run_update, spec_from_config
+from pettingflow.training.launch import UpdateError, UpdateSpec, spec_from_config
+from pettingflow.training.learner import run_update
 
 __all__ = ["UpdateError", "UpdateSpec", "run_update", "spec_from_config"]

@@ -14,7 +14,8 @@ import typer
 from pettingflow.configs.loader import ConfigError, load_config
 from pettingflow.inference.models import resolve_model
 from pettingflow.training.checkpoint import PolicyWeights
-from pettingflow.training.launch import METRICS_FILE, UpdateError, run_update, spec_from_config
+from pettingflow.training.launch import METRICS_FILE, UpdateError, spec_from_config
+from pettingflow.training.learner import run_update
 
 
 def _fail(message: str, code: int = 2) -> None:

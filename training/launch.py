@@ -1,10 +1,10 @@
-"""The update spec, and the one launch path: ``run_update`` is the resident learner used for one update.
+"""The update spec: what one update reads, starts from and writes (the launch path is ``training.learner``).
 
 ``UpdateSpec`` describes one update (batch, starting weights, optimizer snapshot, settings); ``spec_from_config``
 is the only place that builds it from a config, for the flows, the resident learner and ``pettingflow update``
 alike. Every update runs in the ranks of a ``training.learner.Learner`` (one Ray actor per rank around the recipe,
 ``training.worker.UpdateWorker``): a run keeps its learner for all its updates (``training.learner: resident``);
-``run_update(spec)`` starts one for this update and stops it after (``pettingflow update``, a re-run without
+``learner.run_update(spec)`` starts one for this update and stops it after (``pettingflow update``, a re-run without
 servers, ``training.learner: process``), so the one-shot update is the resident code, not a second implementation.
 A failed update raises ``UpdateError`` with the tail of every rank's log. This module imports no torch and no Ray
 at import time, so a Prefect flow can import it cheaply.
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -34,9 +33,6 @@ log = logging.getLogger(__name__)
 SPEC_FILE = "spec.json"
 LOG_FILE = "worker.log"
 METRICS_FILE = "metrics.json"
-#: Ray CPUs a one-shot update's rank books: next to none. It ran as a plain process before it ran in Ray actors,
-#: beside whatever holds the Ray's CPUs (a run's rollout actors), and it must still start then.
-ONE_SHOT_CPUS_PER_RANK = 0.01
 
 
 class StartSources(BaseModel):
@@ -181,67 +177,6 @@ class UpdateError(RuntimeError):
         super().__init__(message)
         self.returncode = returncode
         self.log_path = log_path
-
-
-def run_update(
-    spec: UpdateSpec, *, timeout_s: float | None = None, env: dict[str, str] | None = None
-) -> dict[str, Any]:
-    """Run the update ``spec`` describes in a learner of its own and return rank 0's metrics.
-
-    The learner (``training.learner.Learner``: ``training.num_processes`` Ray actors, one torch.distributed group)
-    is started for this update and stopped after it, so every update, one-shot or resident, runs the same rank
-    code. Its ranks run on this machine (pinned to this Ray node, ``127.0.0.1`` for their process group) and book
-    next to no Ray CPUs (``ONE_SHOT_CPUS_PER_RANK``). It uses the Ray this process is connected to, or starts a
-    local one (as many logical CPUs as cores, at least ranks + 1, without Ray's memory monitor) and shuts it down
-    after. ``env``: more environment for the ranks' processes (their ``OMP_NUM_THREADS`` from there, else from this
-    process, else 1).
-
-    The returned dict is ``metrics.json`` plus ``out_dir``, ``log_path`` and ``wall_s`` (from the ranks joining
-    their group to the end of the update). ``metrics["skipped"]`` is true when the batch had no trainable rows (no
-    weights are written then; keep using the previous ones). Raises ``UpdateError`` with the ranks' log tails on
-    failure or timeout; their log files are then kept (``log_path``), and removed after a success (``worker.log``
-    holds their lines).
-    """
-    import ray
-
-    from pettingflow.ray_cluster import init_ray
-    from pettingflow.training.learner import Learner
-
-    n = spec.training.num_processes
-    owns_ray = not ray.is_initialized()
-    if owns_ray:
-        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-        # no Ray memory monitor: it kills a worker once the node's memory use passes 95 %, whoever uses it, where
-        # the plain process this replaced met only the kernel's OOM killer (seen on a shared machine)
-        init_ray(
-            num_cpus=max(os.cpu_count() or 1, n + 1),
-            include_dashboard=False,
-            log_to_driver=False,
-            _system_config={"memory_monitor_refresh_ms": 0},
-        )
-    env = dict(env or {})
-    log_dir = tempfile.mkdtemp(prefix="pettingflow-update-logs-")
-    learner = Learner(
-        spec.policy,
-        n,
-        log_dir,
-        name=f"update-{spec.policy}",
-        num_cpus_per_rank=ONE_SHOT_CPUS_PER_RANK,
-        omp_threads=int(env.get("OMP_NUM_THREADS") or os.environ.get("OMP_NUM_THREADS") or 1),
-        master_host="127.0.0.1",
-        malloc=spec.training.malloc,
-        resources={f"node:{ray.util.get_node_ip_address()}": ONE_SHOT_CPUS_PER_RANK},
-        env=env,
-    )
-    try:
-        metrics = learner.update(spec, timeout_s=timeout_s)
-        metrics.pop("learner", None)  # a learner of one update: its start count and pids say nothing
-    finally:
-        learner.stop()
-        if owns_ray:
-            ray.shutdown()
-    shutil.rmtree(log_dir, ignore_errors=True)
-    return metrics
 
 
 class StagedOutput:

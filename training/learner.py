@@ -4,7 +4,7 @@ Why: a cold update process per iteration spends most of its time starting Python
 DeepSpeed, loading the model, building the engine and saving an optimizer state it then throws away (most
 of a small model's update: docs/benchmarks.md), and Adam restarts every iteration. verl and OpenRLHF keep the
 policy resident in Ray actors that host the training ranks; so does this module. It is also the one-shot
-update's launcher: ``launch.run_update`` starts a ``Learner`` for one update and stops it after.
+update's launcher: ``learner.run_update`` starts a ``Learner`` for one update and stops it after.
 
 Process picture (one policy, ``training.num_processes = N``)::
 
@@ -728,3 +728,68 @@ def _tail(path: Path, lines: int) -> str:
 def _short(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return text[-1] if text else type(exc).__name__
+
+
+#: Ray CPUs a one-shot update's rank books: next to none. It ran as a plain process before it ran in Ray actors,
+#: beside whatever holds the Ray's CPUs (a run's rollout actors), and it must still start then.
+ONE_SHOT_CPUS_PER_RANK = 0.01
+
+
+def run_update(
+    spec: UpdateSpec, *, timeout_s: float | None = None, env: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """Run the update ``spec`` describes in a learner of its own and return rank 0's metrics.
+
+    The learner (``training.learner.Learner``: ``training.num_processes`` Ray actors, one torch.distributed group)
+    is started for this update and stopped after it, so every update, one-shot or resident, runs the same rank
+    code. Its ranks run on this machine (pinned to this Ray node, ``127.0.0.1`` for their process group) and book
+    next to no Ray CPUs (``ONE_SHOT_CPUS_PER_RANK``). It uses the Ray this process is connected to, or starts a
+    local one (as many logical CPUs as cores, at least ranks + 1, without Ray's memory monitor) and shuts it down
+    after. ``env``: more environment for the ranks' processes (their ``OMP_NUM_THREADS`` from there, else from this
+    process, else 1).
+
+    The returned dict is ``metrics.json`` plus ``out_dir``, ``log_path`` and ``wall_s`` (from the ranks joining
+    their group to the end of the update). ``metrics["skipped"]`` is true when the batch had no trainable rows (no
+    weights are written then; keep using the previous ones). Raises ``UpdateError`` with the ranks' log tails on
+    failure or timeout; their log files are then kept (``log_path``), and removed after a success (``worker.log``
+    holds their lines).
+    """
+    import ray
+
+    from pettingflow.ray_cluster import init_ray
+
+    n = spec.training.num_processes
+    owns_ray = not ray.is_initialized()
+    if owns_ray:
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        # no Ray memory monitor: it kills a worker once the node's memory use passes 95 %, whoever uses it, where
+        # the plain process this replaced met only the kernel's OOM killer (seen on a shared machine)
+        init_ray(
+            num_cpus=max(os.cpu_count() or 1, n + 1),
+            include_dashboard=False,
+            log_to_driver=False,
+            _system_config={"memory_monitor_refresh_ms": 0},
+        )
+    env = dict(env or {})
+    log_dir = tempfile.mkdtemp(prefix="pettingflow-update-logs-")
+    learner = Learner(
+        spec.policy,
+        n,
+        log_dir,
+        name=f"update-{spec.policy}",
+        num_cpus_per_rank=ONE_SHOT_CPUS_PER_RANK,
+        omp_threads=int(env.get("OMP_NUM_THREADS") or os.environ.get("OMP_NUM_THREADS") or 1),
+        master_host="127.0.0.1",
+        malloc=spec.training.malloc,
+        resources={f"node:{ray.util.get_node_ip_address()}": ONE_SHOT_CPUS_PER_RANK},
+        env=env,
+    )
+    try:
+        metrics = learner.update(spec, timeout_s=timeout_s)
+        metrics.pop("learner", None)  # a learner of one update: its start count and pids say nothing
+    finally:
+        learner.stop()
+        if owns_ray:
+            ray.shutdown()
+    shutil.rmtree(log_dir, ignore_errors=True)
+    return metrics

@@ -1,7 +1,7 @@
 """The update recipe of one rank: ``UpdateWorker.update(spec)``, read top to bottom (torchtune's shape).
 
 Every update runs it in the ranks of a learner (``training/learner.py``: one Ray actor per rank): the resident
-learner of a run calls it once per iteration on the same object, ``launch.run_update`` (``pettingflow update``, a
+learner of a run calls it once per iteration on the same object, ``learner.run_update`` (``pettingflow update``, a
 re-run without servers) starts a learner for one call. Tests and benches may call it in their own process.
 
 One update::
@@ -314,7 +314,7 @@ class UpdateWorker:
         self.read_rows()
         if not self.skipped:
             self.metrics.update(self.prepare())
-            from pettingflow.training import optim  # torch: loaded with the engine, not with this module
+            import pettingflow.training.optim as optim  # torch: loaded with the engine, not with this module
 
             # this update's hyperparameters, also on a resident or restored optimizer
             optim.apply_config(self.client_optimizer, optim.OptimizerConfig.from_training(spec.training))
@@ -415,8 +415,8 @@ class UpdateWorker:
         import torch
         import torch.distributed as dist
 
-        from pettingflow.training import model as M
-        from pettingflow.training import optim
+        import pettingflow.training.model as M
+        import pettingflow.training.optim as optim
 
         torch.manual_seed(spec.seed)
         if not dist.is_initialized():
@@ -567,7 +567,7 @@ class UpdateWorker:
         """After loading an older snapshot: weights back to the spec's start weights, its moments kept."""
         import torch
 
-        from pettingflow.training import model as M
+        import pettingflow.training.model as M
 
         spec, module = self.spec, self.engine.module
         if spec.training.zero_stage == 3:
@@ -588,8 +588,8 @@ class UpdateWorker:
     def train(self) -> None:
         import torch
 
-        from pettingflow.training import logprobs as L
-        from pettingflow.training import model as M
+        import pettingflow.training.logprobs as L
+        import pettingflow.training.model as M
 
         spec, algo, engine = self.spec, self.spec.algorithm, self.engine
         t0 = time.perf_counter()
@@ -686,7 +686,7 @@ class UpdateWorker:
     def save_checkpoint(self) -> None:
         import torch.distributed as dist
 
-        from pettingflow.training import model as M
+        import pettingflow.training.model as M
 
         spec, engine = self.spec, self.engine
         t0 = time.perf_counter()
