@@ -28,7 +28,8 @@ from pettingflow.storage.layout import OPTIMIZER_STEP_PREFIX, UPDATE_STEP_PREFIX
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFINITION = Path("storage/layout.py")  # the one module allowed to spell the names
-SKIP_DIRS = {".venv", "tests", "outputs", ".git", "build", "node_modules", "pettingflow.egg-info"}
+# docs/: scripts kept beside the results they produced (records of a run, not project code)
+SKIP_DIRS = {".venv", "tests", "outputs", ".git", "build", "node_modules", "pettingflow.egg-info", "docs"}
 NAMES = {str(s) for s in StepName}
 PREFIXES = (UPDATE_STEP_PREFIX, OPTIMIZER_STEP_PREFIX)
 PLACEHOLDER = re.compile(r"^<[^<>]*>")  # update-<policy>: a message describing the folder scheme
