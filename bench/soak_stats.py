@@ -7,7 +7,7 @@ a new one: the processes restart and their memory with them), with an intercept 
 the first ``warmup`` samples of every segment are left out (model loads, caches and the allocator settle there).
 Disk figures persist across segments and are fitted over every sample after the first ``warmup`` iterations.
 
-Verdicts (docs/benchmarks.md, "Soak"):
+Verdicts (docs/benchmarks.md, "bench/soak.py"), each decided on at least 20 samples after the warm-up:
 
 - memory (resident, each role and the total): the slope is at most 2 % of the post-warm-up level (the median) per
   100 iterations;
@@ -35,6 +35,8 @@ from typing import Any
 MEMORY_GOAL_PCT = 2.0
 DISK_GOAL_PCT = 2.0
 TIME_GOAL_PCT = 5.0
+#: fewer samples after the warm-up than this decide nothing (the slope of a few iterations is the machine's noise)
+MIN_VERDICT_SAMPLES = 20
 ROLES = ("prefect_server", "worker", "flow", "vllm", "learner", "ray_workers", "ray_system", "other")
 
 
@@ -48,6 +50,14 @@ class Fit:
     @property
     def pct(self) -> float:
         return 100 * self.slope / self.level if self.level else math.nan
+
+
+def decided(f: Fit | None) -> bool:
+    return f is not None and f.n >= MIN_VERDICT_SAMPLES
+
+
+def undecided(f: Fit | None) -> str:
+    return f"undecided: {f.n if f else 0} samples after the warm-up, {MIN_VERDICT_SAMPLES} needed"
 
 
 def t95(df: int) -> float:
@@ -161,12 +171,15 @@ def report(samples: list[dict[str, Any]], meta: dict[str, Any], kills: list[dict
             if not ys or max(ys) == 0:
                 continue
             f = fit(xs, ys, gs)
-            ok = None if goal is None or f is None else f.pct <= goal
+            ok = None if goal is None or not decided(f) else f.pct <= goal
             lines.append(row(metric, f, unit, f"<= {goal:g} %" if goal else "", ok))
-            if goal and role == "total" and key == "rss_mb" and f is not None:
-                verdicts.append(("memory", ok, f"total resident memory {fmt(f.pct, 2)} % per 100 iterations"))
-            elif goal and f is not None and not ok:
+            if goal and role == "total" and key == "rss_mb":
+                why = f"total resident memory {fmt(f.pct, 2)} % per 100 iterations" if decided(f) else undecided(f)
+                verdicts.append(("memory", ok, why))
+            elif goal and decided(f) and not ok:
                 verdicts.append(("memory", ok, f"{metric} {fmt(f.pct, 2)} % per 100 iterations"))
+    if not any(v[0] == "memory" for v in verdicts):
+        verdicts.append(("memory", None, undecided(None)))
     xs, ys, gs = series(post, "procs/total")
     if ys:
         lines.append(row("procs/total", fit(xs, ys, gs), ""))
@@ -179,13 +192,11 @@ def report(samples: list[dict[str, Any]], meta: dict[str, Any], kills: list[dict
             continue
         f = fit(xs, ys)
         if metric == "disk_mb/checkpoints":
-            ok = None if f is None else f.pct <= DISK_GOAL_PCT
+            ok = f.pct <= DISK_GOAL_PCT if decided(f) else None
             lines.append(row(metric, f, "MB", f"<= {DISK_GOAL_PCT:g} %", ok))
-            if f is not None:
-                lo, hi = min(ys), max(ys)
-                verdicts.append(
-                    ("disk", ok, f"checkpoints {fmt(f.pct, 2)} % per 100 iterations (range {lo:,.0f}..{hi:,.0f} MB)")
-                )
+            lo, hi = min(ys), max(ys)
+            why = f"checkpoints {fmt(f.pct, 2)} % per 100 iterations" if decided(f) else undecided(f)
+            verdicts.append(("disk", ok, f"{why} (range {lo:,.0f}..{hi:,.0f} MB)"))
         else:
             lines.append(row(metric, f, "MB", "grows by design" if metric != "disk_mb/run" else ""))
     xs, ys, _ = series(disk, "disk_mb/other")
@@ -200,12 +211,10 @@ def report(samples: list[dict[str, Any]], meta: dict[str, Any], kills: list[dict
     lines += ["", "time per iteration (within segments; seconds)", header]
     xs, ys, gs = series(post, "wall_s")
     f = fit(xs, ys, gs)
-    ok = None if f is None else (abs(f.slope) <= f.half_ci or f.pct <= TIME_GOAL_PCT)
+    ok = (abs(f.slope) <= f.half_ci or f.pct <= TIME_GOAL_PCT) if decided(f) else None
     lines.append(row("wall_s", f, "s", f"CI has 0 or <= {TIME_GOAL_PCT:g} %", ok))
-    if f is not None:
-        verdicts.append(
-            ("iteration time", ok, f"{fmt(f.slope, 2)} ± {fmt(f.half_ci, 2)} s per 100 iterations ({fmt(f.pct, 1)} %)")
-        )
+    why = f"{fmt(f.slope, 2)} ± {fmt(f.half_ci, 2)} s per 100 iterations ({fmt(f.pct, 1)} %)" if decided(f) else None
+    verdicts.append(("iteration time", ok, why or undecided(f)))
     phases = sorted({k for s in post for k in s if k.startswith("phase_s/")})
     for metric in phases:
         xs, ys, gs = series(post, metric)

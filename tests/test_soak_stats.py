@@ -60,3 +60,13 @@ def test_the_report_fails_a_leak_and_passes_a_flat_run() -> None:
     assert "memory          OK" in flat and "disk            OK" in flat and "iteration time  OK" in flat
     leaky = report(samples(2.0), meta, [])  # 200 MB per 100 iterations on 5 GB: 4 %
     assert "memory          FAILS" in leaky
+
+
+def test_a_few_samples_decide_nothing() -> None:
+    samples = [
+        {"iteration": k, "segment": "s", "wall_s": 60.0 + 30 * k, "rss_mb/total": 5000.0 + 400 * k,
+         "disk_mb/checkpoints": 1000.0 * k}
+        for k in range(25)
+    ]  # fmt: skip
+    text = report(samples, {"run_id": "r", "warmup": 10}, [])
+    assert "FAILS" not in text and text.count("undecided: 15 samples after the warm-up, 20 needed") == 3
