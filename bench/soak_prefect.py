@@ -23,8 +23,15 @@ from typing import Any
 
 from bench import common
 from bench.soak_stack import SoakStack, api_timings, db_rows, fresh_port
+from pettingflow.storage.layout import StepName
 
-STEPS = ("rollouts", "filtered", "advantages", "update", "sync", "report", "retention", "snapshot")
+# the stand-in iteration's task names: the pipeline's steps in order (no baseline or validation: the soak runs
+# without them), then the tasks that follow the report
+STEPS = (
+    *(s.value for s in StepName if s not in (StepName.BASELINE, StepName.VALIDATION)),
+    "retention",
+    "snapshot",
+)
 
 
 def measure(stack: SoakStack, k: int, started: float) -> dict[str, Any]:

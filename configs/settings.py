@@ -208,8 +208,8 @@ class EnvSettings(_Strict):
         ge=1,
         description="G: episodes per task, all from the task's initial state and env seed (sample_idx 0 .. G-1), "
         "in every rollout.mode. With rollout.mode=independent the G episodes' rows of one (task, turn, agent) are "
-        "the group GRPO compares; rollout.mode=tree runs one episode per task (group_size 1), whose groups are the "
-        "rollout.tree.branches candidates of each turn.",
+        "the group GRPO compares; tree mode (rollout.mode: tree) runs one episode per task (group_size 1), whose "
+        "groups are the rollout.tree.branches candidates of each turn.",
     )
     tasks_per_iteration: int = Field(
         4, ge=1, description="Training tasks drawn per iteration; each runs group_size episodes."
@@ -255,8 +255,9 @@ class TreeSettings(_Strict):
         None,
         ge=1,
         description="K: the candidates the acting agent draws from one prompt at every turn of a tree episode (one "
-        "request with n=K); the K rows of a turn are the group GRPO compares. Needed with rollout.mode=tree, "
-        "unset otherwise. Its own setting, not env.group_size, which stays the episodes per task (1 in tree mode).",
+        "request with n=K); the K rows of a turn are the group GRPO compares. Needed in tree mode "
+        "(rollout.mode: tree), unset otherwise. Its own setting, not env.group_size, which stays the episodes per "
+        "task (1 in tree mode).",
     )
     team_credit: Literal["shared", "step", "round", "episode"] = Field(
         "shared",

@@ -39,7 +39,7 @@ STEP_CALLS = {"step", "StepName", "step_kind", "folder", "read_step_trajectories
 #: literals that look like a step's name but are not one: (module, literal) -> why
 NOT_STEP_NAMES: dict[tuple[str, str], str] = {
     ("runs/policy_service.py", "optimizer-snapshot-{}"): "the name of the thread writing a snapshot, not a folder",
-    ("training/launch.py", "update-{}"): "the one-shot learner's Ray actor name, not a folder",
+    ("training/learner.py", "update-{}"): "the one-shot learner's Ray actor name, not a folder",
     # the soak benchmark was being written beside this test: its literals are to be replaced by
     # RunLayout.update_steps/optimizer_steps and update_policy, then these entries go
     ("bench/soak.py", "update-"): "pending: bench/soak.py's checkpoint size, written beside this test",
