@@ -913,6 +913,12 @@ class ExperimentConfig(_Strict):
             return self.rollout.tree.branches
         return self.env.group_size
 
+    @property
+    def advantage_group_setting(self) -> str:
+        """The setting that sizes ``advantage_group_size``: what an error or a warning about groups tells the user
+        to change (``env.group_size`` must stay 1 in tree mode)."""
+        return "rollout.tree.branches" if self.rollout.mode == "tree" else "env.group_size"
+
     def _group_problems(self) -> list[tuple[str, str]]:
         """Tree mode's settings, and groups too small to compare (``_check_combinations``).
 
@@ -943,7 +949,7 @@ class ExperimentConfig(_Strict):
                     f"{self.env.group_size})",
                 )
             )
-        key = "rollout.tree.branches" if tree else "env.group_size"
+        key = self.advantage_group_setting
         size = self.advantage_group_size
         if self.algorithm.filter_method == "dapo" and size < 2:
             problems.append(

@@ -212,7 +212,7 @@ def advantage_step(ctx: IterationContext, config: ExperimentConfig) -> StepOutco
                     rows_before,
                     part.num_rows,
                     config.algorithm.filter_method,
-                    "rollout.tree.branches" if config.rollout.mode == "tree" else "env.group_size",
+                    config.advantage_group_setting,
                 )
     manifest: Manifest = out.commit(metrics)
     return StepOutcome(StepName.ADVANTAGES, out.uri, manifest.rows, False, metrics)

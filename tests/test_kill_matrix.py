@@ -44,9 +44,10 @@ import pytest
 from kill_points import ASYNC_POINTS, SYNC_POINTS
 
 from pettingflow import faults
-from pettingflow.runs.retention import RETENTION_BY
+from pettingflow.runs.retention import MODEL_PREFIXES, RETENTION_BY
 from pettingflow.storage import Step
 from pettingflow.storage.commits import MARKER
+from pettingflow.training.checkpoint import MODEL_SUBDIR
 
 
 # ------------------------------------------------------------------------------------------ the hook (fast)
@@ -524,8 +525,8 @@ def pruned_weights(layout: RunLayout, step_key: str) -> tuple[list[str], list[di
     """A step's listed weight files, its prune records and whether its weights' folder is still on disk."""
     k, name = step_key.split("/", 1)
     step = layout.step(int(k.removeprefix("iter-")), name)
-    listed = [f for f in step.files() if f.startswith(("model/", "adapters/"))]
-    return listed, step.pruned(), (Path(step.path) / "model").exists()
+    listed = [f for f in step.files() if f.startswith(MODEL_PREFIXES)]
+    return listed, step.pruned(), (Path(step.path) / MODEL_SUBDIR).exists()
 
 
 def assert_kept_to_the_end(results: list[dict], final: dict[str, float]) -> None:
