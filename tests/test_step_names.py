@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -171,11 +172,23 @@ def scan_source(source: str, path: str, exceptions: dict[tuple[str, str], str] |
 
 
 def project_modules() -> list[Path]:
-    """Every project ``.py`` file but the definition and the tests, read at test time (folders come and go)."""
+    """Every project ``.py`` file but the definition and the tests, read at test time (folders come and go).
+
+    The list is git's (tracked files and new ones not ignored), not a walk of the folder: a walk also reads
+    what tests and tools put beside the code, e.g. the MLflow test's ``.venv-mlflow/`` with its big5-encoded
+    test modules, which broke this test on CI's clean clone.
+    """
+    listed = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z", "--", "*.py"],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
     found = []
-    for path in sorted(ROOT.rglob("*.py")):
-        rel = path.relative_to(ROOT)
-        if rel.parts[0] in SKIP_DIRS or rel == DEFINITION:
+    for name in sorted(filter(None, listed.split("\0"))):
+        rel = Path(name)
+        if rel.parts[0] in SKIP_DIRS or rel == DEFINITION or not (ROOT / rel).exists():
             continue
         found.append(rel)
     return found
