@@ -147,14 +147,17 @@ def test_train_two_iterations_then_resume_then_rerun(tmp_path, prefect_env, tiny
     start = weights_before(layout, cfg, "shared", 2)
     assert start.deepspeed_dir.endswith("iter-1/optimizer-shared/deepspeed") and start.optimizer_age == 0
 
-    # resume: the same run again skips every committed step and adds no rows
+    # resume: the same run again walks past iteration 0 (iteration 1 finished after it), re-enters the last finished
+    # iteration, skips every committed step and adds no rows
     again = train("code-env", overrides(tmp_path, tiny_model, scripted.url), run_id=run_id, return_state=True)
     assert again.is_completed()
+    assert [(x["iteration"], x.get("passed", False)) for x in again.result()["iterations"]] == [(0, True), (1, False)]
+    assert again.result()["iterations"][0]["metrics"] == layout.step(0, "report").read_json("metrics.json")
     assert read_step_trajectories(layout.step(0, "rollouts")).num_rows == rows.num_rows
     messages = flow_run_task_states(again.state_details.flow_run_id)
-    assert any("already committed" in m for m in messages["rollouts"])
-    assert all("already committed" in m for m in messages["update[shared]"])
-    assert messages["baseline"] and all("already committed" in m for m in messages["baseline"])
+    assert messages["rollouts"] and all("already committed" in m for m in messages["rollouts"])
+    assert messages["update[shared]"] and all("already committed" in m for m in messages["update[shared]"])
+    assert not messages.get("baseline")  # iteration 0's step: that iteration was not entered again
 
     # re-run iteration 0 from its stored trajectories with another filter and learning rate: a new attempt folder
     before = [f.sha256 for f in layout.step(0, "filtered").manifest().files]
