@@ -7,7 +7,9 @@ a new one: the processes restart and their memory with them), with an intercept 
 the first ``warmup`` samples of every segment are left out (model loads, caches and the allocator settle there).
 Disk figures persist across segments and are fitted over every sample after the first ``warmup`` iterations.
 
-Verdicts (docs/benchmarks.md, "bench/soak.py"), each decided on at least 20 samples after the warm-up:
+Verdicts (docs/benchmarks.md, "bench/soak.py"), each decided on at least 20 samples after the warm-up and by the
+slope's whole 95 % interval (``against_goal``): OK when all of it is within the goal, FAILS when all of it is beyond,
+undecided when it holds the goal (a point estimate under the goal with an interval reaching past it is not a pass):
 
 - memory (resident, each role and the total): the slope is at most 2 % of the post-warm-up level (the median) per
   100 iterations;
@@ -58,6 +60,22 @@ def decided(f: Fit | None) -> bool:
 
 def undecided(f: Fit | None) -> str:
     return f"undecided: {f.n if f else 0} samples after the warm-up, {MIN_VERDICT_SAMPLES} needed"
+
+
+def against_goal(f: Fit | None, goal_pct: float) -> tuple[bool | None, str]:
+    """A slope's verdict against a goal (a growth of at most ``goal_pct`` % of the level per 100 iterations),
+    decided by the whole 95 % interval, not the point estimate: OK when its upper end is within the goal, FAILS
+    when its lower end is beyond it, undecided when it holds the goal (more iterations narrow it)."""
+    if not decided(f):
+        return None, undecided(f)
+    assert f is not None
+    lo, hi = (100 * (f.slope - f.half_ci) / f.level, 100 * (f.slope + f.half_ci) / f.level) if f.level else (0, 0)
+    why = f"{fmt(f.pct, 2)} % per 100 iterations (95 % CI {fmt(lo, 2)}..{fmt(hi, 2)} %)"
+    if hi <= goal_pct:
+        return True, why
+    if lo > goal_pct:
+        return False, why
+    return None, f"undecided: {why} holds the goal of {goal_pct:g} %"
 
 
 def t95(df: int) -> float:
@@ -171,13 +189,12 @@ def report(samples: list[dict[str, Any]], meta: dict[str, Any], kills: list[dict
             if not ys or max(ys) == 0:
                 continue
             f = fit(xs, ys, gs)
-            ok = None if goal is None or not decided(f) else f.pct <= goal
+            ok, why = against_goal(f, goal) if goal is not None else (None, "")
             lines.append(row(metric, f, unit, f"<= {goal:g} %" if goal else "", ok))
             if goal and role == "total" and key == "rss_mb":
-                why = f"total resident memory {fmt(f.pct, 2)} % per 100 iterations" if decided(f) else undecided(f)
-                verdicts.append(("memory", ok, why))
-            elif goal and decided(f) and not ok:
-                verdicts.append(("memory", ok, f"{metric} {fmt(f.pct, 2)} % per 100 iterations"))
+                verdicts.append(("memory", ok, f"total resident memory: {why}"))
+            elif goal and ok is False:
+                verdicts.append(("memory", ok, f"{metric}: {why}"))
     if not any(v[0] == "memory" for v in verdicts):
         verdicts.append(("memory", None, undecided(None)))
     xs, ys, gs = series(post, "procs/total")
@@ -192,11 +209,10 @@ def report(samples: list[dict[str, Any]], meta: dict[str, Any], kills: list[dict
             continue
         f = fit(xs, ys)
         if metric == "disk_mb/checkpoints":
-            ok = f.pct <= DISK_GOAL_PCT if decided(f) else None
+            ok, why = against_goal(f, DISK_GOAL_PCT)
             lines.append(row(metric, f, "MB", f"<= {DISK_GOAL_PCT:g} %", ok))
             lo, hi = min(ys), max(ys)
-            why = f"checkpoints {fmt(f.pct, 2)} % per 100 iterations" if decided(f) else undecided(f)
-            verdicts.append(("disk", ok, f"{why} (range {lo:,.0f}..{hi:,.0f} MB)"))
+            verdicts.append(("disk", ok, f"checkpoints: {why} (range {lo:,.0f}..{hi:,.0f} MB)"))
         else:
             lines.append(row(metric, f, "MB", "grows by design" if metric != "disk_mb/run" else ""))
     xs, ys, _ = series(disk, "disk_mb/other")

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from bench.soak_stats import after_warmup, fit, report, t95
+from bench.soak_stats import Fit, after_warmup, against_goal, fit, report, t95
 
 
 def test_a_planted_slope_is_found_with_an_interval_that_holds_it() -> None:
@@ -70,3 +70,16 @@ def test_a_few_samples_decide_nothing() -> None:
     ]  # fmt: skip
     text = report(samples, {"run_id": "r", "warmup": 10}, [])
     assert "FAILS" not in text and text.count("undecided: 15 samples after the warm-up, 20 needed") == 3
+
+
+def test_a_verdict_needs_the_whole_interval_on_one_side_of_the_goal() -> None:
+    """1 % +- 0.5 % passes a 2 % goal, 3 % +- 0.5 % fails it, 1.8 % +- 0.5 % decides nothing: its point estimate is
+    under the goal but the interval reaches past it."""
+    assert against_goal(Fit(slope=10, half_ci=5, level=1000, n=50), 2.0)[0] is True
+    assert against_goal(Fit(slope=30, half_ci=5, level=1000, n=50), 2.0)[0] is False
+    ok, why = against_goal(Fit(slope=18, half_ci=5, level=1000, n=50), 2.0)
+    assert ok is None and why.startswith("undecided") and "1.30..2.30 %" in why
+    assert against_goal(Fit(slope=0, half_ci=1, level=1000, n=5), 2.0) == (
+        None,
+        "undecided: 5 samples after the warm-up, 20 needed",
+    )
