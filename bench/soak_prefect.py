@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from bench import common
 from bench.soak_stack import SoakStack, api_timings, db_rows, fresh_port
 from pettingflow.storage.layout import StepName
@@ -34,8 +36,18 @@ STEPS = (
 )
 
 
+def resident_mb(pid: int) -> float | None:
+    try:
+        return psutil.Process(pid).memory_info().rss / 2**20
+    except psutil.Error:
+        return None
+
+
 def measure(stack: SoakStack, k: int, started: float) -> dict[str, Any]:
     row: dict[str, Any] = {"iterations": k, "elapsed_s": round(time.time() - started, 1), "load1": os.getloadavg()[0]}
+    # the flow runs in this process: its memory is the train flow's and its subflows' bookkeeping, no training
+    row["rss_mb/flow"] = resident_mb(os.getpid())
+    row["rss_mb/prefect_server"] = resident_mb(stack.pids.get("prefect_server", 0))
     row["db_mb"] = sum(p.stat().st_size for p in stack.db.parent.glob(stack.db.name + "*")) / 2**20
     row.update(db_rows(stack.db))
     row.update(api_timings(stack.api))
@@ -75,7 +87,8 @@ def run(stack: SoakStack, iterations: int, every: int, out: Path) -> list[dict[s
                 rows.append(measure(stack, k, started))
                 with open(out / "prefect_scale.jsonl", "a") as f:
                     f.write(json.dumps(rows[-1]) + "\n")
-                shown = {m: round(v) for m, v in rows[-1].items() if m.startswith(("api_ms/", "db_mb"))}
+                keys = ("api_ms/", "db_mb", "rss_mb/")
+                shown = {m: round(v) for m, v in rows[-1].items() if m.startswith(keys) and v is not None}
                 print(f"{k} iterations: {shown}", flush=True)
             if k < iterations:
                 iteration(k)
@@ -112,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
             "task runs",
             "logs",
             "events",
+            "flow MB",
+            "server MB",
             *[m.removeprefix("api_ms/") for m in metrics],
         ],
         [
@@ -122,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
                 r.get("db_rows/task_run"),
                 r.get("db_rows/log"),
                 r.get("db_rows/events"),
+                r.get("rss_mb/flow"),
+                r.get("rss_mb/prefect_server"),
                 *[r.get(m) for m in metrics],
             ]
             for r in rows

@@ -82,3 +82,28 @@ def loaded_malloc(maps: str = "/proc/self/maps") -> str:
     except OSError:
         return "unknown"
     return "tcmalloc" if "libtcmalloc" in text else "system"
+
+
+def release_free_memory() -> str:
+    """Hand the memory this process's allocator holds free back to the kernel; which allocator did (``tcmalloc``,
+    ``glibc`` or ``none``).
+
+    Why: a learner rank's resident memory between updates is the high-water mark of the largest batch so far, not
+    what it holds: tcmalloc keeps every span a micro-batch freed for the next one (that reuse is why it is faster
+    here), and a longer batch than any before adds spans it keeps for the life of the process. A soak showed the
+    rank rising from 4.0 to 5.5 GB over 40 updates in steps at the longest batches, then flat; replaying the same
+    batches again added nothing (docs/benchmarks.md, "bench/soak.py"). Releasing once per update, after it, keeps
+    the reuse inside the update and gives the difference back to vLLM and the sandboxes while rollouts run.
+    """
+    import ctypes
+
+    process = ctypes.CDLL(None)  # the symbols of every loaded library, LD_PRELOADed tcmalloc's first
+    release = getattr(process, "MallocExtension_ReleaseFreeMemory", None)
+    if release is not None:
+        release()
+        return "tcmalloc"
+    trim = getattr(process, "malloc_trim", None)
+    if trim is not None:
+        trim(0)
+        return "glibc"
+    return "none"

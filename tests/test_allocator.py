@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -66,3 +67,32 @@ def test_a_child_started_with_the_preload_runs_tcmalloc():
     plain = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
     out = subprocess.run([sys.executable, "-c", code], env=plain, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "system"
+
+
+RELEASE_CHILD = """
+import json, psutil, torch
+from pettingflow.allocator import loaded_malloc, release_free_memory
+me = psutil.Process()
+# micro-batch-like churn: tensors of many sizes, all freed; the allocator keeps their memory for reuse
+for n in range(1, 41):
+    batch = [torch.ones(n * 65536 + 4096 * k) for k in range(8)]  # up to 8 x 10 MB
+    del batch
+held = me.memory_info().rss
+by = release_free_memory()
+after = me.memory_info().rss
+print(json.dumps({"malloc": loaded_malloc(), "by": by, "held_mb": held / 2**20, "after_mb": after / 2**20}))
+"""
+
+
+@pytest.mark.skipif(allocator.find_tcmalloc() is None, reason="no tcmalloc (scripts/bootstrap.sh installs it)")
+def test_releasing_free_memory_gives_tcmalloc_s_kept_spans_back():
+    """What a learner rank does after each update (UpdateWorker.release_memory): tcmalloc keeps freed spans (the rank's
+    resident memory climbs to the high-water mark of its longest batch); releasing returns them to the kernel."""
+    env = {**os.environ, **allocator.preload_env("tcmalloc"), "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", RELEASE_CHILD], env=env, capture_output=True, text=True, check=True)
+    got = json.loads(out.stdout)
+    assert (got["malloc"], got["by"]) == ("tcmalloc", "tcmalloc")
+    assert got["held_mb"] - got["after_mb"] > 50, got  # ~80 MB of freed tensors were still resident before
+    plain = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    out = subprocess.run([sys.executable, "-c", RELEASE_CHILD], env=plain, capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout)["by"] == "glibc"

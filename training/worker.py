@@ -327,6 +327,7 @@ class UpdateWorker:
             self.save_checkpoint()
             self.holds = spec.weights_uri
             self.updates_done += 1
+            self.metrics.update(self.release_memory())
         self.metrics["duration_s"] = round(time.perf_counter() - started, 3)
         if self.rank == 0:
             self._write_metrics()
@@ -740,7 +741,27 @@ class UpdateWorker:
         t0 = time.perf_counter()
         self._save_deepspeed(Path(out_dir) / DEEPSPEED_SUBDIR)
         dist.barrier()
-        return {"save_s": round(time.perf_counter() - t0, 3), "global_steps": int(self.engine.global_steps)}
+        save_s = round(time.perf_counter() - t0, 3)
+        return {"save_s": save_s, "global_steps": int(self.engine.global_steps), **self.release_memory()}
+
+    def release_memory(self) -> dict[str, Any]:
+        """Give the memory the allocator holds free back to the kernel after an update or a snapshot
+        (``allocator.release_free_memory``: the rank's resident memory between updates is then what it holds, not
+        the high-water mark of the longest batch so far). Returns what it released, for the metrics."""
+        import psutil
+
+        from pettingflow.allocator import release_free_memory
+
+        me = psutil.Process()
+        before, t0 = me.memory_info().rss, time.perf_counter()
+        released_by = release_free_memory()
+        after = me.memory_info().rss
+        return {
+            "release_memory_s": round(time.perf_counter() - t0, 3),
+            "memory_released_by": released_by,
+            "rss_mb_released": round((before - after) / 2**20),
+            "rss_mb_after_release": round(after / 2**20),
+        }
 
     def release(self) -> None:
         """Drop the model, engine and optimizer (the process group stays)."""
