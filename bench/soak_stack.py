@@ -130,7 +130,26 @@ def usage(procs: list[RunProcess]) -> dict[str, float]:
         for key, value in values.items():
             out[f"{key}/{p.role}"] += value
             out[f"{key}/total"] += value
+        if p.role == "vllm" and (part := vllm_part(p.cmdline, proc)) is not None:
+            key = f"rss_mb/vllm/{part}"  # where in vLLM memory grows, if it does
+            out[key] = out.get(key, 0.0) + values["rss_mb"]
     return out
+
+
+def vllm_part(cmdline: str, proc: psutil.Process) -> str | None:
+    """Which of vLLM's processes this is: the OpenAI ``api`` server, the ``engine`` core (the scheduler) or a model
+    ``worker`` (vLLM renames the last two)."""
+    try:
+        name = proc.name()
+    except psutil.Error:
+        return None
+    if "EngineCore" in name or "EngineCore" in cmdline:
+        return "engine"
+    if "Worker" in name or "VLLM::Worker" in cmdline:
+        return "worker"
+    if "api_server" in cmdline or "vllm serve" in cmdline:
+        return "api"
+    return None
 
 
 def kill_pid(target: RunProcess, soak: Path) -> bool:

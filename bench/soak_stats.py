@@ -197,6 +197,9 @@ def report(samples: list[dict[str, Any]], meta: dict[str, Any], kills: list[dict
                 verdicts.append(("memory", ok, f"{metric}: {why}"))
     if not any(v[0] == "memory" for v in verdicts):
         verdicts.append(("memory", None, undecided(None)))
+    for metric in sorted({k for s in post for k in s if k.startswith("rss_mb/vllm/")}):  # vLLM's processes apart
+        xs, ys, gs = series(post, metric)
+        lines.append(row(metric, fit(xs, ys, gs), "MB"))
     xs, ys, gs = series(post, "procs/total")
     if ys:
         lines.append(row("procs/total", fit(xs, ys, gs), ""))
