@@ -450,6 +450,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--poll-s", type=float, default=3.0)
     parser.add_argument("--report", action="store_true", help="print the slopes and verdicts of what was recorded")
     parser.add_argument("--publish", type=Path, help="with --report: write the table, report and plot here")
+    parser.add_argument(
+        "--since",
+        type=int,
+        default=0,
+        help="with --report: only iterations from this one on (those after a fix: soak.json's parts name each "
+        "part's commit)",
+    )
     parser.add_argument("--verify", action="store_true", help="check every committed iteration and the lineage")
     parser.add_argument("--stop", action="store_true", help="stop the soak's processes (resume with the same command)")
     parser.add_argument("overrides", nargs="*", help="more config overrides (kept in soak.json for a resume)")
@@ -468,7 +475,9 @@ def main(argv: list[str] | None = None) -> int:
 
             return verify_soak(out)
         meta = json.loads(meta_path.read_text())
-        text = stats.report(read_jsonl(out / "samples.jsonl"), meta, read_jsonl(out / "kills.jsonl"))
+        samples = [s for s in read_jsonl(out / "samples.jsonl") if s["iteration"] >= args.since]
+        kills = [k for k in read_jsonl(out / "kills.jsonl") if k.get("after_iteration", 0) >= args.since]
+        text = stats.report(samples, {**meta, "since": args.since}, kills)
         print(text)
         if args.publish:
             stats.publish(out, args.publish, text)

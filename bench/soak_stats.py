@@ -145,7 +145,8 @@ def report(samples: list[dict[str, Any]], meta: dict[str, Any], kills: list[dict
     loads = [s["load1"] for s in samples if "load1" in s]
     lines = [
         f"soak {meta['run_id']}: {len(samples)} iterations sampled ({its[0]}..{its[-1]}), {len(segments)} segment(s) "
-        f"(flow-run processes), warm-up {warmup} per segment left out; {len(kills)} kill(s)",
+        f"(flow-run processes), warm-up {warmup} per segment left out; {len(kills)} kill(s)"
+        + (f"; only iterations from {meta['since']} on (--since)" if meta.get("since") else ""),
         f"  load average (1 min) per sample: median {fmt(statistics.median(loads))}, "
         f"range {fmt(min(loads))}..{fmt(max(loads))} (the machine's other jobs included)"
         if loads
