@@ -9,10 +9,10 @@ what a user reads: README, docs/ and the code's comments.
 from __future__ import annotations
 
 import re
-import subprocess
 from pathlib import Path
 
 import pytest
+from repo_files import repo_files
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
@@ -63,13 +63,7 @@ WORKING_WORDS = re.compile(
 
 
 def test_no_working_vocabulary_in_docs_or_comments() -> None:
-    files = subprocess.run(
-        ["git", "ls-files", "*.md", "*.py", "*.yaml", "*.toml", "Makefile", ".ci/*"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.split()
+    files = repo_files("*.md", "*.py", "*.yaml", "*.toml", "Makefile", ".ci/*")
     hits = []
     for name in files:
         if name.startswith("docs/results/") or name == "tests/test_docs_links.py":

@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import ast
 import re
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from repo_files import repo_files
 
 from pettingflow.storage.layout import OPTIMIZER_STEP_PREFIX, UPDATE_STEP_PREFIX, StepName
 
@@ -172,26 +172,10 @@ def scan_source(source: str, path: str, exceptions: dict[tuple[str, str], str] |
 
 
 def project_modules() -> list[Path]:
-    """Every project ``.py`` file but the definition and the tests, read at test time (folders come and go).
-
-    The list is git's (tracked files and new ones not ignored), not a walk of the folder: a walk also reads
-    what tests and tools put beside the code, e.g. the MLflow test's ``.venv-mlflow/`` with its big5-encoded
-    test modules, which broke this test on CI's clean clone.
-    """
-    listed = subprocess.run(
-        ["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z", "--", "*.py"],
-        cwd=ROOT,
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout
-    found = []
-    for name in sorted(filter(None, listed.split("\0"))):
-        rel = Path(name)
-        if rel.parts[0] in SKIP_DIRS or rel == DEFINITION or not (ROOT / rel).exists():
-            continue
-        found.append(rel)
-    return found
+    """Every project ``.py`` file but the definition and the tests, read at test time (folders come and go), as git
+    lists them (``repo_files``: not what tests and tools leave beside the code)."""
+    found = [Path(name) for name in repo_files("*.py")]
+    return [rel for rel in found if rel.parts[0] not in SKIP_DIRS and rel != DEFINITION]
 
 
 def test_no_literal_step_names_outside_their_definition() -> None:
