@@ -27,13 +27,14 @@ from typing import Any
 
 from bench import common
 from pettingflow.storage.layout import StepName
+from pettingflow.training.launch import SPEC_FILE
 
 
 def specs(run: Path, policy: str, batches: int) -> list[dict[str, Any]]:
     """The run's stored update specs of iterations 0..batches-1 (each names its batch and the run's settings)."""
     out = []
     for k in range(batches):
-        path = run / f"iter-{k}" / StepName.UPDATE.folder(policy) / "spec.json"
+        path = run / f"iter-{k}" / StepName.UPDATE.folder(policy) / SPEC_FILE
         if not path.exists():
             raise SystemExit(f"{path} is missing: --batches must not exceed the run's committed updates")
         out.append(json.loads(path.read_text()))

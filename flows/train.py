@@ -67,7 +67,8 @@ def train(config: str = "code-env", overrides: list[str] | None = None, run_id: 
     overrides = list(overrides or [])
     cfg = load_config(config, overrides)
     ref, resumed = start_or_resume(cfg, config, overrides, run_id or _default_run_id(cfg.run.name), {})
-    logger.info("%s run %s at %s", "resuming" if resumed else "starting", ref.run_id, ref.layout().run_uri)
+    layout = ref.layout()
+    logger.info("%s run %s at %s", "resuming" if resumed else "starting", ref.run_id, layout.run_uri)
     results = []
     with Runtime(cfg, ref.run_id, start_learners=True) as runtime:
         chosen, threads = runtime.between_updates, runtime.server_threads
@@ -81,7 +82,6 @@ def train(config: str = "code-env", overrides: list[str] | None = None, run_id: 
                 "resident learner of %s: %d rank(s) up (start #%d)", name, learner.num_processes, learner.starts
             )
         budget = cfg.run.max_generated_tokens
-        layout = ref.layout()
         passed = {k for k in range(cfg.run.iterations) if resume_passes(layout, k)} if resumed else set()
         if passed:
             logger.info(
@@ -94,15 +94,15 @@ def train(config: str = "code-env", overrides: list[str] | None = None, run_id: 
                 results.append(passed_result(layout, k))
                 continue
             results.append(iteration(ref, k, runtime=runtime))
-            if budget is not None and (spent := generated_tokens(ref.layout())) >= budget:
+            if budget is not None and (spent := generated_tokens(layout)) >= budget:
                 logger.info("generation budget reached: %d of %d tokens after iteration %d", spent, budget, k)
                 break
     # the training is committed by now: a summary that cannot be made is a warning, not a failed run
     summary = summarize_run(ref, return_state=True)
     if not summary.is_completed():
         logger.warning("no run summary (%s): `pettingflow runs summary %s` makes it again", summary.message, ref.run_id)
-    logger.info("run %s finished: %s", ref.run_id, ref.layout().run_uri)
-    return {"run_id": ref.run_id, "uri": ref.layout().run_uri, "iterations": results}
+    logger.info("run %s finished: %s", ref.run_id, layout.run_uri)
+    return {"run_id": ref.run_id, "uri": layout.run_uri, "iterations": results}
 
 
 if __name__ == "__main__":  # python flows/train.py [config] [overrides...]
