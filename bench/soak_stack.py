@@ -24,6 +24,7 @@ from typing import Any
 
 import psutil
 
+from pettingflow.logcap import count_in_log
 from pettingflow.processes import free_port
 
 REPO = Path(__file__).resolve().parent.parent
@@ -34,6 +35,7 @@ POOL = "pettingflow"  # prefect.yaml's work pool (in the soak's own database)
 ROLES = ("prefect_server", "worker", "flow", "vllm", "learner", "ray_workers", "ray_system", "other")
 INHERITED = ("prefect_server", "vllm", "learner")
 TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
+LOCK_ERROR = "database is locked"  # the Prefect server's SQLite error (docs/flows.md), counted in its log
 
 
 def role_of(cmdline: str, name: str) -> str:
@@ -216,14 +218,26 @@ class SoakStack:
             return proc.status() != psutil.STATUS_ZOMBIE and proc.environ().get(MARK) == str(self.out)
         return False
 
-    def _spawn(self, role: str, args: list[str]) -> None:
+    def _spawn(self, role: str, args: list[str], capped_log: bool = False) -> None:
+        """Start one process of the stack in its own session, its output appended to ``logs/<role>.log``; with
+        ``capped_log`` through ``pettingflow.logcap`` (20 MB, two backups, the lock errors counted), as ``make run``
+        starts the Prefect server. The role's pid is the process's own, never the log's."""
         log = open(self.logs / f"{role}.log", "a")  # noqa: SIM115 - the child writes to it for its life
         log.write(f"\n===== {time.strftime('%Y-%m-%d %H:%M:%S')} start: {' '.join(args)}\n")
         log.flush()
         proc = subprocess.Popen(
-            args, env=self.env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            args, env=self.env, cwd=REPO, stdout=subprocess.PIPE if capped_log else log, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
             start_new_session=True,  # its own group: the soak's Ctrl-C does not reach it, and it outlives the bench
         )  # fmt: skip
+        if capped_log:
+            log.close()
+            subprocess.Popen(
+                [sys.executable, "-m", "pettingflow.logcap", str(self.logs / f"{role}.log"), "--count", LOCK_ERROR],
+                env=self.env, cwd=REPO, stdin=proc.stdout, stdout=subprocess.DEVNULL, start_new_session=True,
+            )  # fmt: skip
+            assert proc.stdout is not None
+            proc.stdout.close()  # logcap holds the pipe now: it ends after the server's last line
         self.pids[role] = proc.pid
         self._save()
 
@@ -245,7 +259,8 @@ class SoakStack:
                     return False
                 time.sleep(2)
         self.db.parent.mkdir(parents=True, exist_ok=True)
-        self._spawn("prefect_server", [PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(self.port)])
+        server = [PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(self.port)]
+        self._spawn("prefect_server", server, capped_log=True)
         deadline = time.monotonic() + timeout_s
         while not self.healthy():
             if time.monotonic() > deadline or not self.alive("prefect_server"):
@@ -374,12 +389,10 @@ def db_rows(db: Path) -> dict[str, float]:
     return out
 
 
-def log_errors(log: Path, pattern: str = "database is locked") -> float:
-    """How often ``pattern`` appears in a log so far (the Prefect server's SQLite lock errors under load)."""
-    if not log.exists():
-        return 0.0
-    with open(log, "rb") as f:
-        return float(f.read().count(pattern.encode()))
+def log_errors(log: Path, pattern: str = LOCK_ERROR) -> float:
+    """Lines holding ``pattern`` in a log since it began (the Prefect server's SQLite lock errors), rotations
+    included: ``pettingflow.logcap`` keeps the count of the files it dropped in the live file's header."""
+    return float(count_in_log(log, pattern))
 
 
 def fresh_port() -> int:

@@ -21,3 +21,15 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 RAY_USAGE_S
 PREFECT=$PWD/.venv/bin/prefect
 
 pid_alive() { [ -f "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
+
+# The Prefect server in its own session, its output through pettingflow.logcap: Prefect 3.7 on SQLite logs a
+# `database is locked` traceback on about every worker poll (docs/flows.md), ≈ 230 MB a day; logcap keeps the
+# newest PF_SERVER_LOG_MB (20) in LOG and two older files (LOG.1, LOG.2), and counts those lines in each file's
+# header. PID_FILE gets the session's leader: `kill -INT -- -PID` (make stop) reaches the server; logcap ignores
+# the signal and ends after the server's last line.
+start_prefect_server() {  # PORT LOG PID_FILE
+  setsid bash -c '"$1" server start --host 127.0.0.1 --port "$2" 2>&1 < /dev/null \
+    | "$3" -m pettingflow.logcap "$4" --max-mb "$5" --backups 2 --count "database is locked"' \
+    _ "$PREFECT" "$1" "$PWD/.venv/bin/python" "$2" "${PF_SERVER_LOG_MB:-20}" >/dev/null 2>&1 < /dev/null &
+  echo $! >"$3"
+}

@@ -34,9 +34,8 @@ else
     elif [ "${PF_PREFECT_DB:-sqlite}" != sqlite ]; then
       die "PF_PREFECT_DB=$PF_PREFECT_DB: use sqlite (the default) or postgres"
     fi
-    say "2/5 starting a Prefect server on 127.0.0.1:$PORT (log: $LOG_DIR/server.log)"
-    setsid "$PREFECT" server start --host 127.0.0.1 --port "$PORT" >"$LOG_DIR/server.log" 2>&1 < /dev/null &
-    echo $! >"$PID_DIR/server.pid"
+    say "2/5 starting a Prefect server on 127.0.0.1:$PORT (log: $LOG_DIR/server.log, at most $((3 * ${PF_SERVER_LOG_MB:-20})) MB)"
+    start_prefect_server "$PORT" "$LOG_DIR/server.log" "$PID_DIR/server.pid"
     for _ in $(seq 1 120); do api_ok "$PREFECT_API_URL" && break; sleep 1; done
     api_ok "$PREFECT_API_URL" || { tail -20 "$LOG_DIR/server.log" >&2; die "the Prefect server did not become healthy"; }
   fi

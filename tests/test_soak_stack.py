@@ -76,3 +76,30 @@ def test_the_marked_tree_is_found_and_only_it_is_killed(tmp_path: Path) -> None:
         for proc in (marked, stranger):
             proc.kill()
             proc.wait(timeout=30)
+
+
+def test_a_capped_role_keeps_its_own_pid_and_logs_through_logcap(tmp_path: Path) -> None:
+    """The soak starts the Prefect server as `make run` does (its output through pettingflow.logcap), and its
+    role's pid stays the server's own: the pid the soak measures and the kill run kills."""
+    from bench.soak_stack import SoakStack, log_errors
+
+    stack = SoakStack(tmp_path / "soak", port=0)
+    script = "import time; print('up'); print('database is ' + 'locked', flush=True); time.sleep(60)"
+    stack._spawn("prefect_server", [sys.executable, "-c", script], capped_log=True)
+    pid = stack.pids["prefect_server"]
+    try:
+        assert "time.sleep(60)" in " ".join(psutil.Process(pid).cmdline())
+        log = stack.logs / "prefect_server.log"
+        deadline = time.monotonic() + 30
+        while log_errors(log) < 1:
+            assert time.monotonic() < deadline, f"nothing logged in 30 s: {log}"
+            time.sleep(0.1)
+        text = log.read_text()  # the start line, then logcap's header, then the output
+        assert text.index(" start: ") < text.index("===== logcap ") < text.index("up\n")
+        logcaps = [p for p in psutil.process_iter(["cmdline"]) if str(log) in (p.info["cmdline"] or [])]
+        assert len(logcaps) == 1 and "pettingflow.logcap" in logcaps[0].info["cmdline"]
+    finally:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+    for p in logcaps:  # the server gone, its log ends after the last line
+        assert p.wait(timeout=30) == 0
