@@ -334,6 +334,26 @@ class WeightReceiverExtension:
         except Exception as exc:  # the learner reports it; never kill the engine
             return _failure("weight_receiver_info", exc)
 
+    def release_free_memory(self) -> dict[str, Any]:
+        """Hand the memory this worker's allocator holds free back to the kernel, after a weight reload.
+
+        Why: a soak's vLLM model worker grew in steps of 54 MB (the embedding matrix of SmolLM2-135M in bf16, the
+        largest tensor a reload reads) at about one reload in twenty, and never shrank: tcmalloc keeps the spans a
+        reload freed, and a later one that does not fit them adds new ones (the learner's finding, docs/training.md
+        "Memory between updates"). Called once per reload, never inside generation."""
+        try:
+            import psutil
+
+            from pettingflow.allocator import release_free_memory
+
+            me = psutil.Process()
+            before = me.memory_info().rss
+            by = release_free_memory()
+            after = me.memory_info().rss
+            return {"ok": True, "by": by, "rss_mb_before": before / 2**20, "rss_mb_after": after / 2**20}
+        except Exception as exc:  # reported by the caller; never kill the engine
+            return _failure("release_free_memory", exc)
+
     def init_weight_group(
         self,
         host: str,
@@ -532,6 +552,28 @@ class HttpCollectiveRpc:
         if not isinstance(results, list) or not results:
             raise WeightBroadcastError(f"{method} on {self.base} returned no per-worker results: {resp.text[:300]}")
         return results
+
+
+def release_worker_memory(server_url: Any, timeout_s: float = 60.0) -> dict[str, Any]:
+    """Every worker of a server with the extension hands its allocator's free memory back (after a reload).
+
+    Returns what the policy service records beside the sync: the megabytes released and the workers' resident
+    memory after, summed over workers, and which allocator did it. Never raises: a failed release costs memory,
+    not the iteration, so it is logged and reported as ``error``."""
+    try:
+        results = HttpCollectiveRpc(server_url)("release_free_memory", {}, timeout_s)
+    except WeightBroadcastError as exc:
+        log.warning("could not release the vLLM workers' free memory: %s", exc)
+        return {"error": str(exc)}
+    failed = [r.get("error", str(r)) for r in results if not (isinstance(r, dict) and r.get("ok"))]
+    if failed:
+        log.warning("could not release the vLLM workers' free memory: %s", "; ".join(failed))
+        return {"error": "; ".join(failed)}
+    return {
+        "released_mb": round(sum(r["rss_mb_before"] - r["rss_mb_after"] for r in results), 1),
+        "rss_mb_after": round(sum(r["rss_mb_after"] for r in results), 1),
+        "by": results[0]["by"],
+    }
 
 
 @dataclass(frozen=True)

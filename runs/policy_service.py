@@ -59,6 +59,7 @@ class PolicyService:
         self.served_name = ""  # the base model's name on the server
         self.served_model = ""  # the full-weights folder the server holds, as ``serve`` was given it
         self.served_version = 0  # the version of the weights served (rows record it)
+        self.releases_memory = False  # managed loopback servers: the workers release free memory after a reload
         self.served_adapters: dict[str, str] = {}  # agent -> adapter folder served (L2)
         self.stopped = False  # down between updates (inference.between_updates: restart)
         self.restarts = 0  # replicas started again after they died
@@ -79,16 +80,18 @@ class PolicyService:
         policy = cfg.policy(self.name)
         base = resolve_model(policy.model)
         self.base_dir = str(base)
-        extra: list[str] = []
-        if cfg.inference.weight_sync != "disk":
-            from pettingflow.inference.weight_broadcast import weight_broadcast_server_args
-
-            extra = weight_broadcast_server_args()
         urls = list(inference.urls or ([inference.url] if inference.url else []))
         count = self.replica_count = len(urls) or inference.replicas
         # beyond loopback: a key per run, and no dev mode (its routes are not guarded by the key; the config
         # allowed this host only for LoRA adapters or restarts, which need none)
         local = is_loopback(inference.host)
+        # the worker extension: the broadcast's receiver, and the memory release after each full reload (dev mode)
+        extra: list[str] = []
+        if cfg.inference.weight_sync != "disk" or local:
+            from pettingflow.inference.weight_broadcast import weight_broadcast_server_args
+
+            extra = weight_broadcast_server_args()
+        self.releases_memory = bool(extra) and local and not urls
         if urls:
             self.api_key = os.environ.get(inference.api_key_env) if inference.api_key_env else None
         elif inference.api_key == "always" or not local:
@@ -181,6 +184,10 @@ class PolicyService:
                 else:  # disk (also the fallback when the learner does not hold these weights, e.g. after a restart)
                     entry["via"] = "disk"
                     probes[r] = sync_full_weights(server, weights.model_dir, model=self.served_name)
+                if self.releases_memory:
+                    from pettingflow.inference.weight_broadcast import release_worker_memory
+
+                    entry["memory"] = release_worker_memory(server)
                 done["synced"].append({**entry, "probe": probes[r].digest})
             self.served_model = weights.model_dir
         order = sorted(probes)

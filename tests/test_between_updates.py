@@ -472,3 +472,28 @@ def test_two_replicas_survive_a_kill_mid_rollout_and_serve_the_new_weights(
     log = next(logs.glob("vllm-*-shared-1.log")).read_text()
     assert len(re.findall(r"starting: ", log)) == 2  # replica 1 started at the run's start and after the kill
     assert "--api-key" not in log and keys[0] not in log  # the key went to vLLM in its environment
+
+
+@pytest.mark.parametrize("releases", [True, False])
+def test_a_full_reload_is_followed_by_the_workers_memory_release(monkeypatch, releases: bool) -> None:
+    """A managed loopback server's workers hand their allocator's free memory back after each full reload (the
+    soak's vLLM worker grew in steps of one embedding matrix); an attached server, without the extension, is
+    never asked (a worker RPC it does not know could kill its engine)."""
+    from pettingflow.inference import weight_broadcast
+
+    runtime, server = make_runtime(monkeypatch, "keep")
+    service = runtime.services["shared"]
+    service.releases_memory = releases
+
+    def release(srv: Any) -> dict[str, Any]:
+        srv.calls.append("release")
+        return {"released_mb": 54.0, "rss_mb_after": 2300.0, "by": "tcmalloc"}
+
+    monkeypatch.setattr(weight_broadcast, "release_worker_memory", release)
+    weights = new_weights(1)
+    done = service.serve(weights)
+    if releases:
+        assert server.calls == [("reload", weights.model_dir), "release"]
+        assert done["synced"][0]["memory"] == {"released_mb": 54.0, "rss_mb_after": 2300.0, "by": "tcmalloc"}
+    else:
+        assert server.calls == [("reload", weights.model_dir)] and "memory" not in done["synced"][0]

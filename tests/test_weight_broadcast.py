@@ -340,3 +340,15 @@ def test_nccl_push_between_two_gpus() -> None:
     with WeightBroadcaster("http://unused", backend="nccl", device="cuda:0", rpc=local_rpc([worker])) as wb:
         wb.push(weights, reset_prefix_cache=lambda: None)
     assert torch.equal(worker.model_runner.model.out.weight.cpu(), weights["out.weight"])
+
+
+def test_the_worker_releases_free_memory_and_reports_it_without_raising(monkeypatch) -> None:
+    """The RPC a managed server's workers run after each full reload: it returns what it released, and a failure
+    comes back as a result (a raising RPC could kill vLLM's engine)."""
+    from pettingflow import allocator
+
+    done = WeightReceiverExtension().release_free_memory()
+    assert done["ok"] and done["by"] in ("tcmalloc", "glibc", "none") and done["rss_mb_after"] > 0
+    monkeypatch.setattr(allocator, "release_free_memory", lambda: 1 / 0)
+    failed = WeightReceiverExtension().release_free_memory()
+    assert not failed["ok"] and "release_free_memory: ZeroDivisionError" in failed["error"]

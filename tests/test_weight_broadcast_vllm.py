@@ -19,6 +19,7 @@ def test_broadcast_sync_serves_the_same_weights_as_a_disk_reload(
 ) -> None:
     import ray
 
+    from pettingflow.inference.weight_broadcast import release_worker_memory
     from pettingflow.inference.weight_sync import fingerprint, sync_full_weights
     from pettingflow.training.learner import Learner
 
@@ -42,4 +43,8 @@ def test_broadcast_sync_serves_the_same_weights_as_a_disk_reload(
     assert pushed["tensors"] == again["tensors"] > 100 and pushed["bytes"] > 200e6  # every tensor of 135M bf16
     after_disk = sync_full_weights(vllm_server, metrics["outputs"]["model"], model=DEFAULT_MODEL)
     assert after_push.digest == after_disk.digest  # the broadcast served exactly the committed weights
+    released = release_worker_memory(vllm_server)  # what a managed server's sync does after each reload
+    assert "error" not in released and released["by"] in ("tcmalloc", "glibc"), released
+    assert released["rss_mb_after"] > 100 and released["released_mb"] >= -10  # a release never adds memory
+    assert fingerprint(vllm_server, model=DEFAULT_MODEL).digest == after_disk.digest  # and changes no answer
     assert after_push.max_logprob_diff(before) > 0  # and they differ from the base model's
