@@ -141,14 +141,17 @@ def interpolate(xs: Sequence[float], ys: Sequence[float], x: float) -> float | N
 def first_crossing(xs: Sequence[float], ys: Sequence[float], target: float) -> float | None:
     """The smallest ``x`` at which the piecewise-linear curve first reaches ``target`` (None: it never does).
 
-    Why first: "wall time to reach a gain" is when training got there, not where the curve ends."""
+    Why first: "wall time to reach a gain" is when training got there, not where the curve ends. ``target`` is
+    reached within 1e-9: the smaller trainer's own final gain, summed from other means than its curve, can land
+    one rounding above its last point (the study's first report called PettingFlow's own gain never reached)."""
     if len(xs) != len(ys) or not xs:
         raise ValueError(f"need as many x as y values (>= 1), got {len(xs)} and {len(ys)}")
+    target -= 1e-9
     if ys[0] >= target:
         return float(xs[0])
     for (x0, y0), (x1, y1) in itertools.pairwise(zip(xs, ys, strict=True)):
         if y1 >= target > y0:
-            return x0 + (x1 - x0) * (target - y0) / (y1 - y0)
+            return min(x1, x0 + (x1 - x0) * (target - y0) / (y1 - y0))
     return None
 
 

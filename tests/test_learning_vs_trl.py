@@ -29,6 +29,9 @@ def test_interpolate_and_first_crossing() -> None:
     assert lvt.first_crossing(xs, ys, 0.3) == pytest.approx(50.0)
     assert lvt.first_crossing(xs, ys, 0.45) is None
     assert lvt.first_crossing(xs, ys, 0.1) == 0.0
+    # a target that is the curve's own end, one rounding above it (0.1 + 0.2 > 0.3), is reached at the end
+    assert lvt.first_crossing([0.0, 10.0], [0.1, 0.3], 0.1 + 0.2) == pytest.approx(10.0)
+    assert lvt.first_crossing([0.0, 10.0], [0.1, 0.3], 0.3001) is None
     with pytest.raises(ValueError, match="must not decrease"):
         lvt.interpolate([1.0, 0.0], [0.0, 1.0], 0.5)
 
