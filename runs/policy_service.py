@@ -91,7 +91,7 @@ class PolicyService:
             from pettingflow.inference.weight_broadcast import weight_broadcast_server_args
 
             extra = weight_broadcast_server_args()
-        self.releases_memory = bool(extra) and local and not urls
+        self.releases_memory = local and not urls  # a server it starts on loopback has the extension
         if urls:
             self.api_key = os.environ.get(inference.api_key_env) if inference.api_key_env else None
         elif inference.api_key == "always" or not local:
