@@ -52,6 +52,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from bench import common
 from bench import soak_stats as stats
 from bench.soak_stack import (
@@ -424,13 +426,43 @@ def new_meta(args: argparse.Namespace, out: Path) -> dict[str, Any]:
 
 def stop(out: Path) -> None:
     """Stop every process of the soak: the worker and server by their process groups (SIGINT, then SIGKILL), then
-    whatever else still carries the soak's mark (the flow run's process and what it started)."""
+    whatever else still carries the soak's mark (the flow run's process and what it started). The bench that drives
+    the soak goes first: left running, it would take the stopped processes for kills and start them again."""
+    stop_bench(out)
     meta = json.loads((out / "soak.json").read_text())
     SoakStack(out, meta["port"]).stop()
     time.sleep(5)
     for p in run_processes(out):
         kill_pid(p, out)
     log(f"stopped the soak's processes; the same command as before resumes it ({out / 'soak.json'})")
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie, exited but not yet reaped, counts as gone)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def stop_bench(out: Path, wait_s: float = 30.0) -> None:
+    """SIGTERM the bench process recorded in ``<out>/bench.pid`` (its handler exits; the run goes on) and wait
+    for it, if it is still that bench: a recycled pid of another program is left alone."""
+    try:
+        pid = int((out / "bench.pid").read_text())
+        args = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+        cwd = os.readlink(f"/proc/{pid}/cwd")
+    except (OSError, ValueError):
+        return  # no bench recorded, or it has exited
+    given = [a.removeprefix("--out=") for a in args if a.startswith("--out=")]
+    theirs = args[args.index("--out") + 1] if "--out" in args[:-1] else (given or [None])[0]
+    if pid == os.getpid() or "bench.soak" not in args or theirs is None or (Path(cwd) / theirs).resolve() != out:
+        return
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + wait_s
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    log(f"stopped the bench (pid {pid})")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -492,6 +524,7 @@ def main(argv: list[str] | None = None) -> int:
     meta_path.write_text(json.dumps(meta, indent=2))
     soak = Soak(out, meta)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # the run goes on without the bench
+    (out / "bench.pid").write_text(str(os.getpid()))  # for --stop
     with contextlib.ExitStack() as stack:
         if meta.get("scripted"):  # the run's LLM lives in this process: the run waits for it between parts
             stack.enter_context(scripted_server(out, meta["scripted"]))

@@ -14,7 +14,8 @@ budget) it runs three subflows against one shared vLLM server:
 then writes ``learning.json`` (every number), ``learning.png`` (curves) and ``learning.md`` (the table)
 under ``<storage_root>/learning/<stamp>/``. One server for everything saves a 1–2 minute vLLM start per
 subflow on CPU; the flow puts the base weights back on it before each config, and each subflow syncs
-what it needs (the trained weights for the final evaluation).
+what it needs (the trained weights for the final evaluation). An arm of several full models (L3, one model per
+agent: ``own_servers``) cannot share one server; its subflows start a server per policy of their own.
 
     make learn                                    # both configs, full budget (an hour or more on a small CPU)
     .venv/bin/python flows/learn.py --configs code-env-learn --overrides run.iterations=2
@@ -27,6 +28,7 @@ import hashlib
 import json
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -67,9 +69,14 @@ def _shared_model(names: list[str], overrides: list[str]) -> tuple[Path, list[An
             "learn runs every config on one shared server, so they must all use one base model; "
             f"got {sorted(map(str, models))}"
         )
-    if any(c.specialization.value == "full" and len(c.policies) > 1 for c in configs):
-        raise ValueError("learn does not support L3 (several full models): run `train` for each instead")
     return models.pop(), configs
+
+
+def own_servers(config: Any) -> bool:
+    """Whether an arm needs inference servers of its own: several full models (L3) need one server per policy,
+    which the one shared server (one model whose weights are swapped in place) cannot be. Such an arm's ``train``
+    and ``evaluate`` subflows start and stop their own servers, a vLLM start each (1-2 minutes on CPU)."""
+    return config.specialization.value == "full" and len(config.policies) > 1
 
 
 #: What a base evaluation does not depend on: how a config trains. Validation runs independent episodes of the base
@@ -128,14 +135,15 @@ def _run_arm(
     label: str,
     run_overrides: list[str],
     cfg: Any,
-    shared: Any,
+    shared: Any | None,
     base_done: dict[str, tuple[str, dict[str, Any]]],
 ) -> ArmResult:
     """One arm of a study: the base model scored (or reused), trained, scored again (and role-swapped where the
-    agents have weights of their own)."""
+    agents have weights of their own). ``shared``: the server the arm attaches to (None: it starts its own)."""
     logger = get_run_logger()
     started = time.perf_counter()
-    shared.serve_base()  # whatever an earlier config left on the server
+    if shared is not None:
+        shared.serve_base()  # whatever an earlier config left on the server
     logger.info("%s: the base model on the held-out split", label)
     before, reused = base_evaluations(name, run_overrides, base_done)
     if reused:
@@ -180,23 +188,34 @@ def learn(
     configs_by_name, first = dict(zip(names, loaded, strict=True)), loaded[0]
     stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
     out_uri = f"{first.run.storage_root.rstrip('/')}/learning/{stamp}"
+    sharing = [c for c in loaded if not own_servers(c)]
+    if url and len(sharing) < len(loaded):
+        raise ValueError(
+            f"--url attaches every arm to one server, but {[n for n, c in configs_by_name.items() if own_servers(c)]} "
+            "have several full models (specialization full), one server per policy: run those without --url"
+        )
     lora = any(c.specialization.value == "lora" for c in loaded)  # the shared server serves adapters if any arm has
-    shared = shared_service(model, first, url, f"learn-{stamp}", enable_lora=lora)
-    server = shared.server
+    shared = shared_service(model, sharing[0], url, f"learn-{stamp}", enable_lora=lora) if sharing else None
     arms: list[ArmResult] = []
     base_done: dict[str, tuple[str, dict[str, Any]]] = {}
-    if not url:
-        logger.info("starting one vLLM server for %s (1-2 minutes on CPU; log %s)", model, server.log_path)
+    if shared is not None and not url:
+        logger.info("starting one vLLM server for %s (1-2 minutes on CPU; log %s)", model, shared.server.log_path)
     failed: list[str] = []
     report_extra = {"configs": names, "overrides": overrides, "seeds": seeds}
-    with server:
-        logger.info("inference server ready at %s", server.url)
-        attach = [*overrides, f"inference.url={server.url}"]
+    with shared.server if shared is not None else nullcontext():
+        attach = overrides
+        if shared is not None:
+            logger.info("inference server ready at %s", shared.server.url)
+            attach = [*overrides, f"inference.url={shared.server.url}"]
         for seed, name in [(s, n) for s in (seeds or [None]) for n in names]:
             label = name if seed is None else f"{name} (seed {seed})"
-            run_overrides = [*attach, f"run.seed={seed}"] if seed is not None else attach
+            cfg = configs_by_name[name]
+            arm_shared = None if own_servers(cfg) else shared
+            run_overrides = overrides if arm_shared is None else attach
+            if seed is not None:
+                run_overrides = [*run_overrides, f"run.seed={seed}"]
             try:
-                arm = _run_arm(name, label, run_overrides, configs_by_name[name], shared, base_done)
+                arm = _run_arm(name, label, run_overrides, cfg, arm_shared, base_done)
             except Exception as exc:  # one arm's failure must not cost the arms already scored their report
                 logger.exception("%s failed; the study goes on with the next arm", label)
                 failed.append(f"{label}: {type(exc).__name__}: {exc}")
@@ -206,7 +225,6 @@ def learn(
             # the report so far, after every arm: a study stopped midway (a session's end) keeps what it scored
             table = write_learning_report(arms, out_uri, first.run.storage_options, **report_extra, failed=failed)
             if arm is not None and prune_checkpoints:
-                cfg = configs_by_name[name]
                 layout = RunLayout(cfg.run.storage_root, arm.run_id, cfg.run.storage_options)
                 freed = prune(plan_prune(layout, keep_last=1))
                 logger.info("%s: pruned %.2f GB of checkpoints (the last update's kept)", label, freed / 1e9)

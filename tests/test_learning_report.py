@@ -386,7 +386,7 @@ def test_a_failed_arm_leaves_the_report_of_the_others_and_fails_the_study(tmp_pa
     from pettingflow.flows import learn as learn_flow
 
     config = SimpleNamespace(run=SimpleNamespace(storage_root=str(tmp_path), storage_options={}))
-    config.specialization = SimpleNamespace(value="prompt")
+    config.specialization, config.policies = SimpleNamespace(value="prompt"), ["shared"]
     monkeypatch.setattr(learn_flow, "_shared_model", lambda names, overrides: (tmp_path, [config] * len(names)))
 
     class Server(nullcontext):
@@ -424,3 +424,46 @@ def test_a_failed_arm_leaves_the_report_of_the_others_and_fails_the_study(tmp_pa
         learn_flow.learn(["tree", "stopped", "indep"], url=Server.url, seeds=[1])
     partial = json.loads((tmp_path / "learning" / "20300101-000000" / "learning.json").read_text())
     assert [a["config"] for a in partial["arms"]] == ["tree"]  # written after each arm, not only at the end
+
+
+def test_an_arm_of_several_full_models_runs_on_servers_of_its_own(tmp_path, prefect_env, monkeypatch) -> None:
+    """One shared server holds one model; an L3 arm (a full model per agent, the full-weight positive control)
+    gets no ``inference.url``, so its subflows start a server per policy, while the other arms keep sharing."""
+    from contextlib import nullcontext
+    from types import SimpleNamespace
+
+    from pettingflow.configs import load_config
+    from pettingflow.flows import learn as learn_flow
+
+    full = load_config("plan-path-learn-lookahead-full", [f"run.storage_root={tmp_path}"])
+    prompt = load_config("plan-path-learn-lookahead", [f"run.storage_root={tmp_path}"])
+    assert learn_flow.own_servers(full) and not learn_flow.own_servers(prompt)
+    assert not learn_flow.own_servers(load_config("plan-path-learn-lookahead-lora"))  # adapters: one server
+    configs = {"full": full, "prompt": prompt}
+    monkeypatch.setattr(learn_flow, "_shared_model", lambda names, o: (tmp_path, [configs[n] for n in names]))
+    started: list[str] = []
+
+    class Server(nullcontext):
+        url, log_path = "http://127.0.0.1:1", tmp_path / "vllm.log"
+
+        def __enter__(self):
+            started.append(self.url)
+
+    monkeypatch.setattr(learn_flow, "shared_service", lambda *a, **k: SimpleNamespace(server=Server()))
+    seen: dict[str, tuple[list[str], object]] = {}
+
+    def run_arm(name, label, run_overrides, cfg, shared, base_done):
+        seen[name] = (run_overrides, shared)
+        return _seeded_arm(name, 0, {0: [False, True]}, {0: [True, True]}, 100.0)
+
+    monkeypatch.setattr(learn_flow, "_run_arm", run_arm)
+    learn_flow.learn(["full", "prompt"], ["run.iterations=1"], seeds=[0])
+    assert started == [Server.url]  # one shared server, for the prompt arm
+    assert seen["full"] == (["run.iterations=1", "run.seed=0"], None)
+    assert seen["prompt"][0] == ["run.iterations=1", f"inference.url={Server.url}", "run.seed=0"]
+    assert seen["prompt"][1] is not None
+    started.clear()
+    learn_flow.learn(["full"], seeds=[0])
+    assert started == []  # nothing shares: no server idles beside the arm's own
+    with pytest.raises(ValueError, match=r"--url attaches every arm to one server, but \['full'\]"):
+        learn_flow.learn(["full", "prompt"], url=Server.url)
