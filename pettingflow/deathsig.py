@@ -105,7 +105,9 @@ def _group_members(pgid: int) -> list[int]:
                 fields = fh.read().rsplit(b")", 1)[1].split()
         except (OSError, IndexError):
             continue
-        if len(fields) > 3 and fields[0] != b"Z" and int(fields[3]) == pgid:
+        # after the name: state, ppid, pgrp, session. The group, which killpg reaches: a member that moved to
+        # a group of its own within the session would otherwise be waited for by a kill that cannot reach it.
+        if len(fields) > 2 and fields[0] != b"Z" and int(fields[2]) == pgid:
             members.append(int(entry))
     return members
 

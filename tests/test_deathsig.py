@@ -113,3 +113,34 @@ def test_kill_with_this_process_kills_registered_pids_once_the_process_is_gone(t
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+def test_group_members_are_the_process_group_killpg_reaches_not_the_session() -> None:
+    """A process that moved to a group of its own within the session is not a member: a group kill cannot reach
+    it, so waiting for it would only stall the kill."""
+    from pettingflow.deathsig import _group_members
+
+    leader = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import os, subprocess, sys, time\n"
+            "a = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+            "b = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], process_group=0)\n"
+            "print(a.pid, b.pid, flush=True); time.sleep(60)",
+        ],
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        same_group, own_group = map(int, leader.stdout.readline().split())
+        deadline = time.monotonic() + 10
+        while len(_group_members(leader.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sorted(_group_members(leader.pid)) == sorted([leader.pid, same_group])
+        assert _group_members(own_group) == [own_group] and os.getsid(own_group) == leader.pid
+    finally:
+        os.killpg(leader.pid, 9)
+        os.kill(own_group, 9)
+        leader.wait()
