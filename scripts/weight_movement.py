@@ -3,8 +3,8 @@
 Why: a LoRA pair whose roles, swapped, score the same as trained (the plan-path study's positive control) is either
 not specialised or barely trained. This prints ``||dW|| / ||W||`` (mean and max over the q/k/v/o projections) for a
 full fine-tune's last saved model, or for each adapter of a LoRA run (``dW = alpha / r * B @ A``), and for a LoRA
-pair also how far apart the two adapters are (``||dW_a - dW_b|| / ||W||``: the change a role swap makes) and the
-cosine of their updates.
+pair or a pair of full models (L3) also how far apart the two updates are (``||dW_a - dW_b|| / ||W||``: the change a
+role swap makes) and the cosine of their updates.
 
     .venv/bin/python scripts/weight_movement.py <run_id> [--root <storage root>]
 
@@ -58,6 +58,7 @@ def main() -> None:
         raise SystemExit(f"run {args.run_id!r} is not in this machine's run index; pass its storage root with --root")
     ref = RunRef(root=root, run_id=args.run_id)
     config, layout = load_run_config(ref), ref.layout()
+    full_updates: dict[str, dict[str, torch.Tensor]] = {}  # policy -> its update, for a pair of full models (L3)
     for policy in config.policies:
         weights = weights_before(layout, config, policy.name, len(layout.iterations()))
         base = load_file(str(Path(weights.base_dir, "model.safetensors")))
@@ -67,16 +68,24 @@ def main() -> None:
             for agent, upd in updates.items():
                 print(f"  {agent}: ||dW||/||W|| {_relative(upd, base)}")
             if len(updates) == 2:
-                (a, da), (b, db) = updates.items()
-                cos = [torch.nn.functional.cosine_similarity(da[k].flatten(), db[k].flatten(), dim=0) for k in da]
-                print(
-                    f"  {a} - {b}: ||dW_a - dW_b||/||W|| {_relative({k: da[k] - db[k] for k in da}, base)}; "
-                    f"cosine of the updates, mean {sum(cos).item() / len(cos):.3f}"
-                )
+                _print_pair(updates, base)
         else:
             after = load_file(str(Path(weights.model_dir, "model.safetensors")))
             moved = {k: after[k].float() - w.float() for k, w in base.items() if any(p in k for p in PROJECTIONS)}
             print(f"  ||W_after - W||/||W|| {_relative(moved, base)}")
+            full_updates[policy.name] = moved
+    if len(full_updates) == 2:  # one full model per agent: a role swap changes the weights by their difference
+        _print_pair(full_updates, base)
+
+
+def _print_pair(updates: dict[str, dict[str, torch.Tensor]], base: dict[str, torch.Tensor]) -> None:
+    """How far apart two updates of the same base are (what swapping them changes) and how aligned."""
+    (a, da), (b, db) = updates.items()
+    cos = [torch.nn.functional.cosine_similarity(da[k].flatten(), db[k].flatten(), dim=0) for k in da]
+    print(
+        f"  {a} - {b}: ||dW_a - dW_b||/||W|| {_relative({k: da[k] - db[k] for k in da}, base)}; "
+        f"cosine of the updates, mean {sum(cos).item() / len(cos):.3f}"
+    )
 
 
 if __name__ == "__main__":
