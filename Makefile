@@ -14,7 +14,7 @@ export VLLM_NO_USAGE_STATS := 1
 export RAY_USAGE_STATS_ENABLED := 0
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 
-.PHONY: venv test test-fast lint format run learn learn-plan-path learn-code-tree stop clean-venv
+.PHONY: venv test test-fast lint format run learn learn-plan-path learn-plan-path-control learn-code-tree stop clean-venv
 
 venv: $(STAMP)
 
@@ -65,6 +65,15 @@ learn-plan-path: venv
 	$(BIN)/python flows/learn.py \
 		--configs plan-path-learn-lookahead plan-path-learn-tree plan-path-learn plan-path-learn-solo \
 		plan-path-learn-lookahead-mean plan-path-learn-lookahead-lora --seeds 0 1 2 \
+		--overrides run.iterations=24 run.max_generated_tokens=8000 training.save_optimizer_every=0 \
+		--prune-checkpoints $(LEARN_ARGS)
+
+# The plan-path study's positive control redone so it can fire (docs/results.md, "The positive control with a
+# full-weight pair"): the lookahead arm with one full model per agent, three seeds, scored as trained and with the
+# roles swapped. Each run starts its own two vLLM servers (about 25 min per seed on 2 CPU cores, nothing else running).
+learn-plan-path-control: venv
+	.venv/bin/pettingflow models prepare
+	$(BIN)/python flows/learn.py --configs plan-path-learn-lookahead-full --seeds 0 1 2 \
 		--overrides run.iterations=24 run.max_generated_tokens=8000 training.save_optimizer_every=0 \
 		--prune-checkpoints $(LEARN_ARGS)
 
