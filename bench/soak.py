@@ -490,7 +490,9 @@ def main(argv: list[str] | None = None) -> int:
         "part's commit)",
     )
     parser.add_argument("--verify", action="store_true", help="check every committed iteration and the lineage")
-    parser.add_argument("--stop", action="store_true", help="stop the soak's processes (resume with the same command)")
+    parser.add_argument(
+        "--stop", action="store_true", help="stop the soak's bench and processes (resume with the same command)"
+    )
     parser.add_argument("overrides", nargs="*", help="more config overrides (kept in soak.json for a resume)")
     args = common.parse_args(parser, argv, wait=False)
     out: Path = args.out.resolve()
