@@ -93,9 +93,9 @@ def _raise_exit(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
-def _group_members(pgid: int) -> list[int]:
-    """Live (not zombie) processes of process group ``pgid``; a dead leader that nobody reaped yet (a
-    slow init) does not count, unlike with ``killpg(pgid, 0)``."""
+def _live_members(field: int, value: int) -> list[int]:
+    """Live (not zombie) processes whose ``/proc/<pid>/stat`` field ``field`` (counted after the name: 0 state,
+    2 pgrp, 3 session) is ``value``; a dead leader that nobody reaped yet (a slow init) does not count."""
     members = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -105,11 +105,21 @@ def _group_members(pgid: int) -> list[int]:
                 fields = fh.read().rsplit(b")", 1)[1].split()
         except (OSError, IndexError):
             continue
-        # after the name: state, ppid, pgrp, session. The group, which killpg reaches: a member that moved to
-        # a group of its own within the session would otherwise be waited for by a kill that cannot reach it.
-        if len(fields) > 2 and fields[0] != b"Z" and int(fields[2]) == pgid:
+        if len(fields) > field and fields[0] != b"Z" and int(fields[field]) == value:
             members.append(int(entry))
     return members
+
+
+def _group_members(pgid: int) -> list[int]:
+    """Live processes of process group ``pgid``, the ones killpg reaches (unlike ``killpg(pgid, 0)``, not a dead
+    leader nobody reaped yet): a member that moved to a group of its own would otherwise stall the kill's wait."""
+    return _live_members(2, pgid)
+
+
+def session_members(sid: int) -> list[int]:
+    """Live processes of session ``sid``, those that left the leader's group included (what a test of a stop
+    counts: nothing the session started may outlive it)."""
+    return _live_members(3, sid)
 
 
 def _kill_group(pgid: int, sig: signal.Signals, grace_s: float) -> None:

@@ -118,7 +118,7 @@ def test_kill_with_this_process_kills_registered_pids_once_the_process_is_gone(t
 def test_group_members_are_the_process_group_killpg_reaches_not_the_session() -> None:
     """A process that moved to a group of its own within the session is not a member: a group kill cannot reach
     it, so waiting for it would only stall the kill."""
-    from pettingflow.deathsig import _group_members
+    from pettingflow.deathsig import _group_members, session_members
 
     leader = subprocess.Popen(
         [
@@ -140,6 +140,7 @@ def test_group_members_are_the_process_group_killpg_reaches_not_the_session() ->
             time.sleep(0.05)
         assert sorted(_group_members(leader.pid)) == sorted([leader.pid, same_group])
         assert _group_members(own_group) == [own_group] and os.getsid(own_group) == leader.pid
+        assert sorted(session_members(leader.pid)) == sorted([leader.pid, same_group, own_group])
     finally:
         os.killpg(leader.pid, 9)
         os.kill(own_group, 9)

@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from pettingflow.deathsig import _group_members
+from pettingflow.deathsig import session_members
 from pettingflow.logcap import HEADER, count_in_log
 
 PATTERN = "database is locked"
@@ -107,7 +107,7 @@ def test_make_runs_server_start_logs_through_logcap_and_make_stop_ends_both(tmp_
     stopped = subprocess.run(["scripts/stop.sh"], cwd=repo, env=env, capture_output=True, text=True, timeout=120)
     assert f"stopping Prefect server (pid {pid})" in stopped.stdout, stopped.stdout + stopped.stderr
     deadline = time.monotonic() + 10  # logcap may finish its last write just after the leader is gone
-    while left := _group_members(pid):  # setsid made the leader's pid its group's (and session's) id
+    while left := session_members(pid):  # setsid made the leader's pid its session's id
         assert time.monotonic() < deadline, f"processes of the server's session outlived make stop: {left}"
         time.sleep(0.1)
     assert not pid_file.exists()
