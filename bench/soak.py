@@ -445,24 +445,28 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def record_bench(out: Path) -> None:
+    """Note this bench in ``<out>/bench.json`` for ``--stop``: its pid and start time, the identity ``kill_pid``
+    checks too."""
+    me = psutil.Process()
+    (out / "bench.json").write_text(json.dumps({"pid": me.pid, "create_time": me.create_time()}))
+
+
 def stop_bench(out: Path, wait_s: float = 30.0) -> None:
-    """SIGTERM the bench process recorded in ``<out>/bench.pid`` (its handler exits; the run goes on) and wait
-    for it, if it is still that bench: a recycled pid of another program is left alone."""
+    """SIGTERM the bench recorded in ``<out>/bench.json`` (its handler exits; the run goes on) and wait for it, if
+    it is still that bench (same pid and start time): a pid reused by another program is left alone."""
     try:
-        pid = int((out / "bench.pid").read_text())
-        args = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
-        cwd = os.readlink(f"/proc/{pid}/cwd")
-    except (OSError, ValueError):
+        record = json.loads((out / "bench.json").read_text())
+        proc = psutil.Process(record["pid"])
+        if proc.pid == os.getpid() or proc.create_time() != record["create_time"]:
+            return
+        proc.terminate()
+    except (OSError, ValueError, KeyError, TypeError, psutil.Error):
         return  # no bench recorded, or it has exited
-    given = [a.removeprefix("--out=") for a in args if a.startswith("--out=")]
-    theirs = args[args.index("--out") + 1] if "--out" in args[:-1] else (given or [None])[0]
-    if pid == os.getpid() or "bench.soak" not in args or theirs is None or (Path(cwd) / theirs).resolve() != out:
-        return
-    os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + wait_s
-    while _alive(pid) and time.monotonic() < deadline:
+    while _alive(proc.pid) and time.monotonic() < deadline:
         time.sleep(0.2)
-    log(f"stopped the bench (pid {pid})")
+    log(f"stopped the bench (pid {proc.pid})")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -526,7 +530,7 @@ def main(argv: list[str] | None = None) -> int:
     meta_path.write_text(json.dumps(meta, indent=2))
     soak = Soak(out, meta)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # the run goes on without the bench
-    (out / "bench.pid").write_text(str(os.getpid()))  # for --stop
+    record_bench(out)  # for --stop
     with contextlib.ExitStack() as stack:
         if meta.get("scripted"):  # the run's LLM lives in this process: the run waits for it between parts
             stack.enter_context(scripted_server(out, meta["scripted"]))

@@ -107,25 +107,30 @@ def test_a_capped_role_keeps_its_own_pid_and_logs_through_logcap(tmp_path: Path)
 
 def test_stop_ends_the_bench_of_that_soak_first_and_nothing_else(tmp_path) -> None:
     """``--stop`` with the bench still running: left alive, the bench would take the stopped processes for kills and
-    start them again. The bench recorded in ``bench.pid`` for this ``--out`` gets SIGTERM; one of another soak, or a
-    recycled pid, does not."""
+    start them again. The bench recorded in ``bench.json`` (pid and start time) gets SIGTERM; the bench of another
+    soak, or a recycled pid (another start time), does not."""
+    import json
+
     from bench.soak import stop_bench
 
     sleeper = "import time; time.sleep(60)"
-    ours = subprocess.Popen([sys.executable, "-c", sleeper, "bench.soak", "--out", str(tmp_path / "a")])
-    other = subprocess.Popen([sys.executable, "-c", sleeper, "bench.soak", f"--out={tmp_path / 'b'}"])
+    ours = subprocess.Popen([sys.executable, "-c", sleeper])
+    other = subprocess.Popen([sys.executable, "-c", sleeper])
+
+    def record(soak: str, proc: subprocess.Popen, shift: float = 0.0) -> Path:
+        (tmp_path / soak).mkdir(exist_ok=True)
+        created = psutil.Process(proc.pid).create_time() + shift
+        (tmp_path / soak / "bench.json").write_text(json.dumps({"pid": proc.pid, "create_time": created}))
+        return tmp_path / soak
+
     try:
-        (tmp_path / "a").mkdir()
-        (tmp_path / "b").mkdir()
-        (tmp_path / "b" / "bench.pid").write_text(str(ours.pid))  # a pid that is not b's bench
-        stop_bench(tmp_path / "b", wait_s=1)
+        stop_bench(record("b", ours, shift=1.0), wait_s=1)  # the pid, reused by another program
         assert ours.poll() is None
-        (tmp_path / "a" / "bench.pid").write_text(str(ours.pid))
-        stop_bench(tmp_path / "a", wait_s=10)
+        stop_bench(record("a", ours), wait_s=10)
         assert ours.wait(5) == -15 and other.poll() is None
-        (tmp_path / "b" / "bench.pid").write_text(str(other.pid))  # the --out=<path> form names its soak too
-        stop_bench(tmp_path / "b", wait_s=10)
+        stop_bench(record("b", other), wait_s=10)
         assert other.wait(5) == -15
+        stop_bench(tmp_path / "nowhere")  # no bench recorded: nothing to do
     finally:
         for p in (ours, other):
             p.kill()
