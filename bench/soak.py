@@ -122,11 +122,13 @@ def tree_bytes(path: Path) -> int:
 def run_disk(run_path: Path) -> dict[str, float]:
     """The run folder's bytes, split into checkpoints (update and optimizer steps: what retention bounds) and the
     rest (trajectories, reports, markers, TensorBoard: these grow with the run by design)."""
+    from pettingflow.storage.layout import OPTIMIZER_STEP_PREFIX, UPDATE_STEP_PREFIX
+
     ckpt = 0
     with contextlib.suppress(FileNotFoundError):
         for it in run_path.glob("iter-*"):
             for step in it.iterdir():
-                if step.name.startswith(("update-", "optimizer-")):
+                if step.name.startswith((UPDATE_STEP_PREFIX, OPTIMIZER_STEP_PREFIX)):
                     ckpt += tree_bytes(step)
     total = tree_bytes(run_path)
     return {"disk_mb/run": total / 2**20, "disk_mb/checkpoints": ckpt / 2**20, "disk_mb/other": (total - ckpt) / 2**20}
@@ -353,7 +355,7 @@ class Soak:
         for name in (StepName.ROLLOUTS, StepName.FILTERED, StepName.ADVANTAGES):
             if not self.layout.step(k, name).is_committed():
                 return f"iter-{k}/{name}"
-        for policy_step in sorted(p.name for p in Path(self.layout.iteration_path(k)).glob("update-*")) or ["update"]:
+        for policy_step in self.layout.update_steps(k) or [str(StepName.UPDATE)]:
             if not self.layout.step(k, policy_step).is_committed():
                 return f"iter-{k}/{policy_step}"
         for name in (StepName.SYNC, StepName.REPORT):

@@ -31,7 +31,12 @@ from pettingflow.storage import RunLayout, Step
 from pettingflow.storage.layout import StepName
 
 #: metrics every report must hold (``{p}``: each policy)
-REQUIRED_METRICS = ("duration/rollouts_s", "duration/update-{p}_s", "update/{p}/loss", "update/{p}/grad_norm")
+REQUIRED_METRICS = (
+    f"duration/{StepName.ROLLOUTS}_s",
+    "duration/{update}_s",
+    "update/{p}/loss",
+    "update/{p}/grad_norm",
+)
 
 
 def sha256_file(path: Path) -> str:
@@ -69,7 +74,7 @@ def rollout_rows(layout: RunLayout, k: int, group_size: int) -> tuple[list[str],
     from pettingflow.storage.trajectories import read_step_trajectories
 
     step = layout.step(k, StepName.ROLLOUTS)
-    where = f"iter-{k}/rollouts"
+    where = f"iter-{k}/{StepName.ROLLOUTS}"
     if not step.is_committed():
         return [f"{where}: not committed"], None
     try:
@@ -152,7 +157,7 @@ def report_metrics(layout: RunLayout, config: Any, k: int) -> list[str]:
             k, StepName.UPDATE.folder(policy)
         ).manifest().metadata.get("skipped"):
             continue
-        for name in (m.format(p=policy) for m in REQUIRED_METRICS):
+        for name in (m.format(p=policy, update=StepName.UPDATE.folder(policy)) for m in REQUIRED_METRICS):
             value = metrics.get(name)
             if not isinstance(value, int | float) or not math.isfinite(value):
                 problems.append(f"iter-{k}/report: metric {name} is {value!r}")

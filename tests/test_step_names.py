@@ -41,13 +41,6 @@ STEP_CALLS = {"step", "StepName", "step_kind", "folder", "read_step_trajectories
 NOT_STEP_NAMES: dict[tuple[str, str], str] = {
     ("runs/policy_service.py", "optimizer-snapshot-{}"): "the name of the thread writing a snapshot, not a folder",
     ("training/learner.py", "update-{}"): "the one-shot learner's Ray actor name, not a folder",
-    # the soak benchmark was being written beside this test: its literals are to be replaced by
-    # RunLayout.update_steps/optimizer_steps and update_policy, then these entries go
-    ("bench/soak.py", "update-"): "pending: bench/soak.py's checkpoint size, written beside this test",
-    ("bench/soak.py", "optimizer-"): "pending: bench/soak.py's checkpoint size, written beside this test",
-    ("bench/soak.py", "update-*"): "pending: bench/soak.py's resume point, written beside this test",
-    ("bench/soak_verify.py", "duration/update-{p}_s"): "pending: a metric key of the soak's check, in the works",
-    ("bench/soak_verify.py", "iter-{}/rollouts"): "pending: a label of the soak's check, in the works",
 }
 
 
