@@ -121,17 +121,31 @@ def tree_bytes(path: Path) -> int:
 
 def run_disk(run_path: Path) -> dict[str, float]:
     """The run folder's bytes, split into checkpoints (update and optimizer steps: what retention bounds) and the
-    rest (trajectories, reports, markers, TensorBoard: these grow with the run by design)."""
+    rest (trajectories, reports, markers, TensorBoard: these grow with the run by design).
+
+    One walk, each folder counted once into one of the two: the retention pass may delete while this reads, and a
+    second walk for the total then came out smaller than the checkpoints of the first (a negative rest)."""
     from pettingflow.storage.layout import OPTIMIZER_STEP_PREFIX, UPDATE_STEP_PREFIX
 
-    ckpt = 0
+    ckpt = rest = 0
     with contextlib.suppress(FileNotFoundError):
-        for it in run_path.glob("iter-*"):
-            for step in it.iterdir():
-                if step.name.startswith((UPDATE_STEP_PREFIX, OPTIMIZER_STEP_PREFIX)):
-                    ckpt += tree_bytes(step)
-    total = tree_bytes(run_path)
-    return {"disk_mb/run": total / 2**20, "disk_mb/checkpoints": ckpt / 2**20, "disk_mb/other": (total - ckpt) / 2**20}
+        for entry in os.scandir(run_path):
+            with contextlib.suppress(FileNotFoundError):
+                if entry.is_symlink():
+                    continue
+                if not entry.is_dir():
+                    rest += entry.stat().st_size
+                elif not entry.name.startswith("iter-"):
+                    rest += tree_bytes(Path(entry.path))
+                else:
+                    for step in os.scandir(entry.path):
+                        with contextlib.suppress(FileNotFoundError):
+                            size = tree_bytes(Path(step.path)) if step.is_dir() else step.stat().st_size
+                            if step.name.startswith((UPDATE_STEP_PREFIX, OPTIMIZER_STEP_PREFIX)):
+                                ckpt += size
+                            else:
+                                rest += size
+    return {"disk_mb/run": (ckpt + rest) / 2**20, "disk_mb/checkpoints": ckpt / 2**20, "disk_mb/other": rest / 2**20}
 
 
 def ray_session_mb(procs: list[Any]) -> float | None:

@@ -135,3 +135,18 @@ def test_stop_ends_the_bench_of_that_soak_first_and_nothing_else(tmp_path) -> No
         for p in (ours, other):
             p.kill()
             p.wait()
+
+
+def test_run_disk_counts_every_file_once_into_checkpoints_or_the_rest(tmp_path: Path) -> None:
+    from bench.soak import run_disk
+
+    sizes = {"iter-0/update-shared/model.bin": 600_000, "iter-0/optimizer-shared/state.pt": 400_000,
+             "iter-0/rollouts/part-0.parquet": 30_000, "iter-0/_COMMITTED.json": 1_000, "run.json": 2_000,
+             "tensorboard/events": 5_000}  # fmt: skip
+    for rel, size in sizes.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_bytes(b"x" * size)
+    disk = run_disk(tmp_path)
+    assert disk["disk_mb/checkpoints"] * 2**20 == 1_000_000
+    assert disk["disk_mb/other"] * 2**20 == 38_000
+    assert disk["disk_mb/run"] * 2**20 == sum(sizes.values())
