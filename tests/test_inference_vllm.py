@@ -706,3 +706,23 @@ def test_lora_rank_is_rounded_up_to_a_rank_vllm_accepts(fake_vllm) -> None:
     with server:
         argv = _dump(server)["argv"]
         assert argv[argv.index("--max-lora-rank") + 1] == "8"
+
+
+def test_a_cpu_server_runs_without_onednns_primitive_cache_unless_the_caller_sets_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """oneDNN's process-wide cache grew the model worker with every batch (docs/inference.md): off on the CPU, under
+    both of its names; a GPU server is left as it is, and a capacity the caller chose is kept."""
+    from pettingflow.configs.settings import InferenceSettings
+    from pettingflow.inference.server import server_from_settings
+
+    (tmp_path / "config.json").write_text("{}")
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
+    monkeypatch.delenv("DNNL_PRIMITIVE_CACHE_CAPACITY", raising=False)
+    env = server_from_settings(InferenceSettings(), tmp_path, device="cpu").environment()
+    assert env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == env["DNNL_PRIMITIVE_CACHE_CAPACITY"] == "0"
+    gpu = server_from_settings(InferenceSettings(), tmp_path, device="cuda").environment()
+    assert "ONEDNN_PRIMITIVE_CACHE_CAPACITY" not in gpu
+    monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "256")
+    chosen = server_from_settings(InferenceSettings(), tmp_path, device="cpu").environment()
+    assert chosen["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "256"
