@@ -17,7 +17,6 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 
-from pettingflow.allocator import release_free_memory
 from pettingflow.configs.loader import load_config
 from pettingflow.flows.iteration import iteration
 from pettingflow.runs.run import start_or_resume
@@ -95,10 +94,6 @@ def train(config: str = "code-env", overrides: list[str] | None = None, run_id: 
                 results.append(passed_result(layout, k))
                 continue
             results.append(iteration(ref, k, runtime=runtime))
-            # this process's threads (Prefect's, Ray's, the tasks') spread their allocations over ~17 glibc arenas,
-            # whose free pages glibc keeps: the soak's flow process grew ≈ 0.5 MB per iteration, in those arenas
-            # (docs/benchmarks.md, bench/soak.py). Trimmed once an iteration, as the learner and vLLM are after theirs
-            release_free_memory()
             if budget is not None and (spent := generated_tokens(layout)) >= budget:
                 logger.info("generation budget reached: %d of %d tokens after iteration %d", spent, budget, k)
                 break
