@@ -42,6 +42,14 @@ REQUESTS_PER_ROUND = 16  # 4 tasks x G = 2 x 2 turns, as a soak iteration
 NEW_TOKENS = 80
 
 
+def parse_env(items: list[str], flag: str) -> dict[str, str]:
+    """``NAME=VALUE`` items as a dict; a malformed one stops the bench with what to write instead."""
+    bad = [item for item in items if "=" not in item or not item.split("=", 1)[0]]
+    if bad:
+        raise SystemExit(f"{flag} takes NAME=VALUE (e.g. {flag} ONEDNN_PRIMITIVE_CACHE_CAPACITY=1024), got {bad}")
+    return dict(item.split("=", 1) for item in items)
+
+
 def worker_rss_mb(server: Any) -> float:
     """The model worker's resident memory (MB) after it handed its free memory back: what the run records."""
     from pettingflow.inference.weight_broadcast import release_worker_memory
@@ -104,12 +112,12 @@ def main(argv: list[str] | None = None) -> int:
     from pettingflow.inference.weight_broadcast import weight_broadcast_server_args
     from pettingflow.inference.weight_sync import sync_full_weights
 
-    env = {**preload_env("auto"), **dict(item.split("=", 1) for item in args.env)}  # tcmalloc, as the run's server
+    env = {**preload_env("auto"), **parse_env(args.env, "--env")}  # tcmalloc, as the run's server
     model = common.model_dir()
     vocab = 49152  # SmolLM2's
     rng = random.Random(args.seed)
     if args.ab:
-        return side_by_side(model, env, dict(item.split("=", 1) for item in args.ab), args, vocab)
+        return side_by_side(model, env, parse_env(args.ab, "--ab"), args, vocab)
     series: dict[str, list[float]] = {}
     with common.vllm_server(
         model, kv_cache_gib=1, max_model_len=2048, dev_mode=True, extra_args=weight_broadcast_server_args(), env=env
