@@ -96,3 +96,15 @@ def test_releasing_free_memory_gives_tcmalloc_s_kept_spans_back():
     plain = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
     out = subprocess.run([sys.executable, "-c", RELEASE_CHILD], env=plain, capture_output=True, text=True, check=True)
     assert json.loads(out.stdout)["by"] == "glibc"
+
+
+def test_learner_ranks_bound_onednns_caches_unless_the_driver_sets_them(monkeypatch):
+    """oneDNN's and ideep's caches grew a training process with every new row length (docs/training.md): the ranks
+    start with them bounded; a capacity in the driver's environment is kept."""
+    from pettingflow.training.learner import RANK_CACHE_ENV, rank_cache_env
+
+    for name in RANK_CACHE_ENV:
+        monkeypatch.delenv(name, raising=False)
+    assert rank_cache_env() == RANK_CACHE_ENV and int(RANK_CACHE_ENV["ONEDNN_PRIMITIVE_CACHE_CAPACITY"]) > 0
+    monkeypatch.setenv("LRU_CACHE_CAPACITY", "64")
+    assert rank_cache_env()["LRU_CACHE_CAPACITY"] == "64"

@@ -62,7 +62,7 @@ def safetensors_of(metrics: dict) -> dict[str, torch.Tensor]:
 @pytest.mark.slow
 def test_resident_updates_equal_updates_with_a_kill_and_resume(local_ray, tiny_model_dir, tmp_path):
     from pettingflow.allocator import describe
-    from pettingflow.training.learner import Learner
+    from pettingflow.training.learner import Learner, rank_cache_env
 
     data = batches(tmp_path, 3)
 
@@ -83,6 +83,8 @@ def test_resident_updates_equal_updates_with_a_kill_and_resume(local_ray, tiny_m
     assert a.starts == 1 and state_a["holds"] == "v2" and state_a["updates_done"] == 3
     # the ranks run with the allocator the default (auto) resolves to here: tcmalloc when installed
     assert state_a["malloc"] == describe("auto")
+    # and with oneDNN's primitive caches bounded (training/learner.py, RANK_CACHE_ENV)
+    assert state_a["cache_env"] == rank_cache_env() and rank_cache_env()["LRU_CACHE_CAPACITY"]
     # Adam was not reset between updates: its step count went on by one per update
     steps = {float(s["step"]) for s in opt_a["state"].values()}
     assert len(steps_after_first) == 1 and steps == {steps_after_first.pop() + 2} and state_a["global_steps"] == 3

@@ -1,8 +1,10 @@
 """oneDNN's primitive cache in a bf16 CPU training step, arms side by side: memory and time per step.
 
     .venv/bin/python docs/results/learner-memory/side_by_side.py 12 1024 128 0
+    .venv/bin/python docs/results/learner-memory/side_by_side.py 12 1024 1024,LRU_CACHE_CAPACITY=8
 
-One process per capacity (``ONEDNN_PRIMITIVE_CACHE_CAPACITY`` and its old name), each running
+One process per capacity (``ONEDNN_PRIMITIVE_CACHE_CAPACITY`` and its old name; ``,NAME=VALUE`` after it adds a
+variable to that arm's environment), each running
 ``train_mem.py``'s step (SmolLM2-135M, bf16, 2 rows of a random length 150..700, AdamW, tcmalloc's free memory
 handed back after the step) on the same lengths; the arms take turns, one step at a time, the order rotating, so they
 share the machine's load. Prints each arm's growth per step (after 2 warm-up steps) and its median step time, and the
@@ -52,8 +54,10 @@ def main() -> None:
     tcmalloc = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
     procs = {}
     for cap in capacities:
+        capacity, *extra = cap.split(",")
         env = {**os.environ, "OMP_NUM_THREADS": "1", "LD_PRELOAD": tcmalloc,
-               "ONEDNN_PRIMITIVE_CACHE_CAPACITY": cap, "DNNL_PRIMITIVE_CACHE_CAPACITY": cap}  # fmt: skip
+               "ONEDNN_PRIMITIVE_CACHE_CAPACITY": capacity, "DNNL_PRIMITIVE_CACHE_CAPACITY": capacity,
+               **dict(item.split("=", 1) for item in extra)}  # fmt: skip
         p = subprocess.Popen([sys.executable, "-c", WORKER], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                              text=True)  # fmt: skip
         assert p.stdout.readline().strip() == "ready"
