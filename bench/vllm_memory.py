@@ -50,6 +50,15 @@ def parse_env(items: list[str], flag: str) -> dict[str, str]:
     return dict(item.split("=", 1) for item in items)
 
 
+def project_server(model: Any, env: dict[str, str]) -> Any:
+    """A vLLM server as the run starts it (the worker extension, dev mode, 1 GiB of KV cache), context-managed."""
+    from pettingflow.inference.weight_broadcast import weight_broadcast_server_args
+
+    return common.vllm_server(
+        model, kv_cache_gib=1, max_model_len=2048, dev_mode=True, extra_args=weight_broadcast_server_args(), env=env
+    )
+
+
 def worker_rss_mb(server: Any) -> float:
     """The model worker's resident memory (MB) after it handed its free memory back: what the run records."""
     from pettingflow.inference.weight_broadcast import release_worker_memory
@@ -109,7 +118,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--phases", nargs="+", choices=PHASES, default=PHASES[:3], help="which phases, in order")
     args = common.parse_args(parser, argv)
     from pettingflow.allocator import preload_env
-    from pettingflow.inference.weight_broadcast import weight_broadcast_server_args
     from pettingflow.inference.weight_sync import sync_full_weights
 
     env = {**preload_env("auto"), **parse_env(args.env, "--env")}  # tcmalloc, as the run's server
@@ -119,9 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.ab:
         return side_by_side(model, env, parse_env(args.ab, "--ab"), args, vocab)
     series: dict[str, list[float]] = {}
-    with common.vllm_server(
-        model, kv_cache_gib=1, max_model_len=2048, dev_mode=True, extra_args=weight_broadcast_server_args(), env=env
-    ) as server:
+    with project_server(model, env) as server:
         start = worker_rss_mb(server)
         print(f"worker after start: {start:.1f} MB (env {env or 'default'})", flush=True)
         for phase in args.phases:
@@ -153,26 +159,12 @@ def side_by_side(model: Any, env: dict[str, str], other: dict[str, str], args: a
     medians measured under the same load."""
     import contextlib
 
-    from pettingflow.inference.weight_broadcast import weight_broadcast_server_args
-
     arms = {"project": env, "with " + " ".join(f"{k}={v}" for k, v in other.items()): {**env, **other}}
     rng = random.Random(args.seed)
     mb: dict[str, list[float]] = {a: [] for a in arms}
     seconds: dict[str, list[float]] = {a: [] for a in arms}
     with contextlib.ExitStack() as stack:
-        servers = {
-            arm: stack.enter_context(
-                common.vllm_server(
-                    model,
-                    kv_cache_gib=1,
-                    max_model_len=2048,
-                    dev_mode=True,
-                    extra_args=weight_broadcast_server_args(),
-                    env=arm_env,
-                )
-            )
-            for arm, arm_env in arms.items()
-        }
+        servers = {arm: stack.enter_context(project_server(model, arm_env)) for arm, arm_env in arms.items()}
         names = list(servers)
         for r in range(args.rounds):
             requests = bodies(servers[names[0]], rng, vocab)
