@@ -544,6 +544,9 @@ def main(argv: list[str] | None = None) -> int:
         {"at": time.time(), "commit": common_commit(), "kill_every": meta["kill_every"]}
     )
     meta_path.write_text(json.dumps(meta, indent=2))
+    # the run's own flow would fail on a fresh machine with "run `pettingflow models prepare` first", three times,
+    # before the bench gave up: prepare (convert once, then a no-op) here, where a failure is one clear error
+    common.model_dir()
     soak = Soak(out, meta)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # the run goes on without the bench
     record_bench(out)  # for --stop
