@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from bench.soak_stats import Fit, after_warmup, against_goal, fit, report, t95
+from bench.soak_stats import Fit, after_warmup, against_goal, fit, later_half, report, t95
 
 
 def test_a_planted_slope_is_found_with_an_interval_that_holds_it() -> None:
@@ -60,6 +60,26 @@ def test_the_report_fails_a_leak_and_passes_a_flat_run() -> None:
     assert "memory          OK" in flat and "disk            OK" in flat and "iteration time  OK" in flat
     leaky = report(samples(2.0), meta, [])  # 200 MB per 100 iterations on 5 GB: 4 %
     assert "memory          FAILS" in leaky
+
+
+def test_the_later_half_tells_a_filling_cache_from_a_leak() -> None:
+    """Memory that rises over a process's first 60 iterations and then stays fails the whole window's goal and
+    passes the later half's; a leak of the same early rate fails both."""
+
+    def samples(grow: object) -> list[dict]:
+        rng = random.Random(3)
+        return [
+            {"iteration": k, "segment": "s", "wall_s": 30.0, "rss_mb/total": 2000 + grow(k) + rng.gauss(0, 5)}
+            for k in range(200)
+        ]
+
+    meta = {"run_id": "r", "warmup": 10}
+    filling = report(samples(lambda k: 4.0 * min(k, 60)), meta, [])  # +240 MB, then flat
+    assert "memory          FAILS" in filling and "memory, later   OK" in filling
+    leak = report(samples(lambda k: 4.0 * k), meta, [])
+    assert "memory          FAILS" in leak and "memory, later   FAILS" in leak
+    halves = later_half([{"iteration": k, "segment": "a" if k < 10 else "b"} for k in range(30)])
+    assert [s["iteration"] for s in halves] == [*range(5, 10), *range(20, 30)]
 
 
 def test_a_few_samples_decide_nothing() -> None:
