@@ -17,6 +17,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -109,8 +111,11 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     stack = SoakStack(out, fresh_port())
-    stack.ensure_server()
+    # a kill (SIGTERM) or a server that never answers still stops the server and its log pipe (they outlived the
+    # bench before: ensure_server raised outside the try, and SIGTERM skipped the finally)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
+        stack.ensure_server()
         rows = run(stack, args.iterations, args.every, out)
         time.sleep(5)  # the flow's last log lines reach the server
     finally:
