@@ -14,7 +14,7 @@ undecided when it holds the goal (a point estimate under the goal with an interv
 - memory (resident, each role and the total): the slope is at most 2 % of the post-warm-up level (the median) per
   100 iterations. It is decided twice: over everything after the warm-up, and over the later half of each
   segment's samples (``later_half``). A bounded cache that fills over the first tens of iterations of a process's
-  life (Prefect's 30-minute event caches, oneDNN's primitive cache, the allocator's arenas) fails the first and
+  life (a cache of bounded size, such as oneDNN's primitive cache, or the allocator's arenas) fails the first and
   passes the second; a leak fails both. A run of hundreds of iterations lives in the second;
 - disk: the checkpoints' bytes (update and optimizer steps, what the ``disk`` settings bound) are flat, i.e. the
   slope is at most 2 % of their level per 100 iterations; the rest of the run folder (trajectories, reports,

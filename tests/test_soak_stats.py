@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import pytest
 
@@ -66,7 +67,7 @@ def test_the_later_half_tells_a_filling_cache_from_a_leak() -> None:
     """Memory that rises over a process's first 60 iterations and then stays fails the whole window's goal and
     passes the later half's; a leak of the same early rate fails both."""
 
-    def samples(grow: object) -> list[dict]:
+    def samples(grow: Callable[[int], float]) -> list[dict]:
         rng = random.Random(3)
         return [
             {"iteration": k, "segment": "s", "wall_s": 30.0, "rss_mb/total": 2000 + grow(k) + rng.gauss(0, 5)}
