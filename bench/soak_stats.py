@@ -195,35 +195,32 @@ def report(samples: list[dict[str, Any]], meta: dict[str, Any], kills: list[dict
         ("fds", "", None),
         ("threads", "", None),
     )
-    for key, unit, goal in memory:
+
+    def per_role(
+        rows: list[dict[str, Any]], key: str, unit: str, goal: float | None, verdict: str, where: str = ""
+    ) -> None:
+        """A row per role and the total of ``key`` fitted on ``rows``; with a goal, the total's verdict and every
+        role's failure under ``verdict``."""
         for role in (*ROLES, "total"):
             metric = f"{key}/{role}"
-            xs, ys, gs = series(post, metric)
+            xs, ys, gs = series(rows, metric)
             if not ys or max(ys) == 0:
                 continue
             f = fit(xs, ys, gs)
             ok, why = against_goal(f, goal) if goal is not None else (None, "")
             lines.append(row(metric, f, unit, f"<= {goal:g} %" if goal else "", ok))
             if goal and role == "total" and key == "rss_mb":
-                verdicts.append(("memory", ok, f"total resident memory: {why}"))
+                verdicts.append((verdict, ok, f"total resident memory{where}: {why}"))
             elif goal and ok is False:
-                verdicts.append(("memory", ok, f"{metric}: {why}"))
+                verdicts.append((verdict, ok, f"{metric}{where}: {why}"))
+
+    for key, unit, goal in memory:
+        per_role(post, key, unit, goal, "memory")
     if not any(v[0] == "memory" for v in verdicts):
         verdicts.append(("memory", None, undecided(None)))
     late = later_half(post)
     lines += ["", f"resident memory, the later half of each segment ({len(late)} samples): does it level off?", header]
-    for role in (*ROLES, "total"):
-        metric = f"rss_mb/{role}"
-        xs, ys, gs = series(late, metric)
-        if not ys or max(ys) == 0:
-            continue
-        f = fit(xs, ys, gs)
-        ok, why = against_goal(f, MEMORY_GOAL_PCT)
-        lines.append(row(metric, f, "MB", f"<= {MEMORY_GOAL_PCT:g} %", ok))
-        if role == "total":
-            verdicts.append(("memory, later", ok, f"total resident memory in the later half: {why}"))
-        elif ok is False:
-            verdicts.append(("memory, later", ok, f"{metric} in the later half: {why}"))
+    per_role(late, "rss_mb", "MB", MEMORY_GOAL_PCT, "memory, later", " in the later half")
     for metric in sorted({k for s in post for k in s if k.startswith("rss_mb/vllm/")}):  # vLLM's processes apart
         xs, ys, gs = series(post, metric)
         lines.append(row(metric, fit(xs, ys, gs), "MB"))
